@@ -1,0 +1,221 @@
+"""Model configuration with Hugging Face ``DeepseekV3Config`` field names.
+
+Dimension legend used across the package:
+    D  hidden_size            V  vocab_size           H  num_attention_heads
+    dn qk_nope_head_dim       dr qk_rope_head_dim     dv v_head_dim
+    Rq q_lora_rank            Rkv kv_lora_rank        E  n_routed_experts
+    k  num_experts_per_tok    G  n_group              F  moe_intermediate_size
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+_YARN_KEYS = {
+    "type",
+    "rope_type",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.rope_scaling is not None:
+            # a private copy, so the frozen config cannot be changed through the caller's dict
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+
+    # derived sizes ---------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_cache_width(self) -> int:
+        """Floats cached per token per layer: the latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def describe(self) -> str:
+        """One line, in the seeds' demo format."""
+        return (
+            f"hidden={self.hidden_size} layers={self.num_hidden_layers} "
+            f"heads={self.num_attention_heads} kv_lora={self.kv_lora_rank} "
+            f"experts={self.n_routed_experts} topk={self.num_experts_per_tok} "
+            f"vocab={self.vocab_size}"
+        )
+
+    # serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from a dict such as a Hugging Face ``config.json``; unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - values.keys())
+        if missing:
+            raise ValueError(f"config is missing required fields: {', '.join(missing)}")
+        return cls(**{key: value for key, value in values.items() if key in names})
+
+
+def _validate(c: ModelConfig) -> None:
+    positive = [
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+        "n_group", "topk_group", "max_position_embeddings",
+    ]
+    for name in positive:
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name in ["n_shared_experts", "first_k_dense_replace"]:
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if c.q_lora_rank is not None and (not isinstance(c.q_lora_rank, int) or c.q_lora_rank <= 0):
+        raise ValueError(f"q_lora_rank must be None or a positive integer, got {c.q_lora_rank!r}")
+    if c.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (NeoX rotates halves), got {c.qk_rope_head_dim}")
+    if c.n_routed_experts % c.n_group:
+        raise ValueError(
+            f"n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group})")
+    if c.topk_group > c.n_group:
+        raise ValueError(f"topk_group ({c.topk_group}) must be <= n_group ({c.n_group})")
+    experts_per_group = c.n_routed_experts // c.n_group
+    if c.n_group > 1 and experts_per_group < 2:
+        raise ValueError(
+            f"group-limited routing scores a group by its top-2 experts: n_routed_experts / n_group "
+            f"must be >= 2, got {experts_per_group}")
+    kept = c.topk_group * experts_per_group
+    if c.num_experts_per_tok > kept:
+        raise ValueError(
+            f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the {kept} experts held by the "
+            f"topk_group={c.topk_group} kept groups")
+    for name in ["rms_norm_eps", "rope_theta", "routed_scaling_factor"]:
+        value = getattr(c, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if c.rope_theta <= 1:
+        raise ValueError(f"rope_theta must be > 1, got {c.rope_theta}")
+    if c.rope_scaling is not None:
+        _validate_yarn(c.rope_scaling, c.max_position_embeddings)
+
+
+def _validate_yarn(scaling: dict, max_positions: int) -> None:
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be None or a dict, got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise ValueError(f"unknown rope_scaling type {kind!r}: only 'yarn' is supported")
+    unknown = sorted(set(scaling) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown rope_scaling keys {unknown}; expected a subset of {sorted(_YARN_KEYS)}")
+    for key in ["factor", "original_max_position_embeddings"]:
+        if key not in scaling:
+            raise ValueError(f"rope_scaling (yarn) needs {key!r}")
+    if not scaling["factor"] >= 1:
+        raise ValueError(f"rope_scaling.factor must be >= 1, got {scaling['factor']}")
+    original = scaling["original_max_position_embeddings"]
+    if not isinstance(original, int) or original <= 0:
+        raise ValueError(f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}")
+    if scaling.get("beta_fast", 32) <= scaling.get("beta_slow", 1):
+        raise ValueError("rope_scaling.beta_fast must be larger than rope_scaling.beta_slow")
+    # Hugging Face derives YaRN's factor from max_position_embeddings / original when the latter
+    # is given; a config where the two disagree would compute different frequencies there.
+    if not math.isclose(max_positions / original, scaling["factor"], rel_tol=1e-9):
+        raise ValueError(
+            f"rope_scaling.factor ({scaling['factor']}) must equal max_position_embeddings / "
+            f"original_max_position_embeddings ({max_positions} / {original})")
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # the seeds' validation model
+    "tiny": dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
+    ),
+    # what tiny does not exercise: q_proj path, groups, YaRN + mscale, a dense layer, other dims
+    "tiny-b": dict(
+        vocab_size=384, hidden_size=192, intermediate_size=384, moe_intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=6, q_lora_rank=None, kv_lora_rank=48,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=12,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=256,
+                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=1024,
+    ),
+    # a whole forward in the CUDA simulator in seconds
+    "micro": dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+    ),
+    # Kimi K2.5 / K2.6 text model: shapes only, never materialised as weights
+    "kimi-k2.6": dict(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=262144,
+    ),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A named configuration: one of ``PRESET_NAMES``."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESET_NAMES)}")
+    return ModelConfig(**_PRESETS[name])

@@ -1,0 +1,212 @@
+"""The target model: a DeepSeek-V3 / Kimi-K2 style decoder over a latent KV cache.
+
+Legend: T new tokens, D hidden, V vocab, H heads, dn/dr/dv head dims, R kv_lora_rank, Rq q_lora_rank.
+
+The model is written once, against a *backend*: a namespace of layer operations with the same
+names in ``ddtree`` (numpy) and ``kernels`` (numba.cuda). ``backend="numpy"`` runs the reference,
+``backend="numba"`` runs every layer through the GPU kernels (or the CUDA simulator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import numpy as np
+
+from ddtree import mla
+from ddtree.config import ModelConfig
+from ddtree.kv_cache import LatentKVCache
+from ddtree.moe import MoEParams
+from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
+
+# module stem -> public operations the model calls; kernels/ mirrors ddtree/ name for name
+BACKEND_OPERATIONS = {
+    "rmsnorm": ("rmsnorm",),
+    "rope": ("apply_rope",),
+    "linear": ("linear", "embed", "argmax"),
+    "mla": ("absorb_query", "attention_absorb", "absorb_output"),
+    "moe": ("moe", "swiglu"),
+}
+BACKEND_PACKAGES = {"numpy": "ddtree", "numba": "kernels"}
+
+
+def load_backend(name: str) -> types.SimpleNamespace:
+    """The layer operations of backend ``name`` ('numpy' or 'numba')."""
+    if name not in BACKEND_PACKAGES:
+        raise ValueError(f"backend must be one of {sorted(BACKEND_PACKAGES)}, got {name!r}")
+    ops = {}
+    for stem, names in BACKEND_OPERATIONS.items():
+        module = importlib.import_module(f"{BACKEND_PACKAGES[name]}.{stem}")
+        ops.update({op: getattr(module, op) for op in names})
+    return types.SimpleNamespace(name=name, **ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    input_norm: np.ndarray                # [D]
+    post_attention_norm: np.ndarray       # [D]
+    q_a_proj: np.ndarray | None           # [Rq, D]        (q_lora_rank set)
+    q_a_norm: np.ndarray | None           # [Rq]
+    q_proj: np.ndarray                    # [H*(dn+dr), Rq or D]  q_b_proj or q_proj
+    kv_a_proj: np.ndarray                 # [R+dr, D]
+    kv_a_norm: np.ndarray                 # [R]
+    w_uk: np.ndarray                      # [H, dn, R]
+    w_uv: np.ndarray                      # [H, dv, R]
+    o_proj: np.ndarray                    # [D, H*dv]
+    dense: tuple | None                   # (gate [I, D], up [I, D], down [D, I]) for dense layers
+    moe: MoEParams | None
+
+
+def layer_params(config: ModelConfig, weights: dict, layer: int) -> LayerParams:
+    """Gather one layer's weights from a Hugging Face style state dict."""
+    prefix = f"model.layers.{layer}."
+
+    def w(name):
+        key = prefix + name
+        if key not in weights:
+            raise KeyError(f"weights are missing {key!r}")
+        return np.ascontiguousarray(weights[key], dtype=np.float32)
+
+    lora = config.q_lora_rank is not None
+    w_uk, w_uv = mla.split_kv_b(w("self_attn.kv_b_proj.weight"), config.num_attention_heads,
+                                config.qk_nope_head_dim, config.v_head_dim)
+    dense = moe = None
+    if config.is_moe_layer(layer):
+        def stacked(part):
+            return np.stack([w(f"mlp.experts.{e}.{part}.weight") for e in range(config.n_routed_experts)])
+
+        shared = config.n_shared_experts > 0
+        moe = MoEParams(
+            gate=w("mlp.gate.weight"), bias=w("mlp.gate.e_score_correction_bias"),
+            gate_proj=stacked("gate_proj"), up_proj=stacked("up_proj"), down_proj=stacked("down_proj"),
+            shared_gate_proj=w("mlp.shared_experts.gate_proj.weight") if shared else None,
+            shared_up_proj=w("mlp.shared_experts.up_proj.weight") if shared else None,
+            shared_down_proj=w("mlp.shared_experts.down_proj.weight") if shared else None)
+    else:
+        dense = (w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight"))
+    return LayerParams(
+        input_norm=w("input_layernorm.weight"),
+        post_attention_norm=w("post_attention_layernorm.weight"),
+        q_a_proj=w("self_attn.q_a_proj.weight") if lora else None,
+        q_a_norm=w("self_attn.q_a_layernorm.weight") if lora else None,
+        q_proj=w("self_attn.q_b_proj.weight") if lora else w("self_attn.q_proj.weight"),
+        kv_a_proj=w("self_attn.kv_a_proj_with_mqa.weight"),
+        kv_a_norm=w("self_attn.kv_a_layernorm.weight"),
+        w_uk=w_uk, w_uv=w_uv, o_proj=w("self_attn.o_proj.weight"), dense=dense, moe=moe)
+
+
+class Transformer:
+    """Prefill, decode and tree verification over a :class:`LatentKVCache`.
+
+    ``attention`` picks the MLA form for the numpy backend: 'absorb' (the cache is attended in
+    latent space) or 'naive' (keys and values expanded per head); both give the same logits.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, backend: str = "numpy",
+                 attention: str = "absorb"):
+        if attention not in ("absorb", "naive"):
+            raise ValueError(f"attention must be 'absorb' or 'naive', got {attention!r}")
+        if attention == "naive" and backend != "numpy":
+            raise ValueError("attention='naive' exists only in the numpy backend")
+        self.config = config
+        self.ops = load_backend(backend)
+        self.attention = attention
+        self.embed_tokens = np.ascontiguousarray(weights["model.embed_tokens.weight"], dtype=np.float32)
+        self.final_norm = np.ascontiguousarray(weights["model.norm.weight"], dtype=np.float32)
+        self.lm_head = np.ascontiguousarray(weights["lm_head.weight"], dtype=np.float32)
+        self.layers = [layer_params(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.inv_freq = inv_freq(config)
+        self.rope_scale = cos_sin_scale(config)
+        self.softmax_scale = softmax_scale(config)
+        self.forward_count = 0      # target forwards run so far (prefill included)
+
+    @property
+    def backend(self) -> str:
+        return self.ops.name
+
+    def new_cache(self, capacity: int | None = None) -> LatentKVCache:
+        return LatentKVCache.for_config(self.config, capacity or self.config.max_position_embeddings)
+
+    def check_inputs(self, cache: LatentKVCache, tokens, positions, visible):
+        """Validate a forward's inputs before anything is written; returns them normalised."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be a non-empty 1-D integer array, got shape {tokens.shape} "
+                             f"dtype {tokens.dtype}")
+        vocab = self.config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ValueError(f"tokens must lie in [0, {vocab}), got min {tokens.min()} max {tokens.max()}")
+        rows = tokens.size
+        if positions is None:
+            positions = cache.length + np.arange(rows)
+        positions = np.asarray(positions)
+        if positions.shape != (rows,) or not np.issubdtype(positions.dtype, np.integer):
+            raise ValueError(f"positions must be {rows} integers, got shape {positions.shape}")
+        limit = self.config.max_position_embeddings
+        if positions.min() < 0 or positions.max() >= limit:
+            raise ValueError(f"positions must lie in [0, max_position_embeddings={limit}), "
+                             f"got {positions.min()}..{positions.max()}")
+        visible = mla.causal_visibility(rows) if visible is None else visible
+        visible = mla.check_visibility(cache.length, visible, rows)
+        cache.reserve(rows)
+        return tokens.astype(np.int64), positions.astype(np.int64), visible
+
+    # --8<-- [start:forward]
+    def forward(self, cache: LatentKVCache, tokens, positions=None, visible=None) -> np.ndarray:
+        """Run T new tokens against the cache; returns logits (T, V) and commits T cache rows.
+
+        ``positions`` default to the next slots; ``visible`` (T, T) defaults to causal. A tree
+        verification passes node positions (start + depth) and the ancestor mask.
+        """
+        tokens, positions, visible = self.check_inputs(cache, tokens, positions, visible)
+        start = cache.length                                        # the prefix every row sees
+        h = self.ops.embed(tokens, self.embed_tokens)               # [T, D]
+        for index, layer in enumerate(self.layers):
+            h = self.decoder_layer(index, layer, h, cache, start, positions, visible)
+        cache.commit(tokens.size)
+        self.forward_count += 1
+        h = self.ops.rmsnorm(h, self.final_norm, self.config.rms_norm_eps)  # [T, D]
+        return self.ops.linear(h, self.lm_head)                     # [T, V]
+    # --8<-- [end:forward]
+
+    # --8<-- [start:decoder_layer]
+    def decoder_layer(self, index, layer: LayerParams, h, cache, start, positions, visible):
+        c, ops = self.config, self.ops
+        rows, heads = h.shape[0], c.num_attention_heads
+        a = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)                      # [T, D]
+        if layer.q_a_proj is not None:
+            a_q = ops.rmsnorm(ops.linear(a, layer.q_a_proj), layer.q_a_norm, c.rms_norm_eps)  # [T, Rq]
+        else:
+            a_q = a
+        q = ops.linear(a_q, layer.q_proj).reshape(rows, heads, c.qk_head_dim)    # [T, H, dn+dr]
+        q_nope = np.ascontiguousarray(q[..., :c.qk_nope_head_dim])               # [T, H, dn]
+        q_pe = ops.apply_rope(np.ascontiguousarray(q[..., c.qk_nope_head_dim:]),
+                              positions, self.inv_freq, self.rope_scale)        # [T, H, dr]
+        kv = ops.linear(a, layer.kv_a_proj)                                      # [T, R+dr]
+        latent = ops.rmsnorm(np.ascontiguousarray(kv[:, :c.kv_lora_rank]), layer.kv_a_norm,
+                             c.rms_norm_eps)                                     # [T, R]
+        k_pe = ops.apply_rope(np.ascontiguousarray(kv[:, c.kv_lora_rank:]),
+                              positions, self.inv_freq, self.rope_scale)        # [T, dr]
+        cache.write(index, start, latent, k_pe)
+        cache_latent, cache_rope = cache.latent[index], cache.rope[index]        # [C, R], [C, dr]
+        if self.attention == "naive":
+            o = mla.attention_naive(q_nope, q_pe, cache_latent, cache_rope, start, visible,
+                                    self.softmax_scale, layer.w_uk, layer.w_uv)  # [T, H, dv]
+        else:
+            q_lat = ops.absorb_query(q_nope, layer.w_uk)                         # [T, H, R]
+            o_lat = ops.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, start, visible,
+                                         self.softmax_scale)                     # [T, H, R]
+            o = ops.absorb_output(o_lat, layer.w_uv)                             # [T, H, dv]
+        h = h + ops.linear(o.reshape(rows, heads * c.v_head_dim), layer.o_proj)  # [T, D]
+        f = ops.rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps)            # [T, D]
+        if layer.moe is not None:
+            return h + ops.moe(f, layer.moe, c)                                  # [T, D]
+        return h + ops.swiglu(f, *layer.dense)                                   # [T, D]
+    # --8<-- [end:decoder_layer]
+
+    def logits(self, tokens) -> np.ndarray:
+        """Logits (len(tokens), V) of one causal pass from an empty cache."""
+        tokens = np.asarray(tokens)
+        return self.forward(self.new_cache(max(tokens.size, 1)), tokens)
