@@ -28,6 +28,9 @@ BACKEND_OPERATIONS = {
     "linear": ("linear", "embed", "argmax"),
     "mla": ("absorb_query", "attention_absorb", "absorb_output"),
     "moe": ("moe", "swiglu"),
+    "tree": ("build_tree", "visibility"),
+    "accept": ("accept",),
+    "kv_cache": ("compact",),
 }
 BACKEND_PACKAGES = {"numpy": "ddtree", "numba": "kernels"}
 

@@ -1,0 +1,184 @@
+"""The invariant that proves the engine: DDTree == AR == golden, for every drafter and shape."""
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree import golden
+from ddtree.config import preset
+from ddtree.decode import ddtree_round, generate_ar, generate_ddtree
+from ddtree.drafters import DRAFTERS, NGramDrafter, OracleDrafter, make_drafter
+from ddtree.kv_cache import CacheOverflowError
+from ddtree.model import Transformer
+from ddtree.weights import init_weights
+from tests.helpers import assert_exact
+
+
+@functools.cache
+def model_for(name):
+    config = preset(name)
+    return Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+
+
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+@pytest.mark.parametrize("drafter_name", DRAFTERS)
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("budget", [0, 1, 5, 64])
+def test_ddtree_equals_ar_equals_golden(name, drafter_name, block_size, budget):
+    model, bundle = model_for(name), golden.load_bundle(name)
+    prompt, expected = bundle["prompt"], bundle["tokens"]
+    drafter = make_drafter(drafter_name, model, prompt, expected.size)
+    tokens, trace = generate_ddtree(model, prompt, expected.size, drafter, block_size=block_size,
+                                    budget=budget)
+    assert_exact(tokens, expected, name="DDTree tokens")
+    assert trace.committed_tokens == expected.size
+    assert all(1 <= r.committed <= block_size for r in trace.rounds)
+    if budget == 0 or block_size == 1:
+        assert trace.verify_forwards == expected.size                    # one AR token per round
+
+
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_ar_equals_golden(name):
+    bundle = golden.load_bundle(name)
+    assert_exact(generate_ar(model_for(name), bundle["prompt"], bundle["tokens"].size), bundle["tokens"])
+
+
+def test_oracle_commits_eight_tokens_per_forward():
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    drafter = OracleDrafter(np.concatenate([bundle["prompt"], bundle["tokens"]]), model.config.vocab_size)
+    tokens, trace = generate_ddtree(model, bundle["prompt"], 24, drafter, block_size=8, budget=32)
+    assert_exact(tokens, bundle["tokens"])
+    assert trace.verify_forwards == 3 and trace.prefill_forwards == 1
+    assert trace.tokens_per_forward == 8.0
+    assert [r.committed for r in trace.rounds] == [8, 8, 8]
+
+
+def test_single_chain_baseline_is_a_chain():
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    drafter = make_drafter("noisy", model, bundle["prompt"], 24)
+    tokens, trace = generate_ddtree(model, bundle["prompt"], 24, drafter, block_size=8, budget=64, topk=1)
+    assert_exact(tokens, bundle["tokens"])
+    for r in trace.rounds:
+        assert_exact(r.parents, np.arange(-1, r.parents.size - 1))     # each node's parent is the previous
+
+
+def test_trees_beat_the_chain_with_the_noisy_oracle():
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    drafter = make_drafter("noisy", model, bundle["prompt"], 24)
+    _, chain = generate_ddtree(model, bundle["prompt"], 24, drafter, block_size=8, budget=64, topk=1)
+    _, tree = generate_ddtree(model, bundle["prompt"], 24, drafter, block_size=8, budget=64)
+    assert tree.tokens_per_forward > chain.tokens_per_forward
+    # the accepted path leaves the top-1 chain somewhere: some accepted node is not a first child
+    left_chain = any(
+        any(r.tokens[a] != r.tokens[np.flatnonzero(r.parents == r.parents[a])[0]] for a in r.accepted[1:])
+        for r in tree.rounds)
+    assert left_chain
+
+
+class FixedDrafter:
+    """Proposes the same given logits rows whatever the context (hypothesis drives them)."""
+
+    def __init__(self, rows):
+        self.rows = np.asarray(rows, dtype=np.float32)
+
+    def propose(self, context_tokens, block_size):
+        return self.rows[: block_size - 1]
+
+
+def draft_row(vocab):
+    """One drafter row: random, all equal, or peaked on one (usually wrong) token."""
+    def build(spec):
+        kind, value = spec
+        if kind == "random":
+            return np.random.default_rng(value).normal(0, 8, vocab)
+        if kind == "equal":
+            return np.full(vocab, value % 11 - 5.0)
+        row = np.zeros(vocab)
+        row[value % vocab] = 10.0
+        return row
+    return st.tuples(st.sampled_from(["random", "equal", "peaked"]), st.integers(0, 2**31)).map(build)
+
+
+def draft_logits(vocab, depths):
+    return st.lists(draft_row(vocab), min_size=depths, max_size=depths)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=draft_logits(96, 6), block_size=st.integers(1, 7), budget=st.integers(-1, 40),
+       topk=st.one_of(st.none(), st.integers(1, 4)))
+def test_any_drafter_output_still_equals_ar(rows, block_size, budget, topk):
+    model = model_for("micro")
+    prompt = golden.default_prompt("micro")
+    expected = generate_ar(model, prompt, 10)
+    tokens, _ = generate_ddtree(model, prompt, 10, FixedDrafter(rows), block_size=block_size,
+                                budget=budget, topk=topk)
+    assert_exact(tokens, expected)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(block_size=5000), "exceeds max_position_embeddings"),
+    (dict(budget=2.5), "budget must be an integer"),
+    (dict(topk=0), "topk must be None"),
+])
+def test_bad_options_raise(kwargs, message):
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    options = dict(block_size=8, budget=8) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate_ddtree(model, bundle["prompt"], 4, NGramDrafter(512), **options)
+
+
+def prefilled(name, capacity):
+    model = model_for(name)
+    prompt = golden.default_prompt(name)
+    cache = model.new_cache(capacity)
+    model.forward(cache, prompt[:-1])
+    return model, prompt, cache
+
+
+def assert_cache_unchanged(cache, before):
+    assert cache.length == before[0]
+    assert np.array_equal(cache.latent, before[1], equal_nan=True)
+    assert np.array_equal(cache.rope, before[2], equal_nan=True)
+
+
+class BadDrafter:
+    def __init__(self, make):
+        self.make = make
+
+    def propose(self, context_tokens, block_size):
+        return self.make(block_size)
+
+
+@pytest.mark.parametrize("drafter, error, message", [
+    (BadDrafter(lambda b: np.zeros((b, 512), np.float32)), ValueError, r"shape \(7, 512\)"),
+    (BadDrafter(lambda b: np.full((b - 1, 512), np.nan, np.float32)), ValueError, "NaN"),
+])
+def test_bad_drafts_leave_the_cache_as_it_was(drafter, error, message):
+    model, prompt, cache = prefilled("tiny", 64)
+    before = (cache.length, cache.latent.copy(), cache.rope.copy())
+    with pytest.raises(error, match=message):
+        ddtree_round(model, cache, prompt, drafter, 8, 16, None)
+    assert_cache_unchanged(cache, before)
+
+
+def test_budget_larger_than_the_cache_leaves_it_as_it_was():
+    model, prompt, cache = prefilled("tiny", 12)                        # 7 cached, room for 5
+    before = (cache.length, cache.latent.copy(), cache.rope.copy())
+    drafter = make_drafter("oracle", model, prompt, 8)
+    with pytest.raises(CacheOverflowError, match="capacity 12"):
+        ddtree_round(model, cache, prompt, drafter, 8, 16, None)
+    assert_cache_unchanged(cache, before)
+
+
+def test_out_of_range_root_leaves_the_cache_as_it_was():
+    model, prompt, cache = prefilled("tiny", 64)
+    before = (cache.length, cache.latent.copy(), cache.rope.copy())
+    context = prompt.copy()
+    context[-1] = 512
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 512\)"):
+        ddtree_round(model, cache, context, NGramDrafter(512), 4, 8, None)
+    assert_cache_unchanged(cache, before)
