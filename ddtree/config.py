@@ -155,7 +155,8 @@ def _validate_yarn(scaling: dict, max_positions: int) -> None:
         raise ValueError(f"rope_scaling.factor must be >= 1, got {scaling['factor']}")
     original = scaling["original_max_position_embeddings"]
     if not isinstance(original, int) or original <= 0:
-        raise ValueError(f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}")
+        raise ValueError("rope_scaling.original_max_position_embeddings must be a positive integer, "
+                         f"got {original!r}")
     if scaling.get("beta_fast", 32) <= scaling.get("beta_slow", 1):
         raise ValueError("rope_scaling.beta_fast must be larger than rope_scaling.beta_slow")
     # Hugging Face derives YaRN's factor from max_position_embeddings / original when the latter

@@ -19,7 +19,8 @@ def embed(tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Rows of the embedding ``table`` (V, D) for ``tokens`` (T,) -> (T, D)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
-        raise ValueError(f"tokens must lie in [0, {table.shape[0]}), got min {tokens.min()} max {tokens.max()}")
+        raise ValueError(f"tokens must lie in [0, {table.shape[0]}), "
+                         f"got min {tokens.min()} max {tokens.max()}")
     return table[tokens]                                        # [T, D]
 # --8<-- [end:embed]
 

@@ -33,6 +33,9 @@ BACKEND_OPERATIONS = {
     "kv_cache": ("compact",),
 }
 BACKEND_PACKAGES = {"numpy": "ddtree", "numba": "kernels"}
+# q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever rms_norm_eps says, as in
+# DeepSeek's and Kimi's code and in transformers (RMSNorm(q_lora_rank), RMSNorm(kv_lora_rank))
+LATENT_NORM_EPS = 1e-6
 
 
 def load_backend(name: str) -> types.SimpleNamespace:
@@ -180,7 +183,7 @@ class Transformer:
         rows, heads = h.shape[0], c.num_attention_heads
         a = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)                      # [T, D]
         if layer.q_a_proj is not None:
-            a_q = ops.rmsnorm(ops.linear(a, layer.q_a_proj), layer.q_a_norm, c.rms_norm_eps)  # [T, Rq]
+            a_q = ops.rmsnorm(ops.linear(a, layer.q_a_proj), layer.q_a_norm, LATENT_NORM_EPS)  # [T, Rq]
         else:
             a_q = a
         q = ops.linear(a_q, layer.q_proj).reshape(rows, heads, c.qk_head_dim)    # [T, H, dn+dr]
@@ -189,7 +192,7 @@ class Transformer:
                               positions, self.inv_freq, self.rope_scale)        # [T, H, dr]
         kv = ops.linear(a, layer.kv_a_proj)                                      # [T, R+dr]
         latent = ops.rmsnorm(np.ascontiguousarray(kv[:, :c.kv_lora_rank]), layer.kv_a_norm,
-                             c.rms_norm_eps)                                     # [T, R]
+                             LATENT_NORM_EPS)                                    # [T, R]
         k_pe = ops.apply_rope(np.ascontiguousarray(kv[:, c.kv_lora_rank:]),
                               positions, self.inv_freq, self.rope_scale)        # [T, dr]
         cache.write(index, start, latent, k_pe)

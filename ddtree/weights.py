@@ -86,7 +86,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
         num_key_value_heads=config.num_attention_heads, rope_interleave=False,
         tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
         attention_dropout=0.0, topk_method="noaux_tc", scoring_func="sigmoid",
-        initializer_range=0.02, use_cache=True, torch_dtype="float32")
+        initializer_range=0.02, use_cache=True, torch_dtype="float32",
+        bos_token_id=None, eos_token_id=None)          # a random model has no special tokens
     if config.rope_scaling is not None:
         values["rope_scaling"] = dict(config.rope_scaling, type="yarn", rope_type="yarn")
     return values
@@ -119,8 +120,12 @@ def load_pretrained(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         raise ValueError(f"{directory}: model_type must be 'deepseek_v3', got {values.get('model_type')!r}")
     if values.get("rope_interleave", False):
         raise ValueError(f"{directory}: rope_interleave=true is not supported (this project uses NeoX rope)")
-    if values.get("rope_scaling") is not None:
-        values["rope_scaling"] = {k: v for k, v in values["rope_scaling"].items() if k != "rope_type"}
+    # transformers 5 writes rope_theta and the scaling together as `rope_parameters`
+    rope = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        values["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type", rope.get("type", "default"))
+    values["rope_scaling"] = None if kind == "default" else dict(rope, type=kind)
     config = ModelConfig.from_dict(values)
     weights = load_file(str(directory / "model.safetensors"))
     return config, {name: value.astype(np.float32) for name, value in weights.items()}

@@ -41,7 +41,16 @@ def where() -> str:
 
 
 def is_device_array(x) -> bool:
-    return cuda.is_cuda_array(x) and not isinstance(x, np.ndarray)
+    # the simulator's numba.cuda has no is_cuda_array; every numba device array, real or
+    # simulated, carries __cuda_ndarray__ = True
+    return bool(getattr(x, "__cuda_ndarray__", False))
+
+
+def check_threads(threads: int) -> None:
+    """Block sizes for shared-memory tree reductions: a power of two in [32, 1024]."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not (
+            32 <= threads <= 1024 and threads & (threads - 1) == 0):
+        raise ValueError(f"threads must be a power of two in [32, 1024], got {threads!r}")
 
 
 def to_device(x, dtype=None):

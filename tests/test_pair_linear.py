@@ -1,0 +1,284 @@
+"""Equivalence: kernels/linear.py (numba.cuda) against ddtree/linear.py (numpy).
+
+Tolerances:
+- linear: float32 dot products of K terms, summed in different orders (BLAS blocking; the GEMM
+  sequentially along K; the GEMV strided, then a tree). Partial sums are O(sqrt(K) |x| |w|) and each
+  of the K additions rounds by up to half an ulp, so the two results differ by about
+  eps32 * K * rms(x) * rms(w) / 3 (a random walk); atol = 2 * eps32 * K * rms(x) * rms(w) covers
+  that with margin (outputs near 0 by cancellation need it), rtol 1e-5 the rest.
+- embed copies and argmax picks: both must be exact (assert_exact), ties included.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree import linear as reference
+from kernels import device
+from kernels import linear as kernel
+from tests.helpers import assert_close, assert_exact
+
+RTOL = 1e-5
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _atol(x, weight):
+    depth = x.shape[-1]
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a[np.isfinite(a)], dtype=np.float64))))
+    return 2 * EPS32 * depth * rms(x) * rms(weight)
+
+
+def _inputs(rows, depth, outputs, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, depth)).astype(np.float32)
+    weight = rng.standard_normal((outputs, depth)).astype(np.float32)
+    return x, weight
+
+
+
+
+# ---------------------------------------------------------------------------------------- linear
+
+# (T, K, N): K and N not multiples of the 16-wide tile nor of the GEMV block; K < one tile
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("rows, depth, outputs", [(1, 70, 5), (3, 45, 2), (5, 37, 2), (2, 9, 3)])
+def test_linear_matches_reference(version, rows, depth, outputs):
+    x, weight = _inputs(rows, depth, outputs)
+    assert_close(kernel.linear(x, weight, version=version, threads=32), reference.linear(x, weight),
+                 rtol=RTOL, atol=_atol(x, weight))
+
+
+def test_gemm_several_tiles_each_way():
+    x, weight = _inputs(17, 37, 19)                               # a 2 x 2 grid of partial tiles
+    assert_close(kernel.linear(x, weight, version="gemm"), reference.linear(x, weight),
+                 rtol=RTOL, atol=_atol(x, weight))
+
+
+def test_gemv_block_larger_than_k():
+    x, weight = _inputs(2, 50, 3)                                 # 64 threads, 50 products
+    assert_close(kernel.linear(x, weight, version="gemv", threads=64), reference.linear(x, weight),
+                 rtol=RTOL, atol=_atol(x, weight))
+
+
+def test_version_choice():
+    assert [kernel.pick_version(rows) for rows in (1, 2, 3, 4, 5, 16, 64)] == \
+        ["gemv"] * 4 + ["gemm"] * 3
+
+
+def test_linear_vector_and_leading_axes():
+    x, weight = _inputs(4, 9, 5, seed=1)
+    vector = kernel.linear(x[0], weight, threads=32)               # (K,) -> (N,), as np.matmul
+    assert vector.shape == (5,)
+    assert_close(vector, reference.linear(x[0], weight), rtol=RTOL, atol=_atol(x, weight))
+    stacked = x.reshape(2, 2, 9)                                  # (..., K) -> (..., N)
+    actual = kernel.linear(stacked, weight, threads=32)
+    assert actual.shape == (2, 2, 5)
+    assert_close(actual, reference.linear(stacked, weight), rtol=RTOL, atol=_atol(x, weight))
+
+
+def test_linear_every_element_written():
+    """The output starts as NaN, so any unwritten element fails the NaN-mask check of every
+    equivalence test above (both versions). Negative control: a GEMV grid one block short."""
+    x, weight = _inputs(2, 20, 3)
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    out = device.poisoned((2, 3))
+    kernel._gemv_kernel(32)[5, 32](d_x, d_weight, out)            # 6 blocks needed: (t, n) = (1, 2) missing
+    assert np.isnan(out.copy_to_host()).sum() == 1 and np.isnan(out.copy_to_host()[1, 2])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")           # the simulator's inf * 0
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_linear_nan_and_inf_propagate_like_numpy(version):
+    x, weight = _inputs(2, 20, 5)
+    x[0, 3] = np.nan                                              # poisons output row 0
+    weight[2, 7] = np.nan                                         # poisons output column 2
+    x[1, 11] = np.inf                                             # row 1: +-inf (finite weights)
+    weight[4, 11] = 0.0                                           # ... except inf * 0 = NaN at (1, 4)
+    with np.errstate(invalid="ignore"):
+        expected = reference.linear(x, weight)
+    assert_close(kernel.linear(x, weight, version=version, threads=32), expected,
+                 rtol=RTOL, atol=_atol(x, weight))
+
+
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_linear_deterministic(version):
+    x, weight = _inputs(2, 40, 3, seed=2)
+    first = kernel.linear(x, weight, version=version, threads=32)
+    second = kernel.linear(x, weight, version=version, threads=32)
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_linear_device_arrays_stay_on_device(version, host_copies):
+    x, weight = _inputs(2, 21, 2)
+    d_y = kernel.linear(cuda.to_device(x), cuda.to_device(weight), version=version, threads=32)
+    assert host_copies == [], "the device path copied to the host"
+    assert device.is_device_array(d_y) and d_y.shape == (2, 2)
+    assert_close(d_y.copy_to_host(), reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: kernel.linear(x, w[:, :-1]), r"weight must have shape \(N, 8\)"),
+    (lambda x, w: kernel.linear(x, w[0]), r"weight must have shape \(N, 8\)"),
+    (lambda x, w: kernel.linear(x, w, version="tiled"), "version must be None or one of"),
+    (lambda x, w: kernel.linear(x, w, threads=100), "threads must be a power of two"),
+    (lambda x, w: kernel.linear(np.float32(2.0), w), "x must have shape"),
+    (lambda x, w: kernel.linear(x, cuda.to_device(w.astype(np.float64))),
+     "weight must be float32 on the device"),
+])
+def test_linear_bad_inputs(call, message):
+    x, weight = _inputs(2, 8, 3)
+    with pytest.raises(ValueError, match=message):
+        call(x, weight)
+
+
+# ----------------------------------------------------------------------------------------- embed
+
+def test_embed_matches_reference():
+    table = np.random.default_rng(3).standard_normal((50, 37)).astype(np.float32)
+    for tokens in ([3, 0, 49, 3], np.array([[7, 7], [1, 48]], np.int32), np.array([5])):
+        assert_exact(kernel.embed(tokens, table), reference.embed(tokens, table))
+
+
+def test_embed_device_arrays_stay_on_device(host_copies):
+    table = np.random.default_rng(3).standard_normal((50, 37)).astype(np.float32)
+    tokens = np.array([9, 0, 49], np.int64)
+    d_rows = kernel.embed(cuda.to_device(tokens), cuda.to_device(table))
+    assert host_copies == [1], "expected only the one-int error flag to come back"
+    assert device.is_device_array(d_rows)
+    assert_exact(d_rows.copy_to_host(), table[tokens])
+
+
+@pytest.mark.parametrize("tokens", [[3, 50], [-1, 2], [0, 60, -5]])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_embed_bad_ids_raise_like_numpy(tokens, on_device):
+    table = np.zeros((50, 4), np.float32)
+    tokens = np.array(tokens)
+    with pytest.raises(ValueError) as expected:
+        reference.embed(tokens, table)
+    with pytest.raises(ValueError) as actual:
+        kernel.embed(cuda.to_device(tokens) if on_device else tokens, table)
+    assert str(actual.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: kernel.embed(np.array([1.0, 2.0]), t), "tokens must be integers"),
+    (lambda t: kernel.embed([1, 2], t[0]), r"table must have shape \(V, D\)"),
+    (lambda t: kernel.embed([1, 2], cuda.to_device(t.astype(np.float64))),
+     "table must be float32 on the device"),
+])
+def test_embed_bad_inputs(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(np.zeros((10, 4), np.float32))
+
+
+# ---------------------------------------------------------------------------------------- argmax
+
+def _tie_rows(vocab):
+    """Rows with exact ties, -inf, +inf and NaN (vocab >= 72): each must match np.argmax exactly."""
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(vocab)]                           # generic
+    rows.append(np.full(vocab, 0.25))                             # all equal -> 0
+    tied = rng.standard_normal(vocab)                             # a maximum at 5 places, in different
+    tied[[vocab - 1, 40, 9, 33, 64]] = 7.0                        # threads' strides -> 9
+    rows.append(tied)
+    late = rng.standard_normal(vocab) - 10                        # the maximum only at the last index
+    late[-1] = 0.0
+    rows.append(late)
+    rows.append(np.full(vocab, -np.inf))                          # all -inf -> 0
+    minus = np.full(vocab, -np.inf)                               # -inf and one finite value
+    minus[57] = -1e30
+    rows.append(minus)
+    plus = rng.standard_normal(vocab)                             # +inf twice -> the first
+    plus[[70, 12]] = np.inf
+    rows.append(plus)
+    nans = rng.standard_normal(vocab)                             # NaN after a larger value: first NaN
+    nans[[3, 60]] = 100.0
+    nans[[50, 20]] = np.nan
+    rows.append(nans)
+    rows.append(np.full(vocab, np.nan))                           # all NaN -> 0
+    negzero = np.zeros(vocab)                                     # -0.0 == +0.0: a tie -> the first
+    negzero[[0, 1]] = [-0.0, 0.0]
+    negzero[2:] = -1.0
+    rows.append(negzero)
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab, threads", [(77, 32), (130, 64)])
+def test_argmax_ties_and_specials_match_numpy(vocab, threads):
+    logits = _tie_rows(vocab)
+    expected = reference.argmax(logits)
+    assert expected.tolist()[1:6] == [0, 9, vocab - 1, 0, 57]    # the rows test what they say
+    actual = kernel.argmax(logits, threads=threads)
+    assert actual.dtype == np.int64
+    assert_exact(actual, expected)
+
+
+def test_argmax_vocab_smaller_than_block():
+    logits = np.array([[1.0, 3.0, 3.0], [np.nan, 2.0, np.nan], [-np.inf, -np.inf, -5.0]], np.float32)
+    assert_exact(kernel.argmax(logits, threads=32), [1, 0, 2])
+
+
+def test_argmax_leading_axes_and_every_row_written():
+    logits = _tie_rows(80)[:6].reshape(2, 3, 80)                  # out starts at -1: every row is written
+    actual = kernel.argmax(logits, threads=32)
+    assert actual.shape == (2, 3) and (actual >= 0).all()
+    assert_exact(actual, reference.argmax(logits))
+
+
+def test_argmax_poison_shows_unwritten_rows():
+    logits = cuda.to_device(_tie_rows(80)[:3])
+    out = device.poisoned((3,), np.int64)                         # -1 until written
+    kernel._argmax_kernel(32)[2, 32](logits, out)                 # negative control: one block short
+    assert out.copy_to_host().tolist() == [int(np.argmax(_tie_rows(80)[0])), 0, -1]
+
+
+def test_argmax_deterministic_and_device_path(host_copies):
+    logits = _tie_rows(90)[[0, 2, 7]]                             # generic, tied, NaN rows
+    d_logits = cuda.to_device(logits)
+    first = kernel.argmax(d_logits, threads=32)
+    second = kernel.argmax(d_logits, threads=32)
+    assert host_copies == [], "the device path copied to the host"
+    assert device.is_device_array(first)
+    assert_exact(first.copy_to_host(), second.copy_to_host())
+    assert_exact(first.copy_to_host(), reference.argmax(logits))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: kernel.argmax(np.zeros(5, np.float32)), r"logits must have shape \(T, V\)"),
+    (lambda: kernel.argmax(np.zeros((2, 0), np.float32)), "empty sequence"),
+    (lambda: kernel.argmax(np.zeros((2, 5), np.float32), threads=20), "threads must be a power of two"),
+    (lambda: kernel.argmax(cuda.to_device(np.zeros((2, 5)))), "logits must be float32 on the device"),
+])
+def test_argmax_bad_inputs(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --------------------------------------------------------------------- Kimi K2.6 sizes (GPU only)
+
+@pytest.mark.gpu
+def test_kimi_k26_linear():
+    """A (16 x 7168) @ (7168 x 2048).T projection (GEMM) and a 1 x 7168 x 18432 decode row (GEMV)."""
+    for rows, depth, outputs in ((16, 7168, 2048), (1, 7168, 18432)):
+        x, weight = _inputs(rows, depth, outputs, seed=6)
+        d_weight = cuda.to_device(weight)
+        for version in kernel.VERSIONS:
+            actual = kernel.linear(x, d_weight, version=version).copy_to_host()
+            assert_close(actual, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight),
+                         name=f"{version} {rows}x{depth}x{outputs}")
+
+
+@pytest.mark.gpu
+def test_kimi_k26_argmax_and_embed():
+    """Greedy argmax over the 163840-token vocabulary for 8 rows, ties planted; an embedding gather."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((8, 163840)).astype(np.float32)
+    logits[1, [163839, 99999, 5]] = 50.0                          # tie -> 5
+    logits[2, :] = -np.inf                                        # -> 0
+    logits[3, [77777, 160000]] = np.nan                           # -> 77777
+    for threads in (128, 1024):
+        assert_exact(kernel.argmax(logits, threads=threads), reference.argmax(logits))
+    table = rng.standard_normal((163840, 64)).astype(np.float32)
+    tokens = rng.integers(0, 163840, size=64)
+    assert_exact(kernel.embed(tokens, table), reference.embed(tokens, table))

@@ -1,0 +1,113 @@
+"""Equivalence: kernels/rmsnorm.py (numba.cuda) against ddtree/rmsnorm.py (numpy).
+
+Tolerance: both sides compute in float32 and differ only in the order of the sum of squares
+(numpy: pairwise; the kernel: strided per thread, then a tree). Sums of D positive terms in two
+orders agree to a few float32 ulp (~1e-7 relative), the square root halves that, and the final
+two products add an ulp each: rtol 1e-5 leaves a wide margin, atol 1e-6 covers outputs near 0.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree import rmsnorm as reference
+from kernels import device
+from kernels import rmsnorm as kernel
+from tests.helpers import assert_close
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _inputs(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)
+    return x, weight
+
+
+
+
+# (T, D, threads): D below, above and not a multiple of the block; D = 1; one row
+@pytest.mark.parametrize("rows, width, threads", [
+    (3, 100, 32), (2, 257, 64), (2, 31, 32), (4, 1, 32), (1, 70, 128),
+])
+def test_matches_reference(rows, width, threads):
+    x, weight = _inputs((rows, width))
+    for eps in (1e-6, 1e-5):
+        assert_close(kernel.rmsnorm(x, weight, eps, threads=threads),
+                     reference.rmsnorm(x, weight, eps), rtol=RTOL, atol=ATOL)
+
+
+def test_leading_axes_are_rows():
+    x, weight = _inputs((2, 3, 40))                               # (..., D) is (6, D)
+    actual = kernel.rmsnorm(x, weight, 1e-6, threads=32)
+    assert actual.shape == (2, 3, 40)
+    assert_close(actual, reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
+
+
+def test_every_element_written():
+    """The output starts as NaN: a full launch leaves none, one block short leaves a NaN row."""
+    x, weight = _inputs((3, 45))
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    launch = kernel._rmsnorm_kernel(32)
+
+    out = device.poisoned(x.shape)
+    launch[3, 32](d_x, d_weight, 1e-6, out)
+    assert np.isfinite(out.copy_to_host()).all()
+
+    out = device.poisoned(x.shape)                                # negative control: the poison shows
+    launch[2, 32](d_x, d_weight, 1e-6, out)
+    assert np.isnan(out.copy_to_host()[2]).all() and np.isfinite(out.copy_to_host()[:2]).all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")           # the simulator's float32 overflow
+def test_nan_and_inf_propagate_like_numpy():
+    x, weight = _inputs((4, 37))
+    x[0, 5] = np.nan              # the whole row turns NaN
+    x[1, 9] = np.inf              # inf * 1/sqrt(inf) = inf * 0: NaN there, 0 elsewhere
+    x[2, :] = 3e19                # x^2 overflows float32 to inf: all zeros
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = reference.rmsnorm(x, weight, 1e-6)
+    assert_close(kernel.rmsnorm(x, weight, 1e-6, threads=32), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_deterministic():
+    x, weight = _inputs((3, 150), seed=1)
+    first = kernel.rmsnorm(x, weight, 1e-6, threads=64)
+    second = kernel.rmsnorm(x, weight, 1e-6, threads=64)
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_device_arrays_stay_on_device(host_copies):
+    x, weight = _inputs((2, 3, 33))
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    d_out = kernel.rmsnorm(d_x, d_weight, 1e-6, threads=32)
+    assert host_copies == [], "the device path copied to the host"
+    assert device.is_device_array(d_out) and d_out.shape == x.shape
+    assert_close(d_out.copy_to_host(), reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: kernel.rmsnorm(x, w[:-1], 1e-6), r"weight must have shape \(8,\)"),
+    (lambda x, w: kernel.rmsnorm(x, w, -1.0), "eps must be a non-negative finite number"),
+    (lambda x, w: kernel.rmsnorm(x, w, float("nan")), "eps must be a non-negative finite number"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, threads=48), "threads must be a power of two"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, threads=16), "threads must be a power of two"),
+    (lambda x, w: kernel.rmsnorm(np.float32(1.0), w, 1e-6), "x must have shape"),
+    (lambda x, w: kernel.rmsnorm(cuda.to_device(x.astype(np.float64)), w, 1e-6),
+     "x must be float32 on the device"),
+])
+def test_bad_inputs(call, message):
+    x, weight = _inputs((2, 8))
+    with pytest.raises(ValueError, match=message):
+        call(x, weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [128, 1024])
+def test_kimi_k26_dimensions(threads):
+    """64 rows of the hidden state (D = 7168) with Kimi K2.6's eps 1e-5; the latent (512) too."""
+    for shape in ((64, 7168), (64, 512)):
+        x, weight = _inputs(shape, seed=2)
+        assert_close(kernel.rmsnorm(x, weight, 1e-5, threads=threads),
+                     reference.rmsnorm(x, weight, 1e-5), rtol=RTOL, atol=ATOL)
