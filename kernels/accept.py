@@ -1,0 +1,136 @@
+"""Greedy acceptance on the GPU: the numba.cuda twin of ``ddtree/accept.py``.
+
+Legend: Bq requests, N padded tree width (nodes, root included), m accepted nodes.
+
+One kernel, ``_accept_kernel``: one block per request, one thread per node (strided). Instead
+of walking down from the root one step at a time (a barrier per step), every thread checks its
+own node: node i is on the walk iff every edge of its path matches, ``tokens[c] ==
+posterior[parents[c]]`` for each node c on the path root..i (at most L steps up). Siblings carry
+distinct tokens, so at most one child of a node matches and the matching nodes form one chain
+root..deepest; the node at depth j is ``accepted[j]``. No barrier per step, one per phase.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from ddtree.accept import check_posterior
+from ddtree.tree import DraftTree, check_parents
+from kernels.device import is_device_array, poisoned, to_device, to_host_if
+
+_MAX_THREADS = 128
+
+
+# --8<-- [start:_accept_kernel]
+@cuda.jit
+def _accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
+    """One block per request; thread t checks nodes t, t + blockDim, ... below sizes[request].
+
+    Shared memory: one counter, the number of accepted nodes m. Phase 1 fills accepted[request]
+    with -1; phase 2 writes accepted[request, depth(i)] = i for every node i on the walk;
+    phase 3 (thread 0) reads the deepest one, accepted[request, m - 1], and its posterior, the
+    bonus token.
+    """
+    request = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    count = cuda.shared.array(1, int32)
+    if tid == 0:
+        count[0] = 0
+    for j in range(tid, accepted.shape[1], threads):
+        accepted[request, j] = -1
+    cuda.syncthreads()
+
+    for i in range(tid, sizes[request], threads):
+        node = i
+        depth = 0
+        on_walk = True
+        while node > 0 and on_walk:                       # climb to the root, checking each edge
+            parent = parents[request, node]
+            on_walk = parent >= 0 and tokens[request, node] == posterior[request, parent]
+            node = parent
+            depth += 1
+        if on_walk:
+            accepted[request, depth] = i
+            cuda.atomic.add(count, 0, 1)
+    cuda.syncthreads()
+
+    if tid == 0:
+        kept = count[0]
+        lengths[request] = kept
+        bonus[request] = posterior[request, accepted[request, kept - 1]]
+# --8<-- [end:_accept_kernel]
+
+
+def _accept_threads(width: int) -> int:
+    threads = 32
+    while threads < min(width, _MAX_THREADS):
+        threads *= 2
+    return threads
+
+
+def check_batch(tokens, parents, sizes, posterior):
+    """Validate a batch; host arrays also get the tree checks (parents, distinct sibling tokens)."""
+    on_device = [is_device_array(a) for a in (tokens, parents, sizes, posterior)]
+    if any(on_device) and not all(on_device):
+        raise ValueError("tokens, parents, sizes and posterior must all be host or all device arrays")
+    if not any(on_device):
+        tokens, parents, sizes, posterior = (np.asarray(a) for a in (tokens, parents, sizes, posterior))
+    shape = tokens.shape
+    for name, array in (("tokens", tokens), ("parents", parents), ("posterior", posterior)):
+        if len(array.shape) != 2 or array.shape != shape or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{name} must be a (Bq, N) integer array like tokens {shape}, "
+                             f"got {array.dtype} {array.shape}")
+    if sizes.shape != shape[:1] or not np.issubdtype(sizes.dtype, np.integer):
+        raise ValueError(f"sizes must be {shape[:1]} integers, got {sizes.dtype} {sizes.shape}")
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"accept_batch needs at least one request and one node, got shape {shape}")
+    if all(on_device):                           # value checks would need host copies
+        if any(a.dtype != np.int64 for a in (tokens, parents, sizes, posterior)):
+            raise ValueError("device tokens, parents, sizes and posterior must be int64")
+        return tokens, parents, sizes, posterior
+    if sizes.min() < 1 or sizes.max() > shape[1]:
+        raise ValueError(f"sizes must lie in [1, {shape[1]}], got {sizes.tolist()}")
+    check_parents(parents)
+    for b, size in enumerate(sizes):
+        if np.any(parents[b, 1:size] < 0):
+            raise ValueError(f"parents[{b}, 1:{size}] must be >= 0 (only the root has no parent)")
+        edges = np.stack([parents[b, 1:size], tokens[b, 1:size]], axis=1)    # [n, 2] (parent, token)
+        if np.unique(edges, axis=0).shape[0] != edges.shape[0]:
+            raise ValueError(f"tokens[{b}]: siblings must carry distinct tokens")
+    return tokens, parents, sizes, posterior
+
+
+# --8<-- [start:accept_batch]
+def accept_batch(tokens, parents, sizes, posterior):
+    """Bq trees at once: tokens, parents, posterior (Bq, N) padded, sizes (Bq,).
+
+    Returns (accepted (Bq, N) int64 padded with -1, lengths (Bq,) = m, bonus (Bq,) tokens).
+    Host in, host out; device in, device out.
+    """
+    tokens, parents, sizes, posterior = check_batch(tokens, parents, sizes, posterior)
+    count, width = tokens.shape
+    accepted = poisoned((count, width), np.int64)                             # [Bq, N]
+    lengths = poisoned((count,), np.int64)                                    # [Bq]
+    bonus = poisoned((count,), np.int64)                                      # [Bq]
+    _accept_kernel[count, _accept_threads(width)](
+        to_device(tokens, np.int64), to_device(parents, np.int64), to_device(sizes, np.int64),
+        to_device(posterior, np.int64), accepted, lengths, bonus)
+    return (to_host_if(accepted, tokens), to_host_if(lengths, tokens), to_host_if(bonus, tokens))
+# --8<-- [end:accept_batch]
+
+
+# --8<-- [start:accept]
+def accept(tree: DraftTree, posterior_tokens):
+    """One tree: (accepted node indices (m,) int64 starting with 0, bonus token int), on the host.
+
+    A device ``posterior_tokens`` is copied to the host (N integers): the result is host-side.
+    """
+    if is_device_array(posterior_tokens):
+        posterior_tokens = posterior_tokens.copy_to_host()
+    posterior = check_posterior(tree, posterior_tokens)                       # [N]
+    accepted, lengths, bonus = accept_batch(tree.tokens[None], tree.parents[None],
+                                            np.array([tree.size], np.int64), posterior[None])
+    return accepted[0, :lengths[0]].copy(), int(bonus[0])
+# --8<-- [end:accept]

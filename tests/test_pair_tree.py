@@ -1,0 +1,231 @@
+"""Equivalence: kernels/tree.py (numba.cuda) against ddtree/tree.py (numpy).
+
+Discrete results (tokens, parents, depths, ranks, sizes, masks) must be equal, and so must the
+float32 weights, bit for bit: both sides add the same two float32 numbers for every node (the
+path sum root to leaf) and break ties by the same rank-tuple rule. So everything is compared
+with assert_exact, ties included.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from numba import cuda
+
+from ddtree import tree as reference
+from kernels import tree as kernel
+from kernels.device import is_device_array
+from tests.helpers import assert_exact
+from tests.test_tree import (
+    BAD_INPUTS,
+    ancestor_mask,
+    bad_case,
+    candidate_sets,
+    check_tree,
+    make_candidates,
+    random_parents,
+)
+
+FIELDS = [field.name for field in dataclasses.fields(reference.DraftTree)]
+
+
+def assert_same_tree(actual, expected):
+    assert isinstance(actual, reference.DraftTree)
+    for name in FIELDS:
+        a, e = getattr(actual, name), getattr(expected, name)
+        assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != {e.dtype}"
+        assert_exact(a, e, name)
+
+
+# (L, K, kind, budget): irregular sizes; ties; the heap emptying; a chain; root-only trees
+CASES = [
+    (3, 4, "random", 11),
+    (4, 3, "equal", 17),       # equal weights per depth: the tie rule everywhere
+    (3, 2, "zero", 20),        # all weights 0: pure rank-tuple order; 14 nodes, then the heap empties
+    (3, 4, "repeated", 14),
+    (3, 4, "neginf", 9),
+    (5, 1, "random", 3),       # K = 1: a chain cut by the budget
+    (2, 3, "random", 50),      # budget above the 12 possible nodes
+    (3, 3, "random", 1),
+    (3, 3, "random", 0),       # root only
+    (0, 3, "random", 5),       # L = 0: root only
+]
+
+
+@pytest.mark.parametrize("depths, k, kind, budget", CASES)
+def test_build_tree_matches_reference(depths, k, kind, budget):
+    top_logprobs, top_ids = make_candidates(np.random.default_rng([depths, k, budget]), depths, k, kind)
+    expected = reference.build_tree(7, top_logprobs, top_ids, budget)
+    assert_same_tree(kernel.build_tree(7, top_logprobs, top_ids, budget), expected)
+
+
+def test_build_trees_batch_of_different_trees():
+    rng = np.random.default_rng(10)
+    cases = [make_candidates(rng, 4, 3, kind) for kind in ("random", "equal", "repeated")]
+    top_logprobs = np.stack([lp for lp, _ in cases])                         # [3, L, K]
+    top_ids = np.stack([ids for _, ids in cases])
+    roots = np.array([5, 0, 96])
+    trees = kernel.build_trees(roots, top_logprobs, top_ids, 13)
+    assert len(trees) == 3
+    for b in range(3):
+        assert_same_tree(trees[b], reference.build_tree(int(roots[b]), top_logprobs[b], top_ids[b], 13))
+
+
+def test_heap_emptying_at_different_sizes_in_one_batch():
+    rng = np.random.default_rng(11)
+    chain_lp, chain_ids = make_candidates(rng, 3, 2, "random")
+    chain_lp[:, 1] = -np.inf                      # rank 1 still counts as a candidate (weight -inf)
+    lp2, ids2 = make_candidates(rng, 3, 2, "zero")
+    trees = kernel.build_trees(np.array([1, 2]), np.stack([chain_lp, lp2]), np.stack([chain_ids, ids2]), 20)
+    assert [t.size for t in trees] == [15, 15]
+    for tree, (lp, ids) in zip(trees, [(chain_lp, chain_ids), (lp2, ids2)], strict=True):
+        check_tree(tree, int(tree.tokens[0]), lp, ids, 20)
+
+
+def max_frontier(tree: reference.DraftTree, depths: int, k: int) -> int:
+    """Largest number of live candidates while building ``tree``: each pop frees one, pushes <= 2."""
+    live = largest = 1
+    for i in range(1, tree.size):
+        live += -1 + int(tree.ranks[i] + 1 < k) + int(tree.depths[i] < depths)
+        largest = max(largest, live)
+    return largest
+
+
+def test_strided_frontier_scan():
+    # all 40 depth-1 tokens outweigh every depth-2 one: the frontier grows to 40 entries for 32
+    # threads, so threads scan two slots before the reduction; then 40 tied depth-2 candidates
+    rng = np.random.default_rng(12)
+    top_logprobs = np.array([[-0.1] * 40, [-5.0] * 40], np.float32)
+    top_ids = np.stack([rng.permutation(100)[:40] for _ in range(2)])
+    expected = reference.build_tree(3, top_logprobs, top_ids, 45)
+    assert max_frontier(expected, 2, 40) > 32
+    out = kernel.TreeBatch(*(cuda.device_array((1, 46), np.int64) for _ in range(4)),
+                           logprobs=cuda.device_array((1, 46), np.float32),
+                           sizes=cuda.device_array(1, np.int64))
+    out = kernel._launch_build(np.array([3]), top_logprobs[None], top_ids[None], 45, out, threads=32)
+    assert_same_tree(kernel.trees_from_batch(out)[0], expected)
+
+
+def test_every_output_element_is_written():
+    # prefill with values the kernel never writes: any survivor is an unwritten element
+    rng = np.random.default_rng(13)
+    cases = [make_candidates(rng, 3, 3, kind) for kind in ("random", "zero")]
+    lp, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases])
+    budget, shape = 12, (2, 13)
+    out = kernel.TreeBatch(*(cuda.to_device(np.full(shape, 7777, np.int64)) for _ in range(4)),
+                           logprobs=cuda.to_device(np.full(shape, np.nan, np.float32)),
+                           sizes=cuda.to_device(np.full(2, 7777, np.int64)))
+    out = kernel._launch_build(np.array([1, 2]), lp, ids, budget, out)
+    host = {name: array.copy_to_host() for name, array in out._asdict().items()}
+    for name, array in host.items():
+        assert not np.any(array == 7777) and not np.isnan(array).any(), f"{name} has unwritten elements"
+    sizes = host["sizes"]
+    assert sizes[1] == 13 and sizes[0] == reference.build_tree(1, lp[0], ids[0], budget).size
+    pad = np.arange(13)[None] >= sizes[:, None]                              # [2, W] padding slots
+    assert np.all(host["tokens"][pad] == 0) and np.all(host["parents"][pad] == -1)
+    assert np.all(host["depths"][pad] == 0) and np.all(host["ranks"][pad] == -1)
+    assert np.all(np.isneginf(host["logprobs"][pad]))
+
+
+def test_build_is_deterministic():
+    top_logprobs, top_ids = make_candidates(np.random.default_rng(14), 4, 3, "equal")
+    first = kernel.build_tree(0, top_logprobs, top_ids, 16)
+    assert_same_tree(kernel.build_tree(0, top_logprobs, top_ids, 16), first)
+
+
+def test_device_inputs_give_device_outputs():
+    rng = np.random.default_rng(15)
+    cases = [make_candidates(rng, 3, 3) for _ in range(2)]
+    lp, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases])
+    batch = kernel.build_trees_device(cuda.to_device(np.array([4, 5])), cuda.to_device(lp),
+                                      cuda.to_device(ids), 6)
+    assert all(is_device_array(array) for array in batch)
+    assert batch.tokens.shape == (2, 7)
+    for b, tree in enumerate(kernel.trees_from_batch(batch)):
+        assert_same_tree(tree, reference.build_tree(4 + b, lp[b], ids[b], 6))
+    assert_same_tree(kernel.build_tree(4, cuda.to_device(lp[0]), cuda.to_device(ids[0]), 6),
+                     reference.build_tree(4, lp[0], ids[0], 6))
+    with pytest.raises(ValueError, match="float32/int64"):
+        kernel.build_trees_device(np.array([4]), cuda.to_device(lp[:1].astype(np.float64)),
+                                  cuda.to_device(ids[:1]), 6)
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_inputs_raise_like_the_reference(name):
+    with pytest.raises(ValueError, match=BAD_INPUTS[name]):
+        kernel.build_tree(*bad_case(name))
+
+
+def test_budget_limit():
+    lp, ids = make_candidates(np.random.default_rng(16), 2, 2)
+    with pytest.raises(ValueError, match=f"budget must be <= {kernel.MAX_BUDGET}"):
+        kernel.build_tree(0, lp, ids, kernel.MAX_BUDGET + 1)
+    with pytest.raises(ValueError, match="root_tokens"):
+        kernel.build_trees(np.array([1, 2]), lp[None], ids[None], 3)
+
+
+@settings(max_examples=6, deadline=None)
+@given(candidate_sets())
+def test_property_matches_reference(case):
+    top_logprobs, top_ids, budget = case
+    assert_same_tree(kernel.build_tree(3, top_logprobs, top_ids, budget),
+                     reference.build_tree(3, top_logprobs, top_ids, budget))
+
+
+# ----------------------------------------------------------------------------------------------
+# visibility
+
+@pytest.mark.parametrize("size, padding", [(1, 0), (5, 2), (19, 0)])
+def test_visibility_matches_reference(size, padding):
+    parents = random_parents(np.random.default_rng(size), size, padding)
+    vis = kernel.visibility(parents)
+    assert isinstance(vis, np.ndarray) and vis.dtype == np.bool_
+    assert_exact(vis, reference.visibility(parents))
+    assert_exact(vis, ancestor_mask(parents))
+
+
+def test_visibility_batch_device_and_every_element_written():
+    rng = np.random.default_rng(17)
+    batch = np.stack([random_parents(rng, 6, 3), random_parents(rng, 9)])
+    expected = reference.visibility(batch)
+    assert_exact(kernel.visibility(batch), expected)
+    device_vis = kernel.visibility(cuda.to_device(batch))
+    assert is_device_array(device_vis)
+    assert_exact(device_vis.copy_to_host(), expected)
+    assert_exact(kernel.visibility(cuda.to_device(batch[1])).copy_to_host(), expected[1])
+    for fill in (True, False):                    # both prefills give the same mask: all written
+        out = cuda.to_device(np.full((2, 9, 9), fill))
+        assert_exact(kernel._launch_visibility(cuda.to_device(batch), out).copy_to_host(), expected)
+    with pytest.raises(ValueError, match="parents"):
+        kernel.visibility(np.array([-1, 1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# the real GPU: the engine's sizes
+
+def check_batch_against_reference(requests, depths, vocab, k, budget, seed):
+    rng = np.random.default_rng(seed)
+    lp, ids = zip(*(reference.top_candidates(rng.standard_normal((depths, vocab)).astype(np.float32) * 3, k)
+                    for _ in range(requests)), strict=True)
+    lp, ids = np.stack(lp), np.stack(ids)
+    roots = rng.integers(0, vocab, requests)
+    trees = kernel.build_trees(roots, lp, ids, budget)
+    for b in range(requests):
+        assert_same_tree(trees[b], reference.build_tree(int(roots[b]), lp[b], ids[b], budget))
+    return trees
+
+
+def test_batch_from_top_candidates_small():
+    check_batch_against_reference(requests=2, depths=3, vocab=40, k=5, budget=9, seed=18)
+
+
+@pytest.mark.gpu
+def test_build_trees_engine_size():
+    check_batch_against_reference(requests=64, depths=15, vocab=4096, k=256, budget=256, seed=19)
+
+
+@pytest.mark.gpu
+def test_build_trees_max_budget():
+    check_batch_against_reference(requests=4, depths=15, vocab=4096, k=1024, budget=kernel.MAX_BUDGET,
+                                  seed=20)
