@@ -1,0 +1,262 @@
+"""kernels/mla.py (numba.cuda) against ddtree/mla.py (numpy): absorbed MLA attention and projections.
+
+Tolerance: the kernels sum float32 dot products (R + dr terms, then up to S weighted rows) in a
+different order from numpy's einsum, and rescale an online softmax tile by tile; both sides
+stay within a few float32 ulps of the exact result. Outputs are O(0.1..1), so rtol 1e-5 with
+atol 1e-6 (for entries that cancel to near zero) leaves ~10x headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ddtree import mla as ref
+from ddtree.config import preset
+from ddtree.rope import softmax_scale
+from kernels import mla as gpu
+from kernels.device import is_device_array, to_device
+from tests.helpers import assert_close, assert_exact
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def tree_visibility(parents: np.ndarray) -> np.ndarray:
+    """Ancestor mask of a tree given parents (parent[i] < i): row i sees itself and its ancestors."""
+    rows = parents.size
+    visible = np.zeros((rows, rows), dtype=bool)
+    for i in range(rows):
+        if parents[i] >= 0:
+            visible[i, :i] = visible[parents[i], :i]
+        visible[i, i] = True
+    return visible
+
+
+def random_parents(rng: np.random.Generator, rows: int) -> np.ndarray:
+    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, rows)])
+
+
+def make_mask(kind: str, rows: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "causal":
+        return ref.causal_visibility(rows)
+    if kind == "tree":
+        return tree_visibility(random_parents(rng, rows))
+    if kind == "self":              # causal, but every other row is a padded row that sees only itself
+        visible = ref.causal_visibility(rows)
+        visible[1::2] = np.eye(rows, dtype=bool)[1::2]
+        return visible
+    if kind == "tail-self":         # the last two rows see only themselves: their first tile is all masked
+        visible = ref.causal_visibility(rows)
+        visible[-2:] = np.eye(rows, dtype=bool)[-2:]
+        return visible
+    if kind == "prefix-only":       # no new row visible at all: every row attends to the prefix only
+        return np.zeros((rows, rows), dtype=bool)
+    raise ValueError(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    rows: int              # T
+    prefix: int            # P
+    mask: str
+    heads: int = 3         # H
+    rank: int = 24         # R
+    rope: int = 6          # dr
+    threads: int = 32      # block size = key tile
+    spare: int = 3         # cache slots past S, poisoned with NaN (never read)
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    Case("prefill-causal", rows=7, prefix=0, mask="causal"),
+    Case("causal-after-prefix", rows=5, prefix=37, mask="causal"),           # 42 keys: 2 tiles
+    Case("decode-one-row", rows=1, prefix=45, mask="causal"),
+    Case("tree-after-prefix", rows=9, prefix=20, mask="tree"),
+    Case("tree-no-prefix", rows=6, prefix=0, mask="tree", heads=2),
+    Case("self-only-no-prefix", rows=5, prefix=0, mask="self", heads=2),
+    Case("self-only-after-prefix", rows=4, prefix=11, mask="self", rank=13, rope=4),
+    Case("prefix-only", rows=3, prefix=5, mask="prefix-only", heads=2),
+    Case("masked-first-tile", rows=34, prefix=0, mask="tail-self", heads=1, rank=8, rope=2),
+    Case("tile-64", rows=3, prefix=70, mask="tree", heads=2, rank=10, rope=4, threads=64),
+    Case("tile-128", rows=2, prefix=130, mask="causal", heads=1, rank=9, rope=2, threads=128),
+]
+
+
+def make_inputs(case: Case, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    keys = case.prefix + case.rows
+    q_lat = rng.standard_normal((case.rows, case.heads, case.rank)).astype(np.float32)
+    q_pe = rng.standard_normal((case.rows, case.heads, case.rope)).astype(np.float32)
+    cache_latent = np.full((keys + case.spare, case.rank), np.nan, np.float32)
+    cache_rope = np.full((keys + case.spare, case.rope), np.nan, np.float32)
+    cache_latent[:keys] = rng.standard_normal((keys, case.rank))
+    cache_rope[:keys] = rng.standard_normal((keys, case.rope))
+    visible = make_mask(case.mask, case.rows, rng)
+    scale = 1.0 / np.sqrt(case.rank + case.rope)
+    return q_lat, q_pe, cache_latent, cache_rope, case.prefix, visible, scale
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_attention_absorb_matches_numpy(case):
+    q_lat, q_pe, latent, rope, prefix, visible, scale = make_inputs(case)
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale)
+    actual = gpu.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=case.threads)
+    assert isinstance(actual, np.ndarray)
+    assert np.isfinite(actual).all(), "some output was not written (the buffer starts as NaN)"
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"o_lat {case}")
+
+
+def test_self_only_row_returns_its_own_latent():
+    """A row that sees only itself (no prefix) puts probability 1 on its own cache row."""
+    case = Case("self", rows=5, prefix=0, mask="self", heads=2)
+    q_lat, q_pe, latent, rope, prefix, visible, scale = make_inputs(case)
+    out = gpu.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
+    for row in (1, 3):
+        assert_close(out[row], np.broadcast_to(latent[row], out[row].shape), rtol=RTOL, atol=ATOL)
+
+
+def test_masked_cache_rows_are_never_read():
+    """New key 2 is visible to no row; NaN in its cache row must not reach any output."""
+    case = Case("hidden-key", rows=4, prefix=6, mask="causal", heads=2)
+    q_lat, q_pe, latent, rope, prefix, visible, scale = make_inputs(case, seed=3)
+    visible[:, 2] = False
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale)
+    latent[prefix + 2] = np.nan
+    rope[prefix + 2] = np.nan
+    actual = gpu.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+SMALL = Case("small-tree", rows=4, prefix=33, mask="tree", heads=2)       # 37 keys: 2 tiles of 32
+
+
+def test_attention_is_deterministic():
+    inputs = make_inputs(SMALL, seed=5)
+    first = gpu.attention_absorb(*inputs, threads=32)
+    second = gpu.attention_absorb(*inputs, threads=32)
+    assert_exact(first.view(np.uint32), second.view(np.uint32), name="bits of o_lat")
+
+
+def test_device_arrays_stay_on_the_device():
+    q_lat, q_pe, latent, rope, prefix, visible, scale = make_inputs(SMALL, seed=7)
+    host = gpu.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
+    out = gpu.attention_absorb(to_device(q_lat), to_device(q_pe), to_device(latent), to_device(rope),
+                               prefix, visible, scale, threads=32)
+    assert is_device_array(out)
+    assert_exact(out.copy_to_host().view(np.uint32), host.view(np.uint32), name="bits, device vs host")
+    w_uk = np.random.default_rng(8).standard_normal((3, 5, 24)).astype(np.float32)
+    q_nope = np.random.default_rng(9).standard_normal((5, 3, 5)).astype(np.float32)
+    q_dev = gpu.absorb_query(to_device(q_nope), to_device(w_uk))
+    assert is_device_array(q_dev)
+    o_dev = gpu.absorb_output(q_dev, to_device(w_uk))
+    assert is_device_array(o_dev)
+    assert_close(o_dev.copy_to_host(), ref.absorb_output(ref.absorb_query(q_nope, w_uk), w_uk),
+                 rtol=RTOL, atol=ATOL)
+
+
+# T, H, dn (or dv), R: irregular, and R or dv spanning more than one block of 32 threads
+PROJECTION_SHAPES = [(1, 1, 3, 5), (5, 3, 7, 24), (2, 2, 33, 40), (3, 1, 70, 9)]
+
+
+@pytest.mark.parametrize("rows, heads, width, rank", PROJECTION_SHAPES)
+def test_absorb_query_matches_numpy(rows, heads, width, rank):
+    rng = np.random.default_rng(rows * 100 + rank)
+    q_nope = rng.standard_normal((rows, heads, width)).astype(np.float32)
+    w_uk = rng.standard_normal((heads, width, rank)).astype(np.float32)
+    actual = gpu.absorb_query(q_nope, w_uk)
+    assert_close(actual, ref.absorb_query(q_nope, w_uk), rtol=RTOL, atol=ATOL, name="q_lat")
+    assert_exact(gpu.absorb_query(q_nope, w_uk).view(np.uint32), actual.view(np.uint32), name="rerun bits")
+
+
+@pytest.mark.parametrize("rows, heads, width, rank", PROJECTION_SHAPES)
+def test_absorb_output_matches_numpy(rows, heads, width, rank):
+    rng = np.random.default_rng(rows * 100 + rank + 1)
+    o_lat = rng.standard_normal((rows, heads, rank)).astype(np.float32)
+    w_uv = rng.standard_normal((heads, width, rank)).astype(np.float32)
+    actual = gpu.absorb_output(o_lat, w_uv)
+    assert_close(actual, ref.absorb_output(o_lat, w_uv), rtol=RTOL, atol=ATOL, name="o")
+    assert_exact(gpu.absorb_output(o_lat, w_uv).view(np.uint32), actual.view(np.uint32), name="rerun bits")
+
+
+def numpy_error(call) -> str:
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("visible", [
+    np.array([[True, False], [False, False]]),          # row 1 sees nothing and there is no prefix
+    np.ones((2, 3), dtype=bool),                         # wrong shape
+    np.ones((2, 2), dtype=np.int8),                      # wrong dtype
+], ids=["all-masked-row", "shape", "dtype"])
+def test_bad_masks_raise_like_numpy(visible):
+    q = np.ones((2, 1, 4), np.float32)
+    q_pe = np.ones((2, 1, 2), np.float32)
+    latent, rope = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
+    expected = numpy_error(lambda: ref.attention_absorb(q, q_pe, latent, rope, 0, visible, 1.0))
+    actual = numpy_error(lambda: gpu.attention_absorb(q, q_pe, latent, rope, 0, visible, 1.0))
+    assert actual == expected
+
+
+def test_bad_shapes_are_named():
+    q, q_pe = np.ones((2, 1, 4), np.float32), np.ones((2, 1, 2), np.float32)
+    latent, rope = np.ones((5, 4), np.float32), np.ones((5, 2), np.float32)
+    visible = ref.causal_visibility(2)
+    with pytest.raises(ValueError, match="cache_latent must be"):
+        gpu.attention_absorb(q, q_pe, latent[:3], rope, 2, visible, 1.0)        # 4 keys, 3 rows
+    with pytest.raises(ValueError, match="cache_rope must be"):
+        gpu.attention_absorb(q, q_pe, latent, np.ones((5, 3), np.float32), 0, visible, 1.0)
+    with pytest.raises(ValueError, match="q_pe must be"):
+        gpu.attention_absorb(q, np.ones((2, 2, 2), np.float32), latent, rope, 0, visible, 1.0)
+    with pytest.raises(ValueError, match="threads must be"):
+        gpu.attention_absorb(q, q_pe, latent, rope, 0, visible, 1.0, threads=48)
+    with pytest.raises(ValueError, match="prefix_len must be"):
+        gpu.attention_absorb(q, q_pe, latent, rope, -1, visible, 1.0)
+    with pytest.raises(ValueError, match="q_lat must be float32 on the device"):
+        gpu.attention_absorb(to_device(q.astype(np.float64)), q_pe, latent, rope, 0, visible, 1.0)
+    with pytest.raises(ValueError, match="w_uk must be"):
+        gpu.absorb_query(np.ones((2, 3, 4), np.float32), np.ones((3, 5, 6), np.float32))
+    with pytest.raises(ValueError, match="w_uv must be"):
+        gpu.absorb_output(np.ones((2, 3, 4), np.float32), np.ones((3, 5, 6), np.float32))
+
+
+def test_empty_rows():
+    q = np.zeros((0, 2, 4), np.float32)
+    out = gpu.attention_absorb(q, np.zeros((0, 2, 2), np.float32), np.ones((3, 4), np.float32),
+                               np.ones((3, 2), np.float32), 3, np.zeros((0, 0), bool), 1.0)
+    assert out.shape == (0, 2, 4)
+
+
+# --- Kimi K2.6 per-layer dimensions: real GPU only ----------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_attention_absorb_kimi_dims(rows):
+    config = preset("kimi-k2.6")
+    heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    prefix = 4096
+    rng = np.random.default_rng(rows)
+    keys = prefix + rows
+    # q ~ 0.2 N(0, 1) gives scores with a standard deviation of ~0.7 at the YaRN softmax scale
+    q_lat = rng.standard_normal((rows, heads, rank), dtype=np.float32) * np.float32(0.2)
+    q_pe = rng.standard_normal((rows, heads, rope_dim), dtype=np.float32) * np.float32(0.2)
+    latent = np.full((keys + 64, rank), np.nan, np.float32)
+    rope = np.full((keys + 64, rope_dim), np.nan, np.float32)
+    latent[:keys] = rng.standard_normal((keys, rank), dtype=np.float32)
+    rope[:keys] = rng.standard_normal((keys, rope_dim), dtype=np.float32)
+    visible = tree_visibility(random_parents(rng, rows))
+    scale = softmax_scale(config)
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale)
+    actual = gpu.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name="o_lat, Kimi K2.6 dims")
+    w_uk = rng.standard_normal((heads, config.qk_nope_head_dim, rank), dtype=np.float32)
+    q_nope = rng.standard_normal((rows, heads, config.qk_nope_head_dim), dtype=np.float32)
+    # 128-term (query) and 512-term (output) dots of O(1) values: rtol 1e-5 after an atol of 1e-5
+    assert_close(gpu.absorb_query(q_nope, w_uk), ref.absorb_query(q_nope, w_uk), rtol=RTOL, atol=1e-5)
+    w_uv = rng.standard_normal((heads, config.v_head_dim, rank), dtype=np.float32)
+    assert_close(gpu.absorb_output(actual, w_uv), ref.absorb_output(actual, w_uv), rtol=RTOL, atol=1e-5)

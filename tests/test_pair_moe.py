@@ -1,0 +1,320 @@
+"""kernels/moe.py (numba.cuda) against ddtree/moe.py (numpy): routing, SwiGLU, the MoE layer.
+
+Expert ids must match numpy exactly. The router's gate logits are float32 dots summed in a
+different order than numpy's matmul, so random tests use data whose routing decisions are
+separated by far more than that noise (checked as a precondition, in float64), and tie tests
+build scores that are equal by construction (x = 0, or one shared logit, plus crafted biases).
+
+Tolerance: weights are a few float32 operations on the sigmoid scores: rtol 1e-5. Layer outputs
+are O(1) sums of D- and F-term float32 dots whose order differs from numpy's BLAS, and some
+entries cancel to near zero: rtol 1e-5 with atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from ddtree import moe as ref
+from ddtree.config import ModelConfig, preset
+from kernels import moe as gpu
+from kernels.device import is_device_array, to_device
+from tests.helpers import assert_close, assert_exact
+
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def config_with(base: str = "tiny-b", **change) -> ModelConfig:
+    """tiny-b: 12 experts in 4 groups of 3, keep 2 groups, top-3, scaled by 2.827."""
+    values = preset(base).to_dict()
+    values.update(change)
+    return ModelConfig.from_dict(values)
+
+
+def crafted_router(scores: np.ndarray, width: int = 5):
+    """x (1, width) and gate (E, width) whose sigmoid scores are ``scores``: one logit per expert."""
+    gate = np.zeros((scores.size, width), np.float32)
+    gate[:, 0] = np.log(scores / (1 - scores))
+    x = np.zeros((1, width), np.float32)
+    x[0, 0] = 1.0
+    return x, gate
+
+
+def route_both(x, gate, bias, config, **kw):
+    """Kernel and numpy routing; ids must agree exactly, weights to rtol."""
+    ids, weights = gpu.route(x, gate, bias, config, **kw)
+    ref_ids, ref_weights = ref.route(x, gate, bias, config)
+    assert ids.dtype == np.int64 and weights.dtype == np.float32
+    assert_exact(ids, ref_ids, name="expert ids")
+    assert_close(weights, ref_weights, rtol=RTOL, atol=1e-7, name="routing weights")
+    return ids, weights
+
+
+def assert_well_separated(x, gate, bias, config, gap=1e-4):
+    """Test-data precondition: no routing decision is within ``gap`` of a tie (float64 recompute).
+
+    Checks the group scores around the topk_group cut and the kept experts' choices among the
+    top k + 1 (their order and the cut); float32 summation noise is ~1e-6 here.
+    """
+    logits = x.astype(np.float64) @ gate.astype(np.float64).T
+    choice = 1 / (1 + np.exp(-logits)) + bias                         # [T, E]
+    for row in choice:
+        if config.n_group > 1:
+            groups = np.sort(row.reshape(config.n_group, -1), axis=-1)[:, -2:].sum(-1)
+            order = np.sort(groups)[::-1]
+            assert -np.diff(order[:config.topk_group + 1]).min(initial=np.inf) > gap, "near-tie of groups"
+            kept = np.argsort(-groups, kind="stable")[:config.topk_group]
+            row = row.reshape(config.n_group, -1)[kept].ravel()
+        top = np.sort(row)[::-1][:config.num_experts_per_tok + 1]
+        assert -np.diff(top).min() > gap, "near-tie of experts: pick other test data"
+
+
+def random_router(config: ModelConfig, rows: int, width: int, seed: int):
+    rng = np.random.default_rng(seed)
+    experts = config.n_routed_experts
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    gate = (rng.standard_normal((experts, width)) / np.sqrt(width)).astype(np.float32)
+    bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
+    assert_well_separated(x, gate, bias, config)
+    return x, gate, bias
+
+
+# --- routing: crafted cases ------------------------------------------------------------------
+
+def test_groups_are_excluded_before_topk():
+    config = config_with()
+    # group 0 holds the single best expert but a weak second; groups 1 and 3 have two good ones
+    scores = np.array([0.95, 0.1, 0.1, 0.8, 0.8, 0.1, 0.2, 0.2, 0.2, 0.7, 0.75, 0.1], np.float32)
+    x, gate = crafted_router(scores)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    # group sums of top-2: g0 1.05, g1 1.6, g2 0.4, g3 1.45 -> keep g1, g3 ; expert 0 is excluded
+    assert_exact(ids[0], [3, 4, 10])
+
+
+def test_bias_changes_selection_but_not_weights():
+    config = config_with(n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=False,
+                         routed_scaling_factor=1.0)
+    scores = np.linspace(0.2, 0.8, 12).astype(np.float32)
+    x, gate = crafted_router(scores)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    assert_exact(ids[0], [11, 10])
+    bias = np.zeros(12, np.float32)
+    bias[0] = 1.0                                   # expert 0 now wins the choice...
+    ids, weights = route_both(x, gate, bias, config)
+    assert_exact(ids[0], [0, 11])
+    assert_close(weights[0], scores[[0, 11]], rtol=1e-6)   # ...but is weighed by its unbiased score
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2)])
+def test_exact_ties_go_to_the_lower_index(n_group, topk_group):
+    config = config_with(n_group=n_group, topk_group=topk_group)
+    x = np.zeros((2, 7), np.float32)                # x = 0: every score is exactly sigmoid(0) = 0.5
+    gate = np.random.default_rng(0).standard_normal((12, 7)).astype(np.float32)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    assert_exact(ids, [[0, 1, 2]] * 2)              # all tie: experts (and groups) by index
+    # ties inside the bias: experts 4, 7 and 10 share the best choice, 5 and 8 the next one
+    bias = np.zeros(12, np.float32)
+    bias[[4, 7, 10]] = 0.5
+    bias[[5, 8]] = 0.25
+    ids, _ = route_both(x, gate, bias, config)
+    # with groups: g1 and g2 score 1.0 + 0.75 (g3 1.5, g0 1.0) -> experts 3..8 -> 4, 7, then 5 before 8
+    assert_exact(ids[0], [4, 7, 5] if n_group == 4 else [4, 7, 10])
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (8, 3)])
+def test_ties_within_one_thread_go_to_the_lower_index(n_group, topk_group):
+    """48 experts on 32 threads: thread 1 scans experts 1 and 33, thread 8 scans 8 and 40."""
+    config = config_with(n_routed_experts=48, n_group=n_group, topk_group=topk_group, num_experts_per_tok=4)
+    x = np.zeros((1, 4), np.float32)
+    gate = np.ones((48, 4), np.float32)
+    bias = np.zeros(48, np.float32)
+    bias[[33, 1]] = 0.5
+    bias[[40, 8]] = 0.25
+    ids, _ = route_both(x, gate, bias, config, threads=32)
+    # 8 groups of 6: g0 (holds 1) and g5 (33) score 1.0 + 0.5, g1 (8) and g6 (40) tie at 0.75 + 0.5:
+    # keep g0, g5 and g1; the fourth pick is the first of the 0.5 ties in a kept group, expert 0
+    assert_exact(ids[0], [1, 33, 8, 0] if n_group == 8 else [1, 33, 8, 40])
+
+
+def test_group_ties_go_to_the_lower_group():
+    config = config_with()                          # keep 2 of 4 groups
+    x = np.zeros((1, 3), np.float32)
+    gate = np.zeros((12, 3), np.float32)            # every score is 0.5; biases are dyadic: exact sums
+    bias = np.array([0, 0, 0, 0.375, 0.125, 0, 0.25, 0.25, 0, 0.125, 0.375, 0], np.float32)
+    # group scores (top-2 of 0.5 + bias): g0 1.0, g1 0.875 + 0.625, g2 0.75 + 0.75, g3 0.625 + 0.875:
+    # g1, g2 and g3 tie at 1.5 -> keep g1 and g2, so expert 10 (0.875, in g3) cannot be chosen
+    ids, _ = route_both(x, gate, bias, config)
+    assert_exact(ids[0], [3, 6, 7])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_weights_normalised_and_scaled(norm):
+    config = config_with(norm_topk_prob=norm)
+    x, gate, bias = random_router(config, rows=5, width=16, seed=1)
+    ids, weights = route_both(x, gate, bias, config)
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ gate.T.astype(np.float64))))   # [T, E] unbiased
+    chosen = np.take_along_axis(scores, ids, axis=-1)                                  # [T, k]
+    if norm:
+        chosen = chosen / chosen.sum(-1, keepdims=True)
+    assert_close(weights, chosen * config.routed_scaling_factor, rtol=1e-5, atol=1e-7)
+
+
+# --- routing: random cases -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, rows, width, threads", [
+    (dict(), 7, 33, None),                                                       # 4 groups, keep 2, k=3
+    (dict(n_group=1, topk_group=1), 5, 20, None),
+    (dict(n_group=1, topk_group=1, num_experts_per_tok=1), 3, 9, None),
+    # 48 experts on 32 threads: every thread scans several experts and groups of 6
+    (dict(n_routed_experts=48, n_group=8, topk_group=3, num_experts_per_tok=5), 3, 26, 32),
+], ids=["groups", "no-groups", "top-1", "48-experts-32-threads"])
+def test_route_matches_numpy(change, rows, width, threads):
+    config = config_with(**change)
+    x, gate, bias = random_router(config, rows, width, seed=rows + width)
+    ids, weights = route_both(x, gate, bias, config, threads=threads)
+    assert (ids >= 0).all() and np.isfinite(weights).all(), "unwritten router output (-1 / NaN poison)"
+    again = gpu.route(x, gate, bias, config, threads=threads)
+    assert_exact(again[0], ids, name="ids rerun")
+    assert_exact(again[1].view(np.uint32), weights.view(np.uint32), name="weight bits rerun")
+
+
+# --- SwiGLU and the MoE layer --------------------------------------------------------------------
+
+def random_params(config: ModelConfig, width: int, seed: int, shared: bool = True) -> ref.MoEParams:
+    rng = np.random.default_rng(seed)
+    experts, features = config.n_routed_experts, config.moe_intermediate_size
+    shared_features = config.n_shared_experts * features
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    return ref.MoEParams(
+        gate=w(experts, width), bias=(rng.standard_normal(experts) * 0.1).astype(np.float32),
+        gate_proj=w(experts, features, width), up_proj=w(experts, features, width),
+        down_proj=w(experts, width, features),
+        shared_gate_proj=w(shared_features, width) if shared else None,
+        shared_up_proj=w(shared_features, width) if shared else None,
+        shared_down_proj=w(width, shared_features) if shared else None)
+
+
+@pytest.mark.parametrize("rows, width, features", [(5, 40, 24), (1, 33, 70), (3, 70, 5)])
+def test_swiglu_matches_numpy(rows, width, features):
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    gate_proj, up_proj = (rng.standard_normal((2, features, width)) / np.sqrt(width)).astype(np.float32)
+    down_proj = (rng.standard_normal((width, features)) / np.sqrt(features)).astype(np.float32)
+    actual = gpu.swiglu(x, gate_proj, up_proj, down_proj)
+    assert np.isfinite(actual).all(), "some output was not written (the buffer starts as NaN)"
+    assert_close(actual, ref.swiglu(x, gate_proj, up_proj, down_proj), rtol=RTOL, atol=ATOL)
+
+
+MOE_CASES = {   # name: (config change, T, D, shared expert)
+    "groups-shared": (dict(moe_intermediate_size=24), 5, 40, True),
+    "no-groups-no-shared": (dict(moe_intermediate_size=13, n_group=1, topk_group=1), 4, 21, False),
+    "norm-off-2-shared": (dict(moe_intermediate_size=9, norm_topk_prob=False, n_shared_experts=2),
+                          3, 17, True),
+}
+
+
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_moe_matches_numpy(name):
+    change, rows, width, shared = MOE_CASES[name]
+    config = config_with(**change)
+    params = random_params(config, width, seed=rows * width, shared=shared)
+    x = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
+    assert_well_separated(x, params.gate, params.bias, config)
+    actual = gpu.moe(x, params, config)
+    assert isinstance(actual, np.ndarray)
+    assert np.isfinite(actual).all(), "some output was not written (the buffer starts as NaN)"
+    assert_close(actual, ref.moe(x, params, config), rtol=RTOL, atol=ATOL, name=f"moe {name}")
+
+
+def test_moe_device_path_is_deterministic_and_caches_weights():
+    config = config_with(moe_intermediate_size=11)
+    params = random_params(config, 19, seed=4)
+    x = np.random.default_rng(5).standard_normal((3, 19)).astype(np.float32)
+    assert_well_separated(x, params.gate, params.bias, config)
+    host = gpu.moe(x, params, config)
+    on_device = gpu.device_params(params)
+    assert gpu.device_params(params) is on_device, "host params are copied to the device once"
+    out = gpu.moe(to_device(x), params, config)
+    assert is_device_array(out)
+    assert_exact(out.copy_to_host().view(np.uint32), host.view(np.uint32), name="bits, device vs host, rerun")
+    out = gpu.moe(to_device(x), on_device, config)                 # device-side params work as given
+    assert_exact(out.copy_to_host().view(np.uint32), host.view(np.uint32), name="bits, device params")
+    ids, weights = gpu.route(to_device(x), on_device.gate, on_device.bias, config)
+    assert is_device_array(ids) and is_device_array(weights)
+    assert_exact(ids.copy_to_host(), ref.route(x, params.gate, params.bias, config)[0])
+    key = id(params)
+    del params
+    gc.collect()
+    assert key not in gpu._DEVICE_PARAMS, "the device copy lives only as long as the params object"
+
+
+def test_swiglu_device_arrays_stay_on_the_device():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 10)).astype(np.float32)
+    gate_proj, up_proj = rng.standard_normal((2, 7, 10)).astype(np.float32)
+    down_proj = rng.standard_normal((10, 7)).astype(np.float32)
+    out = gpu.swiglu(to_device(x), to_device(gate_proj), to_device(up_proj), to_device(down_proj))
+    assert is_device_array(out)
+    assert_close(out.copy_to_host(), ref.swiglu(x, gate_proj, up_proj, down_proj), rtol=RTOL, atol=ATOL)
+
+
+def test_bad_inputs_are_named():
+    config = config_with()
+    x = np.ones((2, 8), np.float32)
+    gate, bias = np.ones((12, 8), np.float32), np.zeros(12, np.float32)
+    with pytest.raises(ValueError, match="gate must be"):
+        gpu.route(x, gate[:, :5], bias, config)
+    with pytest.raises(ValueError, match="gate must be"):
+        gpu.route(x, gate[:10], bias, config)                     # E != n_routed_experts
+    with pytest.raises(ValueError, match="bias must be"):
+        gpu.route(x, gate, bias[:11], config)
+    with pytest.raises(ValueError, match="x must be"):
+        gpu.route(x[0], gate, bias, config)
+    with pytest.raises(ValueError, match="threads must be"):
+        gpu.route(x, gate, bias, config, threads=48)
+    with pytest.raises(ValueError, match="x must be float32 on the device"):
+        gpu.route(to_device(x.astype(np.float64)), gate, bias, config)
+    with pytest.raises(ValueError, match="down_proj must be"):
+        gpu.swiglu(x, np.ones((5, 8), np.float32), np.ones((5, 8), np.float32), np.ones((5, 8), np.float32))
+    with pytest.raises(ValueError, match="up_proj must be"):
+        gpu.swiglu(x, np.ones((5, 8), np.float32), np.ones((4, 8), np.float32), np.ones((8, 5), np.float32))
+    params = random_params(config_with(moe_intermediate_size=4), 8, seed=0)
+    with pytest.raises(ValueError, match="params.down_proj must be"):
+        gpu.moe(x, ref.MoEParams(**{**vars(params), "down_proj": params.up_proj}), config)
+    with pytest.raises(ValueError, match="all arrays or all None"):
+        gpu.moe(x, ref.MoEParams(**{**vars(params), "shared_up_proj": None}), config)
+    with pytest.raises(ValueError, match="shared expert: down_proj must be"):
+        gpu.moe(x, ref.MoEParams(**{**vars(params), "shared_down_proj": params.shared_gate_proj}), config)
+
+
+# --- Kimi K2.6 per-layer dimensions: real GPU only ------------------------------------------------
+
+@pytest.mark.gpu
+def test_route_kimi_dims():
+    config = preset("kimi-k2.6")                    # E = 384, k = 8, D = 7168, no groups
+    x, gate, bias = random_router(config, rows=16, width=config.hidden_size, seed=11)
+    route_both(x, gate, bias, config)
+
+
+@pytest.mark.gpu
+def test_moe_kimi_dims_reduced_experts():
+    """D = 7168, F = 2048, k = 8 and the shared expert, with 16 routed experts instead of 384:
+    the full stack is 384 * 3 * 2048 * 7168 floats = 67 GB, 16 experts keep it at 2.8 GB."""
+    config = config_with("kimi-k2.6", n_routed_experts=16)
+    params = random_params(config, config.hidden_size, seed=12)
+    x = np.random.default_rng(13).standard_normal((4, config.hidden_size)).astype(np.float32)
+    assert_well_separated(x, params.gate, params.bias, config)
+    # 7168- and 2048-term sequential float32 dots: atol scaled to the output's size (a numpy
+    # emulation of the kernels' summation order, without FMA, used a fifth of this budget)
+    expected = ref.moe(x, params, config)
+    assert_close(gpu.moe(x, params, config), expected, rtol=RTOL,
+                 atol=1e-5 * float(np.abs(expected).max()), name="moe K2.6")
+    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+    expected = ref.swiglu(x, *shared)
+    assert_close(gpu.swiglu(x, *shared), expected, rtol=RTOL,
+                 atol=1e-5 * float(np.abs(expected).max()), name="swiglu K2.6")
