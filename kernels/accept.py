@@ -22,7 +22,7 @@ from kernels.device import is_device_array, poisoned, to_device, to_host_if
 _MAX_THREADS = 128
 
 
-# --8<-- [start:_accept_kernel]
+# --8<-- [start:accept_kernel]
 @cuda.jit
 def _accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
     """One block per request; thread t checks nodes t, t + blockDim, ... below sizes[request].
@@ -60,7 +60,7 @@ def _accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
         kept = count[0]
         lengths[request] = kept
         bonus[request] = posterior[request, accepted[request, kept - 1]]
-# --8<-- [end:_accept_kernel]
+# --8<-- [end:accept_kernel]
 
 
 def _accept_threads(width: int) -> int:

@@ -74,6 +74,28 @@ def to_host_if(result, *inputs):
     return result.copy_to_host()
 
 
+def check_float32(**arrays) -> None:
+    """Device arrays are used as they are (no conversion), so they must already be float32."""
+    for name, x in arrays.items():
+        if is_device_array(x) and x.dtype != np.float32:
+            raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
+
+
+def pow2_threads(count: int, maximum: int = 128) -> int:
+    """Block size for a reduction over ``count`` items: the smallest power of two >= count, in
+    [32, maximum]. A block never has many more threads than work: idle threads still pay for every
+    barrier (on hardware a little, in the simulator a whole Python thread)."""
+    threads = 32
+    while threads < min(count, maximum):
+        threads *= 2
+    return threads
+
+
+def row_threads(count: int, maximum: int = 128) -> int:
+    """Threads per block for a row of ``count`` independent outputs: whole warps, at most ``maximum``."""
+    return min(maximum, 32 * blocks(count, 32))
+
+
 def blocks(count: int, threads: int) -> int:
     """Blocks of ``threads`` needed to cover ``count`` items (at least one)."""
     return max(1, (count + threads - 1) // threads)

@@ -31,7 +31,7 @@ from kernels.device import is_device_array, poisoned, to_device
 THREADS = 128
 
 
-# --8<-- [start:_copy_rows_kernel]
+# --8<-- [start:copy_rows_kernel]
 @cuda.jit
 def _copy_rows_kernel(src_latent, src_rope, src_rows, dst_latent, dst_rope, dst_rows):
     """Block (j, layer): copy row src_rows[j] of src to row dst_rows[j] of dst, latent and rope.
@@ -48,7 +48,7 @@ def _copy_rows_kernel(src_latent, src_rope, src_rows, dst_latent, dst_rope, dst_
         dst_latent[layer, dst, c] = src_latent[layer, src, c]
     for c in range(tid, src_rope.shape[2], threads):
         dst_rope[layer, dst, c] = src_rope[layer, src, c]
-# --8<-- [end:_copy_rows_kernel]
+# --8<-- [end:copy_rows_kernel]
 
 
 def _gather_then_write(latent, rope, start: int, accepted: np.ndarray) -> None:

@@ -28,11 +28,20 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.device import blocks, check_threads, is_device_array, poisoned, to_device, to_host_if
+from kernels.device import (
+    blocks,
+    check_float32,
+    check_threads,
+    is_device_array,
+    poisoned,
+    pow2_threads,
+    to_device,
+    to_host_if,
+)
 
 TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x TILE threads
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
-THREADS = 128       # GEMV, embed and argmax: threads per block
+THREADS = 128       # embed: threads per block (GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
 VERSIONS = ("gemm", "gemv")
 
@@ -44,10 +53,6 @@ def _host_or_device(array, dtype=None):
     return array if is_device_array(array) else np.asarray(array, dtype=dtype)
 
 
-def _require_float32(**arrays) -> None:
-    for name, array in arrays.items():
-        if is_device_array(array) and array.dtype != np.float32:
-            raise ValueError(f"{name} must be float32 on the device, got {array.dtype}")
 
 
 def _as_rows(d_array, name: str):
@@ -59,7 +64,7 @@ def _as_rows(d_array, name: str):
     return d_array.reshape(-1, d_array.shape[d_array.ndim - 1])
 
 
-# --8<-- [start:_gemm_tiled_kernel]
+# --8<-- [start:gemm_tiled_kernel]
 @cuda.jit
 def _gemm_tiled_kernel(x, weight, out):
     # one thread = one output y[t, n]; one block = a TILE x TILE tile of y (T, N)
@@ -92,10 +97,10 @@ def _gemm_tiled_kernel(x, weight, out):
         cuda.syncthreads()                   # before the next step overwrites the tiles
     if t < rows and n < outputs:
         out[t, n] = acc
-# --8<-- [end:_gemm_tiled_kernel]
+# --8<-- [end:gemm_tiled_kernel]
 
 
-# --8<-- [start:_gemv_kernel]
+# --8<-- [start:gemv_kernel]
 @functools.cache
 def _gemv_kernel(threads: int):
     """The GEMV kernel for blocks of ``threads`` threads (a power of two)."""
@@ -125,7 +130,7 @@ def _gemv_kernel(threads: int):
             out[t, n] = partial[0]
 
     return gemv_kernel
-# --8<-- [end:_gemv_kernel]
+# --8<-- [end:gemv_kernel]
 
 
 # --8<-- [start:pick_version]
@@ -136,11 +141,12 @@ def pick_version(rows: int) -> str:
 
 
 # --8<-- [start:linear]
-def linear(x, weight, version: str | None = None, threads: int = THREADS):
+def linear(x, weight, version: str | None = None, threads: int | None = None):
     """``x`` (T, K) (or (..., K)) times ``weight.T`` (K, N) -> (T, N), float32.
 
     ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; ``threads`` is the GEMV
-    block size. numpy in -> numpy out; device arrays stay on the device.
+    block size (default: the smallest power of two covering K, at most 128).
+    numpy in -> numpy out; device arrays stay on the device.
     """
     x, weight = _host_or_device(x, np.float32), _host_or_device(weight, np.float32)
     if x.ndim < 1:
@@ -151,8 +157,9 @@ def linear(x, weight, version: str | None = None, threads: int = THREADS):
                          f"got {weight.shape}")
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version must be None or one of {VERSIONS}, got {version!r}")
+    threads = pow2_threads(depth) if threads is None else threads
     check_threads(threads)
-    _require_float32(x=x, weight=weight)
+    check_float32(x=x, weight=weight)
 
     lead, outputs = x.shape[:-1], weight.shape[0]
     d_x, d_weight = _as_rows(to_device(x, np.float32), "x"), to_device(weight, np.float32)   # [T, K], [N, K]
@@ -171,7 +178,7 @@ def linear(x, weight, version: str | None = None, threads: int = THREADS):
 # --8<-- [end:linear]
 
 
-# --8<-- [start:_embed_kernel]
+# --8<-- [start:embed_kernel]
 @cuda.jit
 def _embed_kernel(tokens, table, out, bad):
     # one thread = one output element out[t, d] = table[tokens[t], d] (coalesced along D)
@@ -188,7 +195,7 @@ def _embed_kernel(tokens, table, out, bad):
             bad[0] = 1
         return
     out[t, d] = table[token, d]
-# --8<-- [end:_embed_kernel]
+# --8<-- [end:embed_kernel]
 
 
 def _token_range_error(tokens: np.ndarray, vocab: int) -> ValueError:
@@ -208,7 +215,7 @@ def embed(tokens, table):
         raise ValueError(f"tokens must be integers, got {tokens.dtype}")
     if table.ndim != 2:
         raise ValueError(f"table must have shape (V, D), got {table.shape}")
-    _require_float32(table=table)
+    check_float32(table=table)
     vocab, width = table.shape
     if not is_device_array(tokens) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
         raise _token_range_error(tokens, vocab)
@@ -232,7 +239,7 @@ def embed(tokens, table):
 # --8<-- [end:embed]
 
 
-# --8<-- [start:_wins]
+# --8<-- [start:wins]
 @cuda.jit(device=True)
 def _wins(value, index, best_value, best_index):
     """True when (value, index) comes before (best_value, best_index) in np.argmax's order:
@@ -242,10 +249,10 @@ def _wins(value, index, best_value, best_index):
     if math.isnan(best_value):
         return False
     return value > best_value or (value == best_value and index < best_index)
-# --8<-- [end:_wins]
+# --8<-- [end:wins]
 
 
-# --8<-- [start:_argmax_kernel]
+# --8<-- [start:argmax_kernel]
 @functools.cache
 def _argmax_kernel(threads: int):
     """The argmax kernel for blocks of ``threads`` threads (a power of two)."""
@@ -283,11 +290,11 @@ def _argmax_kernel(threads: int):
             out[row] = best_indices[0]
 
     return argmax_kernel
-# --8<-- [end:_argmax_kernel]
+# --8<-- [end:argmax_kernel]
 
 
 # --8<-- [start:argmax]
-def argmax(logits, threads: int = THREADS):
+def argmax(logits, threads: int | None = None):
     """Greedy token per row of ``logits`` (T, V) (or (..., V)) -> int64 (T,), numpy's tie order.
 
     The first maximal index wins; a row holding NaN returns its first NaN, as np.argmax does.
@@ -300,8 +307,9 @@ def argmax(logits, threads: int = THREADS):
         raise ValueError("attempt to get argmax of an empty sequence (V = 0)")
     if vocab > np.iinfo(np.int32).max:
         raise ValueError(f"V must fit in int32 (the kernel's indices), got {vocab}")
+    threads = pow2_threads(vocab) if threads is None else threads
     check_threads(threads)
-    _require_float32(logits=logits)
+    check_float32(logits=logits)
 
     lead = logits.shape[:-1]
     d_logits = _as_rows(to_device(logits, np.float32), "logits")   # [T, V]

@@ -28,22 +28,24 @@ import numpy as np
 from numba import cuda, float32  # the package __init__ has already chosen GPU or simulator
 
 from ddtree.mla import check_visibility
-from kernels.device import blocks, is_device_array, poisoned, to_device, to_host_if
+from kernels.device import (
+    blocks,
+    check_float32,
+    is_device_array,
+    poisoned,
+    pow2_threads,
+    row_threads,
+    to_device,
+    to_host_if,
+)
 
 THREADS = 128            # most threads per block of the element-wise projection kernels
 MAX_TILE = 128           # largest attention block: keys per tile = threads per block
 TILE_SIZES = (32, 64, 128)  # attention block sizes (powers of two, for the tree reductions)
 
 
-def _row_threads(count: int) -> int:
-    """Threads per block for a row of ``count`` outputs: whole warps, at most THREADS."""
-    return min(THREADS, 32 * blocks(count, 32))
 
 
-def _check_float32(name: str, x) -> None:
-    """Device arrays are used as they are, so they must already be float32."""
-    if is_device_array(x) and x.dtype != np.float32:
-        raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
 
 
 def _check_ndim(name: str, x, ndim: int, legend: str) -> None:
@@ -225,12 +227,11 @@ def absorb_query(q_nope, w_uk):
     rows, heads, nope = q_nope.shape
     if len(w_uk.shape) != 3 or tuple(w_uk.shape[:2]) != (heads, nope):
         raise ValueError(f"w_uk must be (H, dn, R) = ({heads}, {nope}, R), got shape {tuple(w_uk.shape)}")
-    for name, x in (("q_nope", q_nope), ("w_uk", w_uk)):
-        _check_float32(name, x)
+    check_float32(q_nope=q_nope, w_uk=w_uk)
     rank = w_uk.shape[2]
     out = poisoned((rows, heads, rank))                                       # [T, H, R]
     if rows * heads * rank:
-        threads = _row_threads(rank)
+        threads = row_threads(rank)
         absorb_query_kernel[(blocks(rank, threads), rows * heads), threads](
             to_device(q_nope, np.float32), to_device(w_uk, np.float32), out)
     return to_host_if(out, q_nope, w_uk)
@@ -244,12 +245,11 @@ def absorb_output(o_lat, w_uv):
     rows, heads, rank = o_lat.shape
     if len(w_uv.shape) != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
         raise ValueError(f"w_uv must be (H, dv, R) = ({heads}, dv, {rank}), got shape {tuple(w_uv.shape)}")
-    for name, x in (("o_lat", o_lat), ("w_uv", w_uv)):
-        _check_float32(name, x)
+    check_float32(o_lat=o_lat, w_uv=w_uv)
     value_dim = w_uv.shape[1]
     out = poisoned((rows, heads, value_dim))                                  # [T, H, dv]
     if rows * heads * value_dim:
-        threads = _row_threads(value_dim)
+        threads = row_threads(value_dim)
         absorb_output_kernel[(blocks(value_dim, threads), rows * heads), threads](
             to_device(o_lat, np.float32), to_device(w_uv, np.float32), out)
     return to_host_if(out, o_lat, w_uv)
@@ -257,12 +257,13 @@ def absorb_output(o_lat, w_uv):
 
 
 # --8<-- [start:attention_absorb]
-def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, *, threads=MAX_TILE):
+def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, *, threads=None):
     """Absorbed attention over the latent cache.
 
     q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
     hold the prefix in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R).
-    ``threads`` (32, 64 or 128) is the block size, which is also the key tile.
+    ``threads`` (32, 64 or 128) is the block size, which is also the key tile; by default the
+    smallest that covers the S keys.
     """
     _check_ndim("q_lat", q_lat, 3, "(T, H, R)")
     rows, heads, rank = q_lat.shape
@@ -281,11 +282,11 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
         if len(cache.shape) != 2 or cache.shape[1] != width or cache.shape[0] < keys:
             raise ValueError(f"{name} must be (>= prefix_len + T = {keys}, {width}), "
                              f"got shape {tuple(cache.shape)}")
+    if threads is None:
+        threads = pow2_threads(keys, MAX_TILE)
     if threads not in TILE_SIZES:
         raise ValueError(f"threads must be one of {TILE_SIZES}, got {threads!r}")
-    for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("cache_latent", cache_latent),
-                    ("cache_rope", cache_rope)):
-        _check_float32(name, x)
+    check_float32(q_lat=q_lat, q_pe=q_pe, cache_latent=cache_latent, cache_rope=cache_rope)
 
     out = poisoned((rows, heads, rank))                                       # [T, H, R]
     if rows * heads * rank:

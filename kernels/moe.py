@@ -33,7 +33,16 @@ from numba import cuda, float32, int32, uint8
 
 from ddtree.config import ModelConfig
 from ddtree.moe import MoEParams
-from kernels.device import blocks, is_device_array, poisoned, to_device, to_host_if
+from kernels.device import (
+    blocks,
+    check_float32,
+    is_device_array,
+    poisoned,
+    pow2_threads,
+    row_threads,
+    to_device,
+    to_host_if,
+)
 
 MAX_THREADS = 128       # router block size (a power of two: tree reductions); static scratch size
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
@@ -41,24 +50,10 @@ MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 THREADS = 128           # most threads per block of the expert kernels
 
 
-def _pow2_threads(count: int) -> int:
-    """The router's block size: the smallest power of two >= count, within [32, MAX_THREADS]."""
-    threads = 32
-    while threads < min(count, MAX_THREADS):
-        threads *= 2
-    return threads
 
 
-def _row_threads(count: int) -> int:
-    """Threads per block for a row of ``count`` outputs: whole warps, at most THREADS."""
-    return min(THREADS, 32 * blocks(count, 32))
 
 
-def _check_float32(**arrays) -> None:
-    """Device arrays are used as they are, so they must already be float32."""
-    for name, x in arrays.items():
-        if is_device_array(x) and x.dtype != np.float32:
-            raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
 
 
 def _check_shape(name: str, x, expected: tuple, legend: str) -> None:
@@ -260,10 +255,10 @@ def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, out, accumul
     features = gate_proj.shape[1]
     width = out.shape[1]
     hidden = poisoned((rows, slots, features))                                # [T, k, F]
-    threads = _row_threads(features)
+    threads = row_threads(features)
     expert_hidden_kernel[(blocks(features, threads), rows * slots), threads](
         x, gate_proj, up_proj, ids, hidden)
-    threads = _row_threads(width)
+    threads = row_threads(width)
     expert_down_kernel[(blocks(width, threads), rows), threads](
         hidden, down_proj, ids, weights, accumulate, out)
 
@@ -283,7 +278,7 @@ def _check_swiglu(x, gate_proj, up_proj, down_proj) -> None:
     features = gate_proj.shape[0]
     _check_shape("up_proj", up_proj, (features, width), "(F, D)")
     _check_shape("down_proj", down_proj, (width, features), "(D, F)")
-    _check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+    check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
 
 
 def _check_router(x, gate, bias, config: ModelConfig) -> None:
@@ -295,7 +290,7 @@ def _check_router(x, gate, bias, config: ModelConfig) -> None:
     if experts > MAX_EXPERTS or config.n_group > MAX_GROUPS:
         raise ValueError(f"the router kernel holds at most {MAX_EXPERTS} experts and {MAX_GROUPS} "
                          f"groups, got {experts} and {config.n_group}")
-    _check_float32(x=x, gate=gate, bias=bias)
+    check_float32(x=x, gate=gate, bias=bias)
 
 
 def _route_on_device(x, gate, bias, config: ModelConfig, threads: int | None):
@@ -305,7 +300,7 @@ def _route_on_device(x, gate, bias, config: ModelConfig, threads: int | None):
     ids = poisoned((rows, top_k), np.int64)                                   # [T, k]
     weights = poisoned((rows, top_k))                                         # [T, k]
     if threads is None:
-        threads = _pow2_threads(config.n_routed_experts)
+        threads = pow2_threads(config.n_routed_experts, MAX_THREADS)
     if rows:
         route_kernel[rows, threads](
             x, gate, bias, config.n_group, config.topk_group, config.norm_topk_prob,
@@ -393,7 +388,7 @@ def _check_moe(x, params: MoEParams, config: ModelConfig) -> None:
             _check_swiglu(x, *shared)
         except ValueError as error:
             raise ValueError(f"shared expert: {error}") from None
-    _check_float32(gate_proj=params.gate_proj, up_proj=params.up_proj, down_proj=params.down_proj)
+    check_float32(gate_proj=params.gate_proj, up_proj=params.up_proj, down_proj=params.down_proj)
 
 
 # --8<-- [start:moe]

@@ -21,12 +21,18 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.device import check_threads, is_device_array, poisoned, to_device, to_host_if
+from kernels.device import (
+    check_float32,
+    check_threads,
+    is_device_array,
+    poisoned,
+    pow2_threads,
+    to_device,
+    to_host_if,
+)
 
-THREADS = 128  # default threads per block (one block per row)
 
-
-# --8<-- [start:_rmsnorm_kernel]
+# --8<-- [start:rmsnorm_kernel]
 @functools.cache
 def _rmsnorm_kernel(threads: int):
     """The RMSNorm kernel for blocks of ``threads`` threads (a power of two)."""
@@ -61,17 +67,18 @@ def _rmsnorm_kernel(threads: int):
             out[row, d] = x[row, d] * inv_rms * weight[d]
 
     return rmsnorm_kernel
-# --8<-- [end:_rmsnorm_kernel]
+# --8<-- [end:rmsnorm_kernel]
 
 
 
 
 # --8<-- [start:rmsnorm]
-def rmsnorm(x, weight, eps: float, threads: int = THREADS):
+def rmsnorm(x, weight, eps: float, threads: int | None = None):
     """Normalise each row of ``x`` (T, D) (or any (..., D)) by its RMS, then scale by ``weight`` (D,).
 
     numpy in -> numpy out; a device array in -> a device array out (no copy back to the host).
-    ``threads`` (a power of two) sets the block size; any D works with any block size.
+    ``threads`` (a power of two) sets the block size, by default the smallest covering D (at most
+    128); any D works with any block size.
     """
     x = x if is_device_array(x) else np.asarray(x, dtype=np.float32)
     weight = weight if is_device_array(weight) else np.asarray(weight, dtype=np.float32)
@@ -82,10 +89,9 @@ def rmsnorm(x, weight, eps: float, threads: int = THREADS):
         raise ValueError(f"weight must have shape ({width},) to match x's last axis, got {weight.shape}")
     if not (isinstance(eps, (int, float, np.floating)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
+    threads = pow2_threads(width) if threads is None else threads
     check_threads(threads)
-    for name, array in (("x", x), ("weight", weight)):
-        if is_device_array(array) and array.dtype != np.float32:
-            raise ValueError(f"{name} must be float32 on the device, got {array.dtype}")
+    check_float32(x=x, weight=weight)
 
     d_x, d_weight = to_device(x, np.float32), to_device(weight, np.float32)
     shape = d_x.shape

@@ -29,7 +29,7 @@ from kernels.device import blocks, is_device_array, poisoned, to_device, to_host
 THREADS = 128  # threads per block; the grid covers T * H * dr/2 (row, head, frequency) triples
 
 
-# --8<-- [start:_rope_kernel]
+# --8<-- [start:rope_kernel]
 @cuda.jit
 def _rope_kernel(x, positions, inv_freq, scale, out):
     # one thread = one (row t, head h, frequency i): rotates x[t, h, i] with x[t, h, i + dr/2]
@@ -51,7 +51,7 @@ def _rope_kernel(x, positions, inv_freq, scale, out):
     second = x[t, h, i + half]
     out[t, h, i] = first * cos - second * sin
     out[t, h, i + half] = second * cos + first * sin
-# --8<-- [end:_rope_kernel]
+# --8<-- [end:rope_kernel]
 
 
 # --8<-- [start:apply_rope]

@@ -35,7 +35,7 @@ _MAX_THREADS = 128               # threads per block of the builder (a power of 
 _NEG_INF = np.float32(-np.inf)
 
 
-# --8<-- [start:_pops_before]
+# --8<-- [start:pops_before]
 @cuda.jit(device=True)
 def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_rank, node_depth):
     """True if frontier slot ``a`` pops before slot ``b``: heavier first, then the smaller rank tuple.
@@ -68,10 +68,10 @@ def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_ra
         rank_b = node_rank[parent_b]
         parent_b = node_parent[parent_b]
     return rank_a < rank_b
-# --8<-- [end:_pops_before]
+# --8<-- [end:pops_before]
 
 
-# --8<-- [start:_build_trees_kernel]
+# --8<-- [start:build_trees_kernel]
 @cuda.jit
 def _build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
                         tokens, parents, depths, ranks, logprobs, sizes):
@@ -183,7 +183,7 @@ def _build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
             logprobs[request, i] = _NEG_INF
     if tid == 0:
         sizes[request] = size
-# --8<-- [end:_build_trees_kernel]
+# --8<-- [end:build_trees_kernel]
 
 
 class TreeBatch(typing.NamedTuple):
@@ -290,7 +290,7 @@ def build_tree(root_token: int, top_logprobs, top_ids, budget: int) -> DraftTree
 # --8<-- [end:build_tree]
 
 
-# --8<-- [start:_visibility_kernel]
+# --8<-- [start:visibility_kernel]
 @cuda.jit
 def _visibility_kernel(parents, vis):
     """One thread per (request, i, j): vis[request, i, j] = is j on the path root..i?
@@ -308,7 +308,7 @@ def _visibility_kernel(parents, vis):
         while node > j:
             node = parents[request, node]
         vis[request, i, j] = node == j
-# --8<-- [end:_visibility_kernel]
+# --8<-- [end:visibility_kernel]
 
 
 _VIS_TILE = 16

@@ -95,7 +95,7 @@ def test_yarn_ramp_and_mscale():
     config = preset("tiny-b")
     base = 1.0 / config.rope_theta ** (np.arange(0, 8, 2) / 8)
     factor = config.rope_scaling["factor"]
-    # for this config the ramp runs from feature pair 0 to 2 (see docs/rope.md)
+    # for this config the ramp runs from feature pair 0 to 2 (see docs/02_rope.md)
     expected = base * (1 - np.array([0, 0.5, 1, 1])) + base / factor * np.array([0, 0.5, 1, 1])
     assert_close(inv_freq(config), expected.astype(np.float32))
     m = 0.1 * math.log(factor) + 1

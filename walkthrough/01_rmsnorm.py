@@ -1,0 +1,126 @@
+"""Chapter 1: RMSNorm, one block per row and a shared-memory tree reduction.
+
+    y = x / sqrt(mean(x^2) + eps) * weight
+
+Each row's sum of squares is a reduction: the numba.cuda kernel gives a row to one block, lets
+every thread accumulate a strided slice of the row in float32, then halves the number of partial
+sums in shared memory (B/2, B/4, ..., 1) with a barrier after every step. This chapter replays
+that reduction order in numpy for one row of 8 "threads" (the figure), checks the kernel against
+the numpy reference on irregular shapes and block sizes, and counts the bytes the layer moves at
+Kimi K2.6's hidden size.
+
+    python walkthrough/01_rmsnorm.py
+
+Writes docs/assets/figures/01_rmsnorm_tree_reduction.png.
+"""
+
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
+from ddtree import rmsnorm as ref
+from ddtree.config import preset
+from kernels import device
+from kernels import rmsnorm as knl
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+FLOAT = 4
+H200_BANDWIDTH = 4.8e12        # bytes/s
+
+
+# --8<-- [start:tree_reduction]
+def tree_reduction(row: np.ndarray, threads: int) -> list[np.ndarray]:
+    """The kernel's summation order, replayed in numpy: the partial sums after every step.
+
+    Step 0: thread i sums x[d]^2 for d = i, i + B, i + 2B, ... (float32).
+    Step s: threads i < stride add partial[i + stride]; stride = B/2, B/4, ..., 1.
+    """
+    partial = np.zeros(threads, np.float32)
+    for d in range(row.size):
+        partial[d % threads] += row[d] * row[d]
+    levels = [partial.copy()]
+    stride = threads // 2
+    while stride > 0:
+        partial[:stride] += partial[stride:2 * stride]
+        levels.append(partial[:stride].copy())
+        stride //= 2
+    return levels
+# --8<-- [end:tree_reduction]
+
+
+# --8<-- [start:rmsnorm_bytes]
+def rmsnorm_bytes(rows: int, width: int) -> int:
+    """Bytes from/to DRAM: x read once (the second pass hits the cache), y written, weight read."""
+    return FLOAT * (2 * rows * width + width)
+# --8<-- [end:rmsnorm_bytes]
+
+
+def check_kernel(rng) -> None:
+    for rows, width, threads in ((5, 100, 32), (3, 37, 64)):
+        x = (3 * rng.standard_normal((rows, width))).astype(np.float32)      # [T, D]
+        weight = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)   # [D]
+        start = time.perf_counter()
+        got = knl.rmsnorm(x, weight, 1e-6, threads=threads)
+        seconds = time.perf_counter() - start
+        want = ref.rmsnorm(x, weight, 1e-6)
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        print(f"rmsnorm x {x.shape}, {rows} blocks of {threads} threads: max |numpy - numba| / max|y| "
+              f"= {rel:.2e}  ({seconds:.1f} s)")
+
+
+def plot_reduction(rng) -> None:
+    row = rng.standard_normal(20).astype(np.float32)
+    levels = tree_reduction(row, 8)
+    total = float(levels[-1][0])
+    print(f"tree reduction of a 20-float row with 8 threads: {total:.6f} "
+          f"(numpy's pairwise sum: {float(np.sum(row * row)):.6f})")
+    fig, ax = plt.subplots(figsize=(8.5, 3.9))
+    width = 0.8
+    for level, values in enumerate(levels):
+        y = -level
+        for i, value in enumerate(values):
+            ax.add_patch(plt.Rectangle((i - width / 2, y - 0.3), width, 0.6, facecolor="#dfe6f7",
+                                       edgecolor="#3b5bb5"))
+            ax.text(i, y, f"{value:.2f}", ha="center", va="center", fontsize=9)
+            if level > 0:
+                stride = len(values)
+                for source in (i, i + stride):
+                    ax.annotate("", xy=(i, y + 0.3), xytext=(source, y + 0.7),
+                                arrowprops=dict(arrowstyle="->", color="gray", lw=0.8))
+        label = "thread partial sums\n(strided, float32)" if level == 0 else \
+            f"stride {len(values)}:\np[i] += p[i + {len(values)}]"
+        ax.text(8.0, y, label, va="center", fontsize=9)
+        if level < len(levels) - 1:
+            ax.text(9.9, y - 0.5, "syncthreads()", fontsize=8, color="tab:red", va="center")
+    ax.set_xlim(-0.7, 11.3)
+    ax.set_ylim(-len(levels) + 0.4, 0.6)
+    ax.axis("off")
+    ax.set_title("Shared-memory tree reduction of one row's sum of squares (B = 8 threads)")
+    fig.tight_layout()
+    path = FIGURES / "01_rmsnorm_tree_reduction.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+
+
+def bytes_report() -> None:
+    hidden = preset("kimi-k2.6").hidden_size
+    for rows in (1, 65, 8192):
+        moved = rmsnorm_bytes(rows, hidden)
+        print(f"Kimi K2.6 rmsnorm, {rows:5d} rows x {hidden}: {moved / 1e6:8.3f} MB "
+              f"-> {moved / H200_BANDWIDTH * 1e6:7.2f} us at 4.8 TB/s")
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    print(f"kernels run on: {device.where()}")
+    rng = np.random.default_rng(0)
+    check_kernel(rng)
+    plot_reduction(rng)
+    bytes_report()

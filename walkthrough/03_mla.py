@@ -1,0 +1,211 @@
+"""Chapter 3: multi-head latent attention (MLA), naive and absorbed, over one masked prefix.
+
+MLA caches one normalised latent c (kv_lora_rank floats) and one rotated rope key k_pe
+(qk_rope_head_dim floats) per token per layer, shared by every head. The textbook ("naive") form
+expands each cached latent into per-head keys and values; the absorbed form moves W_UK onto the
+query and W_UV after the softmax and attends in latent space. This chapter
+
+* counts the cache (576 floats per token per layer at Kimi K2.6, against 20480 expanded);
+* models the FLOPs and bytes of both forms against the context length for one decode row and for
+  a 64-node draft tree (the figure);
+* draws the three key masks that one attention function serves: prefill (causal), decode and
+  tree verification (the second figure);
+* runs the tiny model with both forms and prints the largest logit difference;
+* runs the numba.cuda absorb kernels against numpy on a tree behind a cached prefix.
+
+    python walkthrough/03_mla.py
+
+Writes docs/assets/figures/03_mla_cost.png and docs/assets/figures/03_mla_masks.png.
+"""
+
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
+from ddtree import golden
+from ddtree import mla as ref
+from ddtree.config import preset
+from ddtree.model import Transformer
+from ddtree.tree import visibility
+from ddtree.weights import init_weights
+from kernels import device
+from kernels import mla as knl
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+FLOAT = 4
+H200_BANDWIDTH = 4.8e12        # bytes/s, HBM3e peak
+FP32_RATE = 51e12              # FLOP/s, torch fp32 SGEMM (TF32 off) measured on the project's H200
+TREE_ROWS = 64                 # the tree size of the figure's second case
+
+
+# --8<-- [start:mla_cost]
+def mla_cost(config, rows: int, keys: int, form: str) -> tuple[float, float]:
+    """(FLOPs, bytes) of one layer's attention core for ``rows`` queries over ``keys`` cached tokens.
+
+    Counted: q_nope -> scores -> softmax-weighted sum -> per-head output (o_proj and the
+    projections that make q, c and k_pe are the same in both forms and left out). Bytes are
+    float32 traffic to DRAM, with each cache row and weight read once for all heads and rows.
+    'naive' is ddtree.mla.attention_naive: it expands k_nope and v for every key and writes them
+    to memory before attending (as eager framework code does).
+    """
+    H, R, dr = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    dn, dv = config.qk_nope_head_dim, config.v_head_dim
+    T, S = rows, keys
+    cache = S * (R + dr)                                   # latent + shared rope key per token
+    weights = H * (dn + dv) * R                            # W_UK and W_UV
+    io = T * H * (dn + dr) + T * H * dv                    # queries in, outputs out
+    if form == "absorb":
+        flops = 2 * T * H * (dn * R          # q_lat = W_UK^T q_nope
+                             + S * (R + dr)  # scores against [c | k_pe]
+                             + S * R         # o_lat = sum_s p_s c_s
+                             + R * dv)       # o = W_UV o_lat
+        return flops, FLOAT * (cache + weights + io)
+    if form == "naive":
+        expanded = S * H * (dn + dv)                       # k_nope and v for every key
+        flops = 2 * (S * R * H * (dn + dv)  # expansion
+                     + T * H * S * (dn + dr)  # scores
+                     + T * H * S * dv)        # weighted sum of v
+        return flops, FLOAT * (cache + weights + io + 2 * expanded)   # expanded: written, read back
+    raise ValueError(f"form must be 'absorb' or 'naive', got {form!r}")
+# --8<-- [end:mla_cost]
+
+
+def time_floor(flops: float, bytes_moved: float) -> float:
+    """Seconds at best: the slower of the FLOPs at 51 TFLOP/s and the bytes at 4.8 TB/s."""
+    return max(flops / FP32_RATE, bytes_moved / H200_BANDWIDTH)
+
+
+def cache_report() -> None:
+    kimi = preset("kimi-k2.6")
+    H = kimi.num_attention_heads
+    latent = kimi.latent_cache_width
+    expanded = H * kimi.qk_head_dim + H * kimi.v_head_dim
+    layers, context = kimi.num_hidden_layers, kimi.max_position_embeddings
+    print(f"Kimi K2.6 cache per token per layer: latent {kimi.kv_lora_rank} + rope {kimi.qk_rope_head_dim} "
+          f"= {latent} floats; expanded K/V {H}*({kimi.qk_nope_head_dim}+{kimi.qk_rope_head_dim}) + "
+          f"{H}*{kimi.v_head_dim} = {expanded} floats ({expanded / latent:.1f}x)")
+    tokens = layers * context * FLOAT
+    print(f"  fp32, {layers} layers, {context} tokens: latent {latent * tokens / 1e9:.1f} GB, "
+          f"expanded {expanded * tokens / 1e9:.0f} GB")
+    for rows in (1, TREE_ROWS):
+        for keys in (4096, 131072):
+            a_flops, a_bytes = mla_cost(kimi, rows, keys, "absorb")
+            n_flops, n_bytes = mla_cost(kimi, rows, keys, "naive")
+            a_floor, n_floor = time_floor(a_flops, a_bytes), time_floor(n_flops, n_bytes)
+            print(f"  T={rows:2d} S={keys:6d}: absorb {a_flops / 1e9:7.2f} GFLOP {a_bytes / 1e6:6.1f} MB "
+                  f"{a_floor * 1e3:6.3f} ms | naive {n_flops / 1e9:7.1f} GFLOP {n_bytes / 1e6:7.1f} MB "
+                  f"{n_floor * 1e3:6.2f} ms | FLOP ratio {n_flops / a_flops:5.1f}x")
+
+
+def plot_cost() -> None:
+    kimi = preset("kimi-k2.6")
+    keys = np.unique(np.logspace(np.log2(512), np.log2(kimi.max_position_embeddings), 60, base=2).astype(int))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
+    styles = {("absorb", 1): ("tab:blue", "-"), ("absorb", TREE_ROWS): ("tab:blue", "--"),
+              ("naive", 1): ("tab:red", "-"), ("naive", TREE_ROWS): ("tab:red", "--")}
+    for (form, rows), (color, ls) in styles.items():
+        cost = np.array([mla_cost(kimi, rows, s, form) for s in keys])          # [len, 2]
+        floor = np.array([time_floor(flops, moved) for flops, moved in cost])
+        label = f"{form}, {'1 decode row' if rows == 1 else f'{rows}-node tree'}"
+        axes[0].loglog(keys, cost[:, 0], color=color, ls=ls, label=label)
+        axes[1].loglog(keys, cost[:, 1], color=color, ls=ls, label=label)
+        axes[2].loglog(keys, floor * 1e3, color=color, ls=ls, label=label)
+    for ax, title, unit in zip(axes, ("FLOPs", "bytes (fp32)", "time floor: max(FLOPs/51T, bytes/4.8T)"),
+                               ("FLOP per layer", "bytes per layer", "ms per layer"), strict=True):
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("cached tokens S (context)")
+        ax.set_ylabel(unit)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("MLA attention core at Kimi K2.6 dims (64 heads, R=512, dr=64, dn=dv=128), one layer")
+    fig.tight_layout()
+    path = FIGURES / "03_mla_cost.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+
+
+def plot_masks() -> None:
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
+    cases = [("prefill: P = 0, causal", 0, ref.causal_visibility(6)),
+             ("decode: P = 7, one row", 7, np.ones((1, 1), bool)),
+             ("tree verify: P = 4, ancestors", 4, visibility(parents))]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), gridspec_kw=dict(width_ratios=[6, 8, 11]))
+    for ax, (title, prefix, visible) in zip(axes, cases, strict=True):
+        mask = ref.key_mask(prefix, visible)                                    # [T, P+T]
+        ax.imshow(mask, cmap="Blues", vmin=-0.3, vmax=1.2)
+        ax.axvline(prefix - 0.5, color="tab:red", lw=1.5)
+        ax.set_xticks(range(mask.shape[1]))
+        ax.set_yticks(range(mask.shape[0]))
+        ax.set_xlabel("key slot s (prefix | new rows)")
+        ax.set_ylabel("query row t")
+        ax.set_title(title, fontsize=10)
+    fig.suptitle("key_mask(prefix_len, visible), dark = visible: prefix to all rows, new rows by visible")
+    fig.tight_layout()
+    path = FIGURES / "03_mla_masks.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+
+
+def naive_vs_absorb_model() -> None:
+    config = preset("tiny")
+    weights = init_weights(config, seed=0)
+    prompt = golden.default_prompt("tiny")
+    absorb = Transformer(config, weights, attention="absorb").logits(prompt)   # [T, V]
+    naive = Transformer(config, weights, attention="naive").logits(prompt)
+    print(f"tiny model, prompt of {prompt.size} tokens: max |absorb - naive| logit = "
+          f"{np.abs(absorb - naive).max():.2e} (max |logit| {np.abs(naive).max():.1f}), "
+          f"same greedy tokens: {np.array_equal(absorb.argmax(-1), naive.argmax(-1))}")
+
+
+def kernels_vs_numpy(rng) -> None:
+    """A 6-node tree behind a 5-token prefix, at micro's attention dims, numpy vs numba.cuda."""
+    c = preset("micro")
+    H, R, dr, dn, dv = (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim,
+                        c.qk_nope_head_dim, c.v_head_dim)
+    parents = np.array([-1, 0, 0, 1, 2, 2])
+    prefix, rows = 5, parents.size
+    visible = visibility(parents)                                              # [T, T]
+    q_nope = rng.standard_normal((rows, H, dn)).astype(np.float32)            # [T, H, dn]
+    q_pe = rng.standard_normal((rows, H, dr)).astype(np.float32)              # [T, H, dr]
+    w_uk = (rng.standard_normal((H, dn, R)) / np.sqrt(dn)).astype(np.float32)   # [H, dn, R]
+    w_uv = (rng.standard_normal((H, dv, R)) / np.sqrt(R)).astype(np.float32)    # [H, dv, R]
+    capacity = prefix + rows + 3
+    latent = np.full((capacity, R), np.nan, np.float32)                       # unused slots: NaN
+    rope = np.full((capacity, dr), np.nan, np.float32)
+    latent[:prefix + rows] = rng.standard_normal((prefix + rows, R))
+    rope[:prefix + rows] = rng.standard_normal((prefix + rows, dr))
+    scale = 1 / np.sqrt(dn + dr)
+
+    start = time.perf_counter()
+    q_lat = knl.absorb_query(q_nope, w_uk)
+    o_lat = knl.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
+    out = knl.absorb_output(o_lat, w_uv)
+    seconds = time.perf_counter() - start
+    ref_q_lat = ref.absorb_query(q_nope, w_uk)
+    ref_o_lat = ref.attention_absorb(ref_q_lat, q_pe, latent, rope, prefix, visible, scale)
+    ref_out = ref.absorb_output(ref_o_lat, w_uv)
+    naive = ref.attention_naive(q_nope, q_pe, latent, rope, prefix, visible, scale, w_uk, w_uv)
+    print(f"tree of {rows} nodes behind {prefix} cached tokens, H={H} R={R} dr={dr} "
+          f"(slots past {prefix + rows} hold NaN):")
+    for name, got, want in (("absorb_query", q_lat, ref_q_lat), ("attention_absorb", o_lat, ref_o_lat),
+                            ("absorb_output", out, ref_out)):
+        print(f"  {name:16s} {str(got.shape):12s} max |numpy - numba| = {np.abs(got - want).max():.1e}")
+    print(f"  numba absorb chain vs numpy naive: {np.abs(out - naive).max():.1e}  ({seconds:.1f} s)")
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    print(f"kernels run on: {device.where()}")
+    cache_report()
+    plot_cost()
+    plot_masks()
+    naive_vs_absorb_model()
+    kernels_vs_numpy(np.random.default_rng(0))
