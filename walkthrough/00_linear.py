@@ -9,15 +9,10 @@ bound until a few dozen rows share every weight read.
 
     python walkthrough/00_linear.py
 
-Writes docs/assets/figures/00_linear_lm_head_roofline.png.
+Writes docs/assets/figures/00_linear_lm_head_roofline.png and 00_linear_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -27,7 +22,7 @@ from ddtree.config import preset
 from kernels import device
 from kernels import linear as knl
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "00_linear"
 FLOAT = 4                      # bytes per float32
 H200_BANDWIDTH = 4.8e12        # bytes/s, the H200's HBM3e peak
 FP32_GEMM_RATE = 51e12         # FLOP/s, torch fp32 SGEMM (TF32 off) measured on the project's H200
@@ -53,12 +48,11 @@ def check_kernels(rng) -> None:
     weight = rng.standard_normal((21, 45)).astype(np.float32)          # [N, K]
     for rows, version in ((2, "gemv"), (19, "gemm")):
         x = rng.standard_normal((rows, 45)).astype(np.float32)         # [T, K]
-        start = time.perf_counter()
-        got = knl.linear(x, weight, version=version, threads=32)
-        seconds = time.perf_counter() - start
+        with chapter.timed(f"numba linear {version}"):
+            got = knl.linear(x, weight, version=version, threads=32)
         want = ref.linear(x, weight)
         print(f"linear {version}: x {x.shape} @ W.T {weight.shape} -> {got.shape}, "
-              f"max |numpy - numba| = {np.abs(got - want).max():.2e}  ({seconds:.1f} s)")
+              f"max |numpy - numba| = {np.abs(got - want).max():.2e}")
     print(f"  version=None picks {knl.pick_version(1)!r} for 1 row and {knl.pick_version(19)!r} for 19")
 
     table = rng.standard_normal((50, 24)).astype(np.float32)           # [V, D]
@@ -108,14 +102,11 @@ def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="lower right")
     fig.tight_layout()
-    path = FIGURES / "00_linear_lm_head_roofline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "lm_head_roofline")
 
 
 if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    print(f"kernels run on: {device.where()}")
-    check_kernels(np.random.default_rng(0))
-    lm_head_report()
+    with chapter.report(STEM):
+        print(f"kernels run on: {device.where()}")
+        check_kernels(np.random.default_rng(0))
+        lm_head_report()

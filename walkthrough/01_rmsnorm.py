@@ -11,15 +11,10 @@ Kimi K2.6's hidden size.
 
     python walkthrough/01_rmsnorm.py
 
-Writes docs/assets/figures/01_rmsnorm_tree_reduction.png.
+Writes docs/assets/figures/01_rmsnorm_tree_reduction.png and 01_rmsnorm_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -29,7 +24,7 @@ from ddtree.config import preset
 from kernels import device
 from kernels import rmsnorm as knl
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "01_rmsnorm"
 FLOAT = 4
 H200_BANDWIDTH = 4.8e12        # bytes/s
 
@@ -65,13 +60,12 @@ def check_kernel(rng) -> None:
     for rows, width, threads in ((5, 100, 32), (3, 37, 64)):
         x = (3 * rng.standard_normal((rows, width))).astype(np.float32)      # [T, D]
         weight = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)   # [D]
-        start = time.perf_counter()
-        got = knl.rmsnorm(x, weight, 1e-6, threads=threads)
-        seconds = time.perf_counter() - start
+        with chapter.timed(f"numba rmsnorm {x.shape}"):
+            got = knl.rmsnorm(x, weight, 1e-6, threads=threads)
         want = ref.rmsnorm(x, weight, 1e-6)
         rel = np.abs(got - want).max() / np.abs(want).max()
         print(f"rmsnorm x {x.shape}, {rows} blocks of {threads} threads: max |numpy - numba| / max|y| "
-              f"= {rel:.2e}  ({seconds:.1f} s)")
+              f"= {rel:.2e}")
 
 
 def plot_reduction(rng) -> None:
@@ -103,10 +97,7 @@ def plot_reduction(rng) -> None:
     ax.axis("off")
     ax.set_title("Shared-memory tree reduction of one row's sum of squares (B = 8 threads)")
     fig.tight_layout()
-    path = FIGURES / "01_rmsnorm_tree_reduction.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "tree_reduction")
 
 
 def bytes_report() -> None:
@@ -118,9 +109,9 @@ def bytes_report() -> None:
 
 
 if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    print(f"kernels run on: {device.where()}")
-    rng = np.random.default_rng(0)
-    check_kernel(rng)
-    plot_reduction(rng)
-    bytes_report()
+    with chapter.report(STEM):
+        print(f"kernels run on: {device.where()}")
+        rng = np.random.default_rng(0)
+        check_kernel(rng)
+        plot_reduction(rng)
+        bytes_report()

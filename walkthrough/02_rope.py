@@ -12,16 +12,13 @@ position, so q . k depends only on the distance between the two positions. This 
 
     python walkthrough/02_rope.py
 
-Writes docs/assets/figures/02_rope_yarn_inv_freq.png.
+Writes docs/assets/figures/02_rope_yarn_inv_freq.png and 02_rope_report.txt (what it prints).
 """
 
 import dataclasses
 import math
-import pathlib
 
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -32,7 +29,7 @@ from ddtree.tree import visibility
 from kernels import device
 from kernels import rope as knl
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "02_rope"
 
 
 # --8<-- [start:interleaved]
@@ -115,10 +112,7 @@ def plot_yarn() -> None:
         ax.legend(fontsize=8)
     fig.suptitle("RoPE inverse frequencies, base vs YaRN (ddtree.rope.inv_freq)")
     fig.tight_layout()
-    path = FIGURES / "02_rope_yarn_inv_freq.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "yarn_inv_freq")
 
 
 def tree_positions_demo(rng) -> None:
@@ -148,10 +142,10 @@ def tree_positions_demo(rng) -> None:
 
 
 if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    print(f"kernels run on: {device.where()}")
-    rng = np.random.default_rng(0)
-    layouts_demo(rng)
-    yarn_report()
-    plot_yarn()
-    tree_positions_demo(rng)
+    with chapter.report(STEM):
+        print(f"kernels run on: {device.where()}")
+        rng = np.random.default_rng(0)
+        layouts_demo(rng)
+        yarn_report()
+        plot_yarn()
+        tree_positions_demo(rng)

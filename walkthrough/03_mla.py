@@ -15,15 +15,10 @@ query and W_UV after the softmax and attends in latent space. This chapter
 
     python walkthrough/03_mla.py
 
-Writes docs/assets/figures/03_mla_cost.png and docs/assets/figures/03_mla_masks.png.
+Writes docs/assets/figures/03_mla_cost.png, 03_mla_masks.png and 03_mla_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -37,7 +32,7 @@ from ddtree.weights import init_weights
 from kernels import device
 from kernels import mla as knl
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "03_mla"
 FLOAT = 4
 H200_BANDWIDTH = 4.8e12        # bytes/s, HBM3e peak
 FP32_RATE = 51e12              # FLOP/s, torch fp32 SGEMM (TF32 off) measured on the project's H200
@@ -125,10 +120,7 @@ def plot_cost() -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle("MLA attention core at Kimi K2.6 dims (64 heads, R=512, dr=64, dn=dv=128), one layer")
     fig.tight_layout()
-    path = FIGURES / "03_mla_cost.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "cost")
 
 
 def plot_masks() -> None:
@@ -148,10 +140,7 @@ def plot_masks() -> None:
         ax.set_title(title, fontsize=10)
     fig.suptitle("key_mask(prefix_len, visible), dark = visible: prefix to all rows, new rows by visible")
     fig.tight_layout()
-    path = FIGURES / "03_mla_masks.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "masks")
 
 
 def naive_vs_absorb_model() -> None:
@@ -184,11 +173,10 @@ def kernels_vs_numpy(rng) -> None:
     rope[:prefix + rows] = rng.standard_normal((prefix + rows, dr))
     scale = 1 / np.sqrt(dn + dr)
 
-    start = time.perf_counter()
-    q_lat = knl.absorb_query(q_nope, w_uk)
-    o_lat = knl.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
-    out = knl.absorb_output(o_lat, w_uv)
-    seconds = time.perf_counter() - start
+    with chapter.timed("numba absorb chain"):
+        q_lat = knl.absorb_query(q_nope, w_uk)
+        o_lat = knl.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale, threads=32)
+        out = knl.absorb_output(o_lat, w_uv)
     ref_q_lat = ref.absorb_query(q_nope, w_uk)
     ref_o_lat = ref.attention_absorb(ref_q_lat, q_pe, latent, rope, prefix, visible, scale)
     ref_out = ref.absorb_output(ref_o_lat, w_uv)
@@ -198,14 +186,14 @@ def kernels_vs_numpy(rng) -> None:
     for name, got, want in (("absorb_query", q_lat, ref_q_lat), ("attention_absorb", o_lat, ref_o_lat),
                             ("absorb_output", out, ref_out)):
         print(f"  {name:16s} {str(got.shape):12s} max |numpy - numba| = {np.abs(got - want).max():.1e}")
-    print(f"  numba absorb chain vs numpy naive: {np.abs(out - naive).max():.1e}  ({seconds:.1f} s)")
+    print(f"  numba absorb chain vs numpy naive: {np.abs(out - naive).max():.1e}")
 
 
 if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    print(f"kernels run on: {device.where()}")
-    cache_report()
-    plot_cost()
-    plot_masks()
-    naive_vs_absorb_model()
-    kernels_vs_numpy(np.random.default_rng(0))
+    with chapter.report(STEM):
+        print(f"kernels run on: {device.where()}")
+        cache_report()
+        plot_cost()
+        plot_masks()
+        naive_vs_absorb_model()
+        kernels_vs_numpy(np.random.default_rng(0))

@@ -1,0 +1,136 @@
+"""Chapter 6: drafters, the per-depth distributions a draft tree is built from.
+
+A DDTree round starts from the root (the last committed token, not yet in the target's KV cache).
+The drafter looks at the committed context and returns, for each depth d = 1..L (L = block_size - 1),
+logits over the vocabulary for the token at position start + d. It proposes all L positions at once
+and each row is a *marginal*: the drafter does not say how depth 2 depends on the token picked at
+depth 1. ``top_candidates`` keeps the K best per depth as float32 log-probabilities.
+
+This chapter draws those distributions for one round on preset ``tiny`` with the golden prompt,
+for the three drafters of ``ddtree.drafters``: the oracle (knows the target's greedy continuation),
+the noisy oracle (the oracle with seeded mistakes) and the n-gram drafter (copies what followed
+earlier occurrences of the context's suffix). Drafters have no numba twin: they run on the host.
+
+Run: python walkthrough/06_drafters.py
+"""
+
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from ddtree import golden
+from ddtree.config import preset
+from ddtree.drafters import DRAFTERS, NGramDrafter, NoisyOracleDrafter, make_drafter
+from ddtree.model import Transformer
+from ddtree.tree import top_candidates
+from ddtree.weights import init_weights
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+BLOCK_SIZE = 8          # L = 7 depths
+K = 4                   # candidates shown per depth
+
+
+def true_ranks(top_ids: np.ndarray, truth: np.ndarray) -> list[int | None]:
+    """Rank of the true token among the top-K at each depth (None if it is not kept)."""
+    ranks = []
+    for row, token in zip(top_ids, truth, strict=True):
+        hit = np.flatnonzero(row == token)
+        ranks.append(int(hit[0]) if hit.size else None)
+    return ranks
+
+
+def draw_panel(ax, top_logprobs, top_ids, truth, title):
+    """Grouped bars: K probabilities per depth, the true token's bar in orange."""
+    depths, k = top_logprobs.shape
+    width = 0.8 / k
+    for d in range(depths):
+        for r in range(k):
+            x = d + 1 + (r - (k - 1) / 2) * width
+            hit = top_ids[d, r] == truth[d]
+            ax.bar(x, np.exp(top_logprobs[d, r]), width * 0.92, bottom=1e-4,
+                   color="#e6550d" if hit else "#9ecae1", edgecolor="#444444", lw=0.4)
+            if hit or r == 0:                      # label the truth, and the drafter's favourite
+                ax.text(x, np.exp(top_logprobs[d, r]) * 1.25, str(int(top_ids[d, r])), ha="center",
+                        fontsize=7, color="#e6550d" if hit else "#555555")
+        if truth[d] not in top_ids[d]:
+            ax.text(d + 1, 2.2e-4, "x", ha="center", fontsize=10, color="#c0392b", fontweight="bold")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-4, 3)
+    ax.set_xticks(range(1, depths + 1))
+    ax.set_xlabel("depth d (token at position start + d)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def noisy_rates(vocab: int, depths: int, positions: int = 400):
+    """How often the noisy oracle ranks the truth first / keeps it at all, per depth."""
+    drafter = NoisyOracleDrafter(np.arange(positions) % vocab, vocab)
+    first = np.zeros(depths)
+    kept = np.zeros(depths)
+    for p in range(positions):
+        for d in range(1, depths + 1):
+            ranked = drafter.noisy_ranking(p, d)
+            first[d - 1] += ranked[0] == p % vocab
+            kept[d - 1] += (p % vocab) in ranked
+    expected = drafter.top1_rate * drafter.decay ** np.arange(depths)
+    return first / positions, kept / positions, expected
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    config = preset("tiny")
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    bundle = golden.load_bundle("tiny")
+    prompt, ar_tokens = bundle["prompt"], bundle["tokens"]            # [8], [24]
+    depths = BLOCK_SIZE - 1
+    truth = ar_tokens[:depths]                # the token at position start + d is AR token d - 1
+    print(f"preset tiny, vocab {config.vocab_size}; prompt {prompt.tolist()}; root {int(prompt[-1])} "
+          f"at position {prompt.size - 1}")
+    print(f"the target's greedy continuation (depths 1..{depths}): {truth.tolist()}")
+
+    panels = []
+    for name in DRAFTERS:
+        drafter = make_drafter(name, model, prompt, ar_tokens.size)
+        logits = drafter.propose(prompt, BLOCK_SIZE)                              # [L, V]
+        top_logprobs, top_ids = top_candidates(logits, K)                         # [L, K]
+        ranks = true_ranks(top_ids, truth)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))               # [L, V]
+        p_true = (probs / probs.sum(axis=-1, keepdims=True))[np.arange(depths), truth]  # [L]
+        print(f"{name:>6}: logits {logits.shape}, rank of the true token per depth "
+              f"{['-' if r is None else r for r in ranks]}, p(true) "
+              f"{np.array2string(p_true, precision=3, floatmode='fixed')}")
+        panels.append((top_logprobs, top_ids, truth, f"{name} (round 0)"))
+
+    # the n-gram drafter needs repeats: AR token 6 repeats AR token 0 (301), so in the round whose
+    # root is that second 301 the suffix matches and the drafter votes for what followed the first one
+    repeat = int(np.flatnonzero(ar_tokens[1:] == ar_tokens[0])[0]) + 1
+    context = np.concatenate([prompt, ar_tokens[:repeat + 1]])                    # ends with the repeat
+    ngram = NGramDrafter(config.vocab_size)
+    later_truth = ar_tokens[repeat + 1:repeat + 1 + depths]
+    top_logprobs, top_ids = top_candidates(ngram.propose(context, BLOCK_SIZE), K)
+    print(f" ngram after the repeated token {int(ar_tokens[repeat])}: proposes {top_ids[:, 0].tolist()} "
+          f"(what followed its first occurrence), truth {later_truth.tolist()}, "
+          f"ranks {['-' if r is None else r for r in true_ranks(top_ids, later_truth)]}")
+    title = f"ngram (root = repeated token {int(ar_tokens[repeat])})"
+    panels.append((top_logprobs, top_ids, later_truth, title))
+
+    first, kept, expected = noisy_rates(config.vocab_size, depths)
+    print("noisy oracle over 400 positions, per depth: truth ranked first "
+          f"{np.array2string(first, precision=2)} (target top1_rate * decay^(d-1) = "
+          f"{np.array2string(expected, precision=2)}), truth kept at all "
+          f"{np.array2string(kept, precision=2)}")
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 3.8), sharey=True)
+    for ax, panel in zip(axes, panels, strict=True):
+        draw_panel(ax, *panel)
+    axes[0].set_ylabel(f"probability of the top-{K} per depth (log scale)")
+    fig.suptitle("Drafter distributions for one round (preset tiny, golden prompt, block 8): "
+                 "orange = the target's true token, x = not in the top-4", fontsize=10)
+    fig.tight_layout()
+    path = FIGURES / "06_drafters_distributions.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")

@@ -1,0 +1,188 @@
+"""Chapter 7: building the draft tree, best-first, with a heap (numpy) and one thread block (numba).
+
+A candidate is a rank tuple (r1..rd): the token top_ids[i-1, r_i] at each depth i. Its weight is
+the float32 sum of its log-probs, the log of a product of the drafter's marginals. The builder
+pops the B heaviest candidates; popping a node pushes its next sibling and its first child, so
+each candidate has exactly one generator and the heap never holds more than B + 1 entries.
+
+This chapter builds trees from the noisy oracle's first round (preset tiny, golden prompt,
+block 8) at budgets 4, 16 and 64 and draws them with the pop order; checks on a small example
+that the pops are exactly the B best candidates of the whole (K^1 + ... + K^L)-candidate space,
+sorted by (-weight, rank tuple); shows the tie rule; and runs the numba builder (one block per
+request) against the heap, single and batched, requiring identical trees.
+
+Run: python walkthrough/07_tree_build.py
+"""
+
+import itertools
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from treeplot import draw_tree, tree_height
+
+import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
+import kernels.tree as gpu
+from ddtree import golden
+from ddtree import tree as ref
+from ddtree.config import preset
+from ddtree.drafters import make_drafter
+from ddtree.model import Transformer
+from ddtree.weights import init_weights
+from kernels.device import SIMULATOR
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+BLOCK_SIZE = 8
+BUDGETS = (4, 16, 64)
+
+
+def rank_tuple(tree: ref.DraftTree, node: int) -> tuple[int, ...]:
+    """The candidate a node stands for: ranks along the path root..node."""
+    path = []
+    while node > 0:
+        path.append(int(tree.ranks[node]))
+        node = int(tree.parents[node])
+    return tuple(reversed(path))
+
+
+def brute_force_order(top_logprobs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """Every candidate up to depth L, sorted by (-weight, rank tuple), cut after ``budget``.
+
+    Weights are float32 sums in path order, exactly as the builder forms them.
+    """
+    depths, k = top_logprobs.shape
+    candidates = []
+    for d in range(1, depths + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            weight = np.float32(0.0)
+            for i, r in enumerate(ranks):
+                weight = weight + top_logprobs[i, r]
+            candidates.append((-float(weight), ranks))
+    return [ranks for _, ranks in sorted(candidates)[:budget]]
+
+
+def same_tree(a: ref.DraftTree, b: ref.DraftTree) -> bool:
+    """Field by field, bit for bit (log-probs included)."""
+    return all(np.array_equal(getattr(a, f), getattr(b, f))
+               for f in ("tokens", "parents", "depths", "ranks", "logprobs"))
+
+
+def _timed(function, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
+def builder_cost(depths: int, budget: int, requests: int) -> None:
+    """Bytes the GPU builder moves and barriers it waits on (it is latency bound, not bandwidth bound)."""
+    k = budget
+    read = requests * depths * k * (4 + 8)                  # top_logprobs float32 + top_ids int64
+    width = budget + 1
+    written = requests * (width * (4 * 8 + 4) + 8)          # 4 int64 + 1 float32 per node, size
+    threads = gpu._builder_threads(budget)
+    barriers = budget * (2 + int(np.log2(threads)))         # per pop: 2 + one per reduction level
+    print(f"  L={depths}, K=B={budget}, {requests} requests: reads {read / 1e3:.1f} KB, writes "
+          f"{written / 1e3:.1f} KB ({(read + written) / 4.8e12 * 1e9:.0f} ns at 4.8 TB/s); but {budget} "
+          f"sequential pops x {2 + int(np.log2(threads))} barriers = {barriers} block barriers "
+          f"({threads} threads)")
+
+
+def print_pops(tree: ref.DraftTree, count: int) -> None:
+    print(" node parent depth rank token   weight  rank tuple")
+    for n in range(count):
+        print(f" {n:>4} {int(tree.parents[n]):>6} {int(tree.depths[n]):>5} {int(tree.ranks[n]):>4} "
+              f"{int(tree.tokens[n]):>5} {float(tree.logprobs[n]):>8.3f}  {rank_tuple(tree, n)}")
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    config = preset("tiny")
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    prompt = golden.default_prompt("tiny")
+    drafter = make_drafter("noisy", model, prompt, 24)
+    logits = drafter.propose(prompt, BLOCK_SIZE)                                  # [L, V]
+    root = int(prompt[-1])
+
+    # 1. trees at several budgets, K = min(B, V) candidates per depth (as ddtree_round does)
+    trees = {}
+    for budget in BUDGETS:
+        top_logprobs, top_ids = ref.top_candidates(logits, min(budget, config.vocab_size))  # [L, K]
+        trees[budget] = ref.build_tree(root, top_logprobs, top_ids, budget)
+        micros = 1e6 * min(_timed(ref.build_tree, root, top_logprobs, top_ids, budget) for _ in range(20))
+        t = trees[budget]
+        leaves = t.size - np.unique(t.parents[1:]).size
+        print(f"budget {budget:>2}: {t.size - 1} nodes, depth {int(t.depths.max())}, {leaves} leaves, "
+              f"nodes per depth {np.bincount(t.depths)[1:].tolist()}  (numpy heap {micros:.0f} us)")
+        weights = t.logprobs[1:]
+        assert np.all(weights[1:] <= weights[:-1]), "pops must come out heaviest first"
+        assert np.all(t.logprobs[1:] <= t.logprobs[t.parents[1:]]), "a child never outweighs its parent"
+    print("\nthe first 10 pops at budget 16 (weight = float32 sum of log-probs root..node):")
+    print_pops(trees[16], 10)
+
+    heights = [tree_height(trees[b]) for b in BUDGETS]
+    fig, axes = plt.subplots(len(BUDGETS), 1, figsize=(10, 0.32 * sum(heights) + 3.0),
+                             gridspec_kw=dict(height_ratios=[h + 2 for h in heights]))
+    for ax, budget in zip(axes, BUDGETS, strict=True):
+        draw_tree(ax, trees[budget], pop_order=True, fontsize=7,
+                  title=f"budget B = {budget}: node labels = token ids, #n = pop order (root #0)")
+    fig.tight_layout()
+    path = FIGURES / "07_tree_build_budgets.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    big = trees[64]
+    ax.step(np.arange(1, big.size), big.logprobs[1:], where="mid", color="#3182bd")
+    dots = ax.scatter(np.arange(1, big.size), big.logprobs[1:], c=big.depths[1:], cmap="viridis", s=14,
+                      zorder=3)
+    fig.colorbar(dots, ax=ax, label="depth")
+    ax.set_xlabel("pop index n")
+    ax.set_ylabel("weight (log of the path's probability)")
+    ax.set_title("Budget 64: weights never increase along the pop order; flat runs are exact ties",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = FIGURES / "07_tree_build_weights.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+
+    # 2. the heap pops exactly the B best candidates of the whole space (small K and L to enumerate)
+    small_lp, small_ids = ref.top_candidates(logits[:4], 3)                        # L = 4, K = 3
+    small = ref.build_tree(root, small_lp, small_ids, 20)
+    expected = brute_force_order(small_lp, 20)
+    got = [rank_tuple(small, n) for n in range(1, small.size)]
+    print(f"\nL=4, K=3: {sum(3 ** d for d in range(1, 5))} candidates; heap's 20 pops == the 20 best "
+          f"by (-weight, rank tuple): {got == expected}")
+    assert got == expected
+
+    # 3. ties: equal log-probs everywhere; the lexicographically smaller rank tuple pops first
+    tie_lp = np.full((3, 2), np.log(np.float32(0.5)), np.float32)                   # L = 3, K = 2
+    tie_ids = np.array([[10, 11], [20, 21], [30, 31]])
+    tie = ref.build_tree(0, tie_lp, tie_ids, 8)
+    print("ties (every log-prob log 0.5): pop order", [rank_tuple(tie, n) for n in range(1, tie.size)])
+
+    # 4. the GPU builder: one block per request, frontier in shared memory, block argmax per pop
+    print(f"\nnumba builder ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
+    start = time.perf_counter()
+    for budget in BUDGETS[:2]:
+        lp, ids = ref.top_candidates(logits, budget)
+        print(f"  build_tree budget {budget:>2}: identical to the heap: "
+              f"{same_tree(gpu.build_tree(root, lp, ids, budget), trees[budget])}")
+    print(f"  ties: identical: {same_tree(gpu.build_tree(0, tie_lp, tie_ids, 8), tie)}")
+    drafts = [make_drafter(name, model, prompt, 24) for name in ("oracle", "noisy", "ngram")]
+    batch_lp, batch_ids = zip(*(ref.top_candidates(d.propose(prompt, BLOCK_SIZE), 16) for d in drafts),
+                              strict=True)
+    roots = np.full(3, root, np.int64)
+    batched = gpu.build_trees(roots, np.stack(batch_lp), np.stack(batch_ids), 16)    # [Bq=3] trees
+    identical = [same_tree(t, ref.build_tree(root, lp, ids, 16))
+                 for t, lp, ids in zip(batched, batch_lp, batch_ids, strict=True)]
+    print(f"  build_trees, 3 requests (oracle, noisy, ngram) in one launch, budget 16: identical: "
+          f"{identical}  ({time.perf_counter() - start:.1f} s)")
+    assert all(identical)
+    print("what the GPU builder moves:")
+    builder_cost(15, 64, 32)
+    builder_cost(15, 256, 32)

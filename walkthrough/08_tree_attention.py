@@ -1,0 +1,149 @@
+"""Chapter 8: verifying the whole tree with one target forward (ancestor mask, shared positions).
+
+The N = n + 1 tree tokens go through the target as one batch of rows, written to the KV cache at
+slots start..start+n. Two things make that batch behave like N separate sequences:
+
+* visibility: row i attends to the committed prefix (every row sees it) and, among the tree rows,
+  only to itself and its ancestors: ``vis[i, :i] = vis[parent[i], :i]; vis[i, i] = True``;
+* positions: node i gets rotary position start + depth[i], the position it would have in its own
+  sequence; siblings (same depth) share a position.
+
+This chapter builds a real tree (noisy oracle, budget 12, preset tiny, golden prompt), draws the
+mask, runs the verify forward and checks every node's logits against a plain causal forward over
+prefix + its path alone. Then it runs the numba visibility kernel and the numba absorbed attention
+(with the tree mask, on the layer-0 inputs of that verify forward) against numpy.
+
+Run: python walkthrough/08_tree_attention.py
+"""
+
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+from treeplot import draw_tree
+
+import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
+import kernels.mla as gpu_mla
+import kernels.tree as gpu_tree
+from ddtree import golden
+from ddtree import tree as ref
+from ddtree.config import preset
+from ddtree.drafters import make_drafter
+from ddtree.mla import key_mask
+from ddtree.model import Transformer
+from ddtree.weights import init_weights
+from kernels.device import SIMULATOR
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+BLOCK_SIZE = 8
+BUDGET = 12
+
+
+def path_to(tree: ref.DraftTree, node: int) -> list[int]:
+    """Node indices root..node."""
+    path = [node]
+    while path[-1] > 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+# --8<-- [start:record_calls]
+def record_calls(model, name: str, calls: list):
+    """Wrap model.ops.<name> so that the arguments of each call are kept (host copies)."""
+    inner = getattr(model.ops, name)
+
+    def recording(*args, **kwargs):
+        calls.append(tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args))
+        return inner(*args, **kwargs)
+
+    setattr(model.ops, name, recording)
+    return inner
+# --8<-- [end:record_calls]
+
+
+def mask_bytes(budget: int, requests: int) -> None:
+    """What the visibility kernel moves: parents in (int64), the (N, N) bool mask out, per request."""
+    size = budget + 1
+    read, written = requests * size * 8, requests * size * size
+    print(f"  visibility, {requests} requests x budget {budget}: reads {read} B of parents, writes "
+          f"{written} B of mask ({(read + written) / 4.8e12 * 1e9:.1f} ns at 4.8 TB/s: launch-bound)")
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    config = preset("tiny")
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    prompt = golden.default_prompt("tiny")
+    drafter = make_drafter("noisy", model, prompt, 24)
+    top_logprobs, top_ids = ref.top_candidates(drafter.propose(prompt, BLOCK_SIZE), BUDGET)
+    tree = ref.build_tree(int(prompt[-1]), top_logprobs, top_ids, BUDGET)
+
+    cache = model.new_cache(64)
+    model.forward(cache, prompt[:-1])                     # the committed prefix, root excluded
+    start = cache.length
+    visible = ref.visibility(tree.parents)                # [N, N]
+    positions = ref.positions(tree, start)                # [N] start + depth
+    print(f"tree: {tree.size} nodes (root + {tree.size - 1}), prefix of {start} cached tokens")
+    print(f"  tokens    {tree.tokens.tolist()}")
+    print(f"  parents   {tree.parents.tolist()}")
+    print(f"  positions {positions.tolist()}  (start + depth: siblings share a position)")
+
+    calls = []
+    inner = record_calls(model, "attention_absorb", calls)
+    logits = model.forward(cache, tree.tokens, positions=positions, visible=visible)   # [N, V]
+    model.ops.attention_absorb = inner
+    print(f"verify: ONE forward over {tree.size} rows -> logits {logits.shape}, "
+          f"cache length {start} -> {cache.length}")
+
+    worst, argmax_same = 0.0, True
+    for i in range(tree.size):
+        alone = model.logits(np.concatenate([prompt[:-1], tree.tokens[path_to(tree, i)]]))[-1]   # [V]
+        worst = max(worst, float(np.abs(alone - logits[i]).max()))
+        argmax_same &= int(alone.argmax()) == int(logits[i].argmax())
+    print(f"  each row vs a causal forward over prefix + its own path: max |diff| {worst:.1e} "
+          f"(max |logit| {np.abs(logits).max():.2f}), same argmax everywhere: {argmax_same}")
+    assert argmax_same
+
+    # the figure: the tree (x = position) and the key mask of every row
+    mask = key_mask(start, visible)                                                # [N, P + N]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw=dict(width_ratios=[1, 1.5]))
+    draw_tree(left, tree, pop_order=True, fontsize=8, start=start, title=f"the tree (budget {BUDGET})")
+    shade = mask.astype(int)                                                       # 1 = visible tree key
+    shade[:, :start] *= 2                                                          # 2 = prefix key
+    right.imshow(shade, cmap=ListedColormap(["white", "#3182bd", "#9e9ac8"]), vmin=0, vmax=2, aspect="auto")
+    right.axvline(start - 0.5, color="black", lw=1)
+    right.set_xticks(range(start + tree.size))
+    right.set_xticklabels([f"p{s}" for s in range(start)] + [f"#{j}" for j in range(tree.size)], fontsize=7)
+    right.set_yticks(range(tree.size))
+    right.set_yticklabels([f"#{i} {int(t)} @{int(p)}" for i, (t, p) in
+                           enumerate(zip(tree.tokens, positions, strict=True))], fontsize=7)
+    right.set_xlabel("keys: the cached prefix (purple, seen by every row), then the tree rows")
+    right.set_ylabel("query row: #node token @position")
+    right.set_title("key_mask(start, visibility(parents)): blue = visible", fontsize=10)
+    fig.tight_layout()
+    path = FIGURES / "08_tree_attention_mask.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+
+    # numba: the visibility kernel and the absorbed attention with the tree mask
+    print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
+    begin = time.perf_counter()
+    same = np.array_equal(gpu_tree.visibility(tree.parents), visible)
+    print(f"  visibility (one thread per (i, j)): identical: {same}")
+    assert same
+    q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale = calls[0]    # layer 0
+    expected = inner(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale)   # [N, H, R]
+    got = gpu_mla.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale,
+                                   threads=32)
+    diff = float(np.abs(got - expected).max())
+    print(f"  attention_absorb, layer 0 of the verify forward: q_lat {q_lat.shape}, prefix {prefix_len}, "
+          f"mask {mask_arg.shape}: max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})"
+          f"  ({time.perf_counter() - begin:.1f} s)")
+    assert diff < 1e-4
+    mask_bytes(64, 1)
+    mask_bytes(64, 32)

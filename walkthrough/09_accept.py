@@ -1,0 +1,135 @@
+"""Chapter 9: greedy acceptance, the walk down the tree along the target's own choices.
+
+After the verify forward, ``posterior[i] = argmax(logits[i])`` is the target's greedy next token
+after the path root..i. The walk starts at the root: while some child of the current node carries
+the target's choice, move there. Siblings carry distinct tokens, so at most one child matches. The
+walk's last choice is the bonus token: a token the target produced itself, which the next round
+uses as its root. Every committed token is the target's greedy choice after a prefix of real
+(committed) tokens, so the output is plain AR greedy decoding, only in fewer forwards.
+
+This chapter records (tree, posterior) for every round of a generation with the noisy oracle
+(preset tiny, golden prompt, block 8, budget 32), prints the walk of one round whose accepted path
+leaves the drafter's top-1 chain, draws it, and runs the numba accept (one tree) and accept_batch
+(every round in one launch) against numpy.
+
+Run: python walkthrough/09_accept.py
+"""
+
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from treeplot import draw_tree, tree_height
+
+import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
+import kernels.accept as gpu
+from ddtree import golden
+from ddtree.accept import accept
+from ddtree.config import preset
+from ddtree.decode import generate_ddtree
+from ddtree.drafters import make_drafter
+from ddtree.model import Transformer
+from ddtree.weights import init_weights
+from kernels.device import SIMULATOR
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
+
+
+def record_accept(model, rounds: list):
+    """Wrap model.ops.accept so that every round's (tree, posterior) is kept."""
+    inner = model.ops.accept
+
+    def recording(tree, posterior):
+        rounds.append((tree, np.asarray(posterior).copy()))
+        return inner(tree, posterior)
+
+    model.ops.accept = recording
+    return inner
+
+
+def print_walk(tree, posterior) -> None:
+    """The walk, step by step, as accept() does it."""
+    node = 0
+    while True:
+        choice = int(posterior[node])
+        kids = tree.children(node)
+        offered = ", ".join(f"#{c} {int(tree.tokens[c])}" for c in kids) or "none"
+        match = kids[tree.tokens[kids] == choice]
+        verdict = f"#{match[0]} carries it (rank {int(tree.ranks[match[0]])}): accept" if match.size \
+            else f"no child carries it: stop, bonus = {choice}"
+        print(f"  at #{node} ({int(tree.tokens[node])}): the target says {choice}; "
+              f"children [{offered}] -> {verdict}")
+        if not match.size:
+            return
+        node = int(match[0])
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    config = preset("tiny")
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    bundle = golden.load_bundle("tiny")
+    prompt, ar_tokens = bundle["prompt"], bundle["tokens"]
+    drafter = make_drafter("noisy", model, prompt, NEW_TOKENS)
+
+    rounds = []
+    record_accept(model, rounds)
+    tokens, trace = generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK_SIZE, budget=BUDGET)
+    assert np.array_equal(tokens, ar_tokens), "DDTree must emit the AR tokens"
+    print(f"noisy oracle, block {BLOCK_SIZE}, budget {BUDGET}: {len(rounds)} rounds, committed per round "
+          f"{[r.committed for r in trace.rounds]}, DDTree == AR: {np.array_equal(tokens, ar_tokens)}")
+
+    # the round to show: its accepted path leaves the top-1 chain (some accepted rank > 0), longest first
+    def interest(index):
+        tree, posterior = rounds[index]
+        accepted, _ = accept(tree, posterior)
+        return (bool(np.any(tree.ranks[accepted[1:]] > 0)), accepted.size)
+
+    shown = max(range(len(rounds)), key=interest)
+    tree, posterior = rounds[shown]
+    accepted, bonus = accept(tree, posterior)
+    record = trace.rounds[shown]
+    done = sum(r.committed for r in trace.rounds[:shown])
+    print(f"\nround {shown}: root {int(tree.tokens[0])} at position {record.start}, "
+          f"{tree.size - 1} drafted nodes")
+    print_walk(tree, posterior)
+    committed = [int(t) for t in tree.tokens[accepted[1:]]] + [bonus]
+    print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}), bonus {bonus}: "
+          f"commits {committed}")
+    print(f"  AR tokens at those positions: {ar_tokens[done:done + len(committed)].tolist()}")
+    assert committed == ar_tokens[done:done + len(committed)].tolist()
+    assert np.array_equal(accepted, record.accepted) and bonus == record.bonus
+
+    fig, ax = plt.subplots(figsize=(10, 0.3 * tree_height(tree) + 1.6))
+    draw_tree(ax, tree, accepted=accepted, bonus=bonus, fontsize=8, start=record.start,
+              title=f"round {shown}: accepted path (orange) and bonus token (green); #n = pop order")
+    fig.tight_layout()
+    path = FIGURES / "09_accept_path.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+
+    # numba: one tree, then every round in one launch (padded to the widest tree)
+    print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
+    begin = time.perf_counter()
+    got, got_bonus = gpu.accept(tree, posterior)
+    same = np.array_equal(got, accepted) and got_bonus == bonus
+    print(f"  accept (round {shown}): accepted {got.tolist()}, bonus {got_bonus}: identical: {same}")
+    assert same
+    width = max(t.size for t, _ in rounds)
+    padded = np.full((3, len(rounds), width), -1, np.int64)            # tokens, parents, posterior
+    padded[0] = 0
+    for b, (t, p) in enumerate(rounds):
+        padded[:, b, :t.size] = t.tokens, t.parents, p
+    sizes = np.array([t.size for t, _ in rounds], np.int64)
+    batch_accepted, lengths, bonuses = gpu.accept_batch(padded[0], padded[1], sizes, padded[2])
+    expected = [accept(t, p) for t, p in rounds]
+    same = all(np.array_equal(batch_accepted[b, :lengths[b]], walk) and bonuses[b] == last
+               for b, (walk, last) in enumerate(expected))
+    print(f"  accept_batch: {len(rounds)} trees of width {width} in one launch, lengths {lengths.tolist()}, "
+          f"identical to numpy: {same}  ({time.perf_counter() - begin:.1f} s)")
+    assert same

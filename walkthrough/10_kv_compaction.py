@@ -1,0 +1,186 @@
+"""Chapter 10: KV compaction, keeping only the accepted path's cache rows.
+
+Verification appended one latent-KV row per tree node at slots start..start+n, in node (pop)
+order. Only the accepted path belongs to the sequence: slot start + j must receive the row of
+accepted node j, then the cache length becomes start + m. Accepted node j sits at depth j, so its
+rotary position (start + j) already equals its new slot: rows move, nothing is recomputed.
+
+The copy is a gather with accepted[j] >= j. In increasing j, in place, it is safe: slot j is only
+overwritten by step j, after every step that reads it. A parallel in-place copy is not: thread j
+may overwrite slot j while thread j' < j still has to read it (when accepted[j'] = j). This chapter
+finds such a round in a real generation, shows what one bad interleaving does, counts the fast path
+(nothing to move), and runs the numba compaction (gather to scratch, then write back) against numpy.
+
+Run: python walkthrough/10_kv_compaction.py
+"""
+
+import copy
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Rectangle
+
+import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
+import kernels.kv_cache as gpu
+from ddtree import golden
+from ddtree.config import preset
+from ddtree.decode import generate_ddtree
+from ddtree.drafters import make_drafter
+from ddtree.kv_cache import compact
+from ddtree.model import Transformer
+from ddtree.weights import init_weights
+from kernels.device import SIMULATOR
+
+FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
+MAX_SHOWN_SLOT = 12          # the figure shows slots start .. start + accepted[-1] + 2
+
+
+def record_compact(model, calls: list):
+    """Wrap model.ops.compact: keep (a copy of the cache before compaction, start, accepted)."""
+    inner = model.ops.compact
+
+    def recording(cache, start, accepted):
+        calls.append((copy.deepcopy(cache), int(start), np.asarray(accepted).copy()))
+        return inner(cache, start, accepted)
+
+    model.ops.compact = recording
+    return inner
+
+
+# --8<-- [start:racy_compact]
+def hazards(accepted: np.ndarray) -> list[int]:
+    """Threads j whose source slot accepted[j] is also the destination of a later thread."""
+    m = accepted.size
+    return [j for j in range(m) if j < accepted[j] < m]
+
+
+def racy_compact(cache, start: int, accepted: np.ndarray) -> None:
+    """A parallel in-place copy under one legal schedule: the threads happen to run last-first."""
+    for j in reversed(range(accepted.size)):
+        cache.latent[:, start + j] = cache.latent[:, start + accepted[j]]
+        cache.rope[:, start + j] = cache.rope[:, start + accepted[j]]
+    cache.truncate(start + accepted.size)
+# --8<-- [end:racy_compact]
+
+
+def whose_rows(cache, before, start: int, count: int) -> list[int]:
+    """For slots start..start+count-1: which tree node's verify row each now holds (-1: none)."""
+    owners = []
+    for s in range(start, start + count):
+        match = [i for i in range(before.length - start)
+                 if np.array_equal(cache.latent[:, s], before.latent[:, start + i])
+                 and np.array_equal(cache.rope[:, s], before.rope[:, start + i])]
+        owners.append(match[0] if match else -1)
+    return owners
+
+
+def draw_slots(ax, y, start, labels, colors, title):
+    for k, (label, color) in enumerate(zip(labels, colors, strict=True)):
+        ax.add_patch(Rectangle((k - 0.45, y - 0.3), 0.9, 0.6, fc=color, ec="#444444", lw=0.6))
+        ax.text(k, y, label, ha="center", va="center", fontsize=7)
+    ax.text(-0.7, y, title, ha="right", va="center", fontsize=8)
+
+
+def kimi_compaction_bytes(kept: int) -> None:
+    kimi = preset("kimi-k2.6")
+    row = kimi.num_hidden_layers * kimi.latent_cache_width * 4         # one token, every layer, fp32
+    moved = 2 * 2 * kept * row                                          # 2 launches x (read + write)
+    print(f"  Kimi K2.6: one token's cache row = {kimi.num_hidden_layers} layers x "
+          f"{kimi.latent_cache_width} floats x 4 B = {row / 1e3:.0f} KB; compacting m = {kept} rows moves "
+          f"{moved / 1e6:.2f} MB ({moved / 4.8e12 * 1e6:.2f} us at 4.8 TB/s) in 2 launches")
+
+
+if __name__ == "__main__":
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    config = preset("tiny")
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    prompt = golden.default_prompt("tiny")
+    ar_tokens = golden.load_bundle("tiny")["tokens"]
+
+    # a real round whose parallel copy would race (and whose window fits the figure)
+    for seed in range(8):
+        calls = []
+        inner = record_compact(model, calls)
+        drafter = make_drafter("noisy", model, prompt, NEW_TOKENS, seed=seed)
+        tokens, trace = generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK_SIZE,
+                                        budget=BUDGET)
+        model.ops.compact = inner
+        assert np.array_equal(tokens, ar_tokens)
+        fast = sum(np.array_equal(a, np.arange(a.size)) for _, _, a in calls)
+        print(f"noisy seed {seed}: accepted per round {[a.tolist() for _, _, a in calls]}; "
+              f"fast path (nothing to move) in {fast} of {len(calls)} rounds")
+        racing = [r for r, (_, _, a) in enumerate(calls) if hazards(a) and a[-1] < MAX_SHOWN_SLOT]
+        if racing:
+            break
+    assert racing, "no round with a hazard found"
+    oracle_calls = []
+    inner = record_compact(model, oracle_calls)
+    generate_ddtree(model, prompt, NEW_TOKENS, make_drafter("oracle", model, prompt, NEW_TOKENS),
+                    block_size=BLOCK_SIZE, budget=BUDGET)
+    model.ops.compact = inner
+    fast = sum(np.array_equal(a, np.arange(a.size)) for _, _, a in oracle_calls)
+    print(f"oracle: accepted per round {[a.tolist() for _, _, a in oracle_calls]}; fast path in {fast} of "
+          f"{len(oracle_calls)} rounds (its top-1 chain pops first: nodes 1..L)")
+    shown = racing[0]
+    before, start, accepted = calls[shown]
+    kept = accepted.size
+    print(f"\nseed {seed}, round {shown}: tree rows at slots {start}..{before.length - 1}, "
+          f"accepted {accepted.tolist()} -> slots {start}..{start + kept - 1}")
+    for j in hazards(accepted):
+        print(f"  hazard: thread {j} reads slot {start + accepted[j]}, which thread {accepted[j]} "
+              f"overwrites with slot {start + accepted[accepted[j]]}")
+
+    good = copy.deepcopy(before)
+    compact(good, start, accepted)
+    bad = copy.deepcopy(before)
+    racy_compact(bad, start, accepted)
+    good_rows = whose_rows(good, before, start, kept)
+    bad_rows = whose_rows(bad, before, start, kept)
+    print(f"  sequential in place (j = 0, 1, ...): slots hold the rows of nodes {good_rows}")
+    print(f"  parallel in place, threads last-first: slots hold the rows of nodes {bad_rows}  <- wrong")
+    assert good_rows == accepted.tolist() and bad_rows != accepted.tolist()
+
+    # the figure: the window of slots that matters
+    width = int(accepted[-1]) + 3
+    orange, grey, red, green = "#fdae6b", "#f0f0f0", "#fb6a4a", "#a1d99b"
+    fig, ax = plt.subplots(figsize=(12, 3.6))
+    verify_tokens = trace.rounds[shown].tokens                                   # [N] node order
+    labels = [f"{start + i}\n#{i} {int(verify_tokens[i])}" for i in range(width)]
+    draw_slots(ax, 2, start, labels, [orange if i in accepted else grey for i in range(width)],
+               "after verify\n(tree rows, node order)")
+    labels = [f"{start + j}\n#{good_rows[j]}" if j < kept else f"{start + j}\nfree" for j in range(width)]
+    draw_slots(ax, 0.6, start, labels, [green if j < kept else "white" for j in range(width)],
+               "after compaction\n(sequential, in place)")
+    labels = [f"{start + j}\n#{bad_rows[j]}" if j < kept else f"{start + j}\nfree" for j in range(width)]
+    colors = [("white" if j >= kept else green if bad_rows[j] == accepted[j] else red) for j in range(width)]
+    draw_slots(ax, -0.8, start, labels, colors, "parallel in place,\nthreads last-first")
+    for j, a in enumerate(accepted):
+        ax.annotate("", (j, 0.92), xytext=(a, 1.68),
+                    arrowprops=dict(arrowstyle="->", color="#e6550d" if a != j else "#999999", lw=1.2))
+    ax.set_xlim(-4.2, width)
+    ax.set_ylim(-1.3, 2.5)
+    ax.axis("off")
+    ax.set_title(f"Round {shown} (noisy seed {seed}): slot start + j <- slot start + accepted[j], "
+                 f"accepted = {accepted.tolist()}; red = a row overwritten before it was read", fontsize=9)
+    fig.tight_layout()
+    path = FIGURES / "10_kv_compaction_slots.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+
+    # numba: gather into scratch, then write back (two launches); the same cache afterwards
+    print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
+    begin = time.perf_counter()
+    on_gpu = copy.deepcopy(before)
+    gpu.compact(on_gpu, start, accepted)
+    same = (on_gpu.length == good.length and np.array_equal(on_gpu.latent, good.latent, equal_nan=True)
+            and np.array_equal(on_gpu.rope, good.rope, equal_nan=True))
+    print(f"  compact (cache {before.latent.shape} latent + {before.rope.shape} rope, m = {kept}): "
+          f"identical to numpy, length {on_gpu.length}: {same}  ({time.perf_counter() - begin:.1f} s)")
+    assert same
+    kimi_compaction_bytes(BLOCK_SIZE)

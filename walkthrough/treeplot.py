@@ -1,0 +1,110 @@
+"""Drawing draft trees for the DDTree chapters (06-11): one helper, ``draw_tree``.
+
+A tree is anything with ``tokens``, ``parents`` and ``depths`` arrays in pop order, root = node 0
+(``ddtree.tree.DraftTree`` or a ``ddtree.decode.RoundTrace``). Depth runs left to right (the
+reading direction of the sequence: node i sits at position start + depth[i]); siblings are
+stacked top to bottom in rank order, each parent centred on its children.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ACCEPTED = "#e6550d"       # accepted path: nodes and edges
+BONUS = "#31a354"          # the bonus token (the target's own next token, not a tree node)
+NODE = "#deebf7"           # every other node
+EDGE = "#9ecae1"
+
+
+def children_lists(parents: np.ndarray) -> list[list[int]]:
+    """children[i] = node i's children in pop order (which is rank order among siblings)."""
+    children = [[] for _ in range(len(parents))]
+    for node in range(1, len(parents)):
+        children[int(parents[node])].append(node)
+    return children
+
+
+def layout(parents: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) per node: x = depth; leaves get y = 0, 1, 2, ... in depth-first order, a parent the
+    mean of its children's y. Returns y growing downwards (row 0 at the top)."""
+    children = children_lists(parents)
+    y = np.zeros(len(parents))
+    next_leaf = 0
+    stack = [(0, False)]
+    while stack:                                   # iterative post-order: children before parents
+        node, done = stack.pop()
+        if done:
+            y[node] = np.mean(y[children[node]]) if children[node] else y[node]
+            continue
+        if not children[node]:
+            y[node] = next_leaf
+            next_leaf += 1
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children[node]))
+    return np.asarray(depths, dtype=float), y
+
+
+def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, fontsize=8,
+              title=None, start=None):
+    """Draw ``tree`` on ``ax``.
+
+    accepted: node indices of the accepted walk (starting at 0), drawn in orange.
+    pop_order: label each node with its pop index (the heap's order; root = 0) above the box.
+    bonus: the round's bonus token, drawn as a green dashed node after the accepted path.
+    tokens: write the token id in each node (off for very small plots).
+    start: if given, the x axis is labelled with positions start + depth instead of depths.
+    """
+    parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
+    token_ids = np.asarray(tree.tokens)
+    x, y = layout(parents, depths)
+    on_path = np.zeros(len(parents), dtype=bool)
+    if accepted is not None:
+        on_path[np.asarray(accepted, dtype=np.int64)] = True
+
+    for node in range(1, len(parents)):            # edges first, boxes on top
+        parent = int(parents[node])
+        hot = on_path[node] and on_path[parent]
+        ax.plot([x[parent], x[node]], [y[parent], y[node]], color=ACCEPTED if hot else EDGE,
+                lw=2.2 if hot else 0.9, zorder=1)
+    box = dict(boxstyle="round,pad=0.25", lw=0.6)
+    for node in range(len(parents)):
+        face = ACCEPTED if on_path[node] else NODE
+        label = str(int(token_ids[node])) if tokens else ""
+        ax.text(x[node], y[node], label, ha="center", va="center", fontsize=fontsize, zorder=3,
+                color="white" if on_path[node] else "black",
+                bbox=dict(box, fc=face, ec="#444444" if node == 0 else "#6baed6"))
+        if pop_order:
+            ax.annotate(f"#{node}", (x[node], y[node]), xytext=(0, fontsize * 0.95),
+                        textcoords="offset points", ha="center", va="bottom",
+                        fontsize=fontsize * 0.75, color="#555555", zorder=3)
+    columns = int(depths.max()) + 1
+    show_bonus = bonus is not None and accepted is not None and len(accepted) > 0
+    if show_bonus:                                 # its own column, right of the deepest nodes
+        last = int(np.asarray(accepted)[-1])
+        bend = 0.25 if y[last] < y.max() / 2 else -0.25           # curve away from the nearer edge
+        ax.annotate("", (columns, y[last]), xytext=(x[last], y[last]), zorder=2,
+                    arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.3, ls="--",
+                                    shrinkA=6, shrinkB=7, connectionstyle=f"arc3,rad={bend}"))
+        ax.text(columns, y[last], str(int(bonus)) if tokens else "", ha="center", va="center",
+                fontsize=fontsize, zorder=3, color="white", bbox=dict(box, fc=BONUS, ec=BONUS))
+
+    ax.set_xlim(-0.6, columns + (0.6 if show_bonus else -0.4))
+    ax.set_ylim(y.max() + 0.7, -0.9)               # row 0 at the top
+    ax.set_yticks([])
+    ax.set_xticks(range(columns + (1 if show_bonus else 0)))
+    labels = [str(d if start is None else start + d) for d in range(columns)]
+    ax.set_xticklabels(labels + (["bonus"] if show_bonus else []))
+    ax.set_xlabel("depth" if start is None else "position (start + depth)", fontsize=fontsize)
+    ax.tick_params(labelsize=fontsize * 0.9)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=fontsize + 1)
+    return ax
+
+
+def tree_height(tree) -> float:
+    """Rows the layout needs (leaves), to size a figure."""
+    _, y = layout(np.asarray(tree.parents), np.asarray(tree.depths))
+    return float(y.max() + 1)
