@@ -61,10 +61,28 @@ def to_device(x, dtype=None):
     return cuda.to_device(x)
 
 
+@cuda.jit
+def fill_kernel(flat, value):
+    # one thread per element of a flat (contiguous) view
+    i = cuda.grid(1)
+    if i < flat.size:
+        flat[i] = value
+
+
 def poisoned(shape, dtype=np.float32):
-    """A device array filled with NaN (floats) or -1 (integers): unwritten elements show."""
-    fill = np.nan if np.issubdtype(np.dtype(dtype), np.floating) else -1
-    return cuda.to_device(np.full(shape, fill, dtype=dtype))
+    """A new device array filled with NaN (floats) or -1 (integers), so unwritten elements show.
+
+    On a GPU the fill runs on the device (nothing is copied from the host); in the simulator,
+    where every CUDA thread is a Python thread, the array is filled on the host and copied.
+    """
+    dtype = np.dtype(dtype)
+    value = dtype.type(np.nan if np.issubdtype(dtype, np.floating) else -1)
+    if SIMULATOR:
+        return cuda.to_device(np.full(shape, value, dtype=dtype))
+    out = cuda.device_array(shape, dtype=dtype)
+    if out.size:
+        fill_kernel[blocks(out.size, 256), 256](out.reshape(out.size), value)
+    return out
 
 
 def to_host_if(result, *inputs):

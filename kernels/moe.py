@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 
 import numpy as np
 from numba import cuda, float32, int32, uint8
@@ -344,29 +343,17 @@ def swiglu(x, gate_proj, up_proj, down_proj):
 # --8<-- [end:swiglu]
 
 
-_DEVICE_PARAMS: dict[int, tuple[weakref.ref, MoEParams]] = {}
-
-
 # --8<-- [start:device_params]
 def device_params(params: MoEParams) -> MoEParams:
-    """``params`` with every array on the device, copied once per params object.
+    """``params`` with every array on the device (arrays already there are used as they are).
 
-    The copy is kept in a dict keyed by ``id(params)`` next to a weak reference to ``params``:
-    the entry is dropped when ``params`` is garbage-collected, and a lookup also checks that
-    the reference still points at the same object, so a recycled id can never return another
-    layer's weights. Arrays already on the device are used as they are.
+    Call it once and pass the result to ``moe`` to keep a layer's weights on the device; host
+    ``params`` given to ``moe`` are copied on every call.
     """
-    key = id(params)
-    entry = _DEVICE_PARAMS.get(key)
-    if entry is not None and entry[0]() is params:
-        return entry[1]
-    on_device = MoEParams(**{
+    return MoEParams(**{
         field.name: None if getattr(params, field.name) is None
         else to_device(getattr(params, field.name), np.float32)
         for field in dataclasses.fields(params)})
-    _DEVICE_PARAMS[key] = (weakref.ref(params, lambda _ref, key=key: _DEVICE_PARAMS.pop(key, None)),
-                           on_device)
-    return on_device
 # --8<-- [end:device_params]
 
 
@@ -396,7 +383,8 @@ def moe(x, params: MoEParams, config: ModelConfig):
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
-    experts in slot order. Host ``params`` are copied to the device once (``device_params``).
+    experts in slot order. Host ``params`` are copied to the device on each call; pass
+    ``device_params(params)`` to keep them there.
     """
     _check_moe(x, params, config)
     rows, width = x.shape

@@ -196,12 +196,14 @@ class TreeBatch(typing.NamedTuple):
     sizes: object       # [Bq] int64
 
 
-def _builder_threads(budget: int) -> int:
+# --8<-- [start:builder_threads]
+def builder_threads(budget: int) -> int:
     """A power of two in [32, 128], about one frontier entry per thread."""
     threads = 32
     while threads < min(budget + 1, _MAX_THREADS):
         threads *= 2
     return threads
+# --8<-- [end:builder_threads]
 
 
 def _check_batch(root_tokens, top_logprobs, top_ids, budget):
@@ -238,7 +240,7 @@ def _check_batch(root_tokens, top_logprobs, top_ids, budget):
 
 def _launch_build(root_tokens, top_logprobs, top_ids, budget, out: TreeBatch, threads=None) -> TreeBatch:
     """Launch on validated inputs into ``out``; ``threads`` (a power of two <= 128) for tests."""
-    threads = _builder_threads(budget) if threads is None else threads
+    threads = builder_threads(budget) if threads is None else threads
     _build_trees_kernel[top_logprobs.shape[0], threads](
         to_device(root_tokens, np.int64), to_device(top_logprobs, np.float32),
         to_device(top_ids, np.int64), budget, *out)

@@ -86,21 +86,6 @@ def test_fast_path_launches_nothing(monkeypatch):
     assert cache.length == 7
 
 
-@pytest.fixture
-def host_copies(monkeypatch):
-    """Sizes of every device -> host copy made while the test runs."""
-    sizes = []
-    array_type = type(cuda.to_device(np.zeros(1, np.float32)))
-    original = array_type.copy_to_host
-
-    def recording(self, *args, **kwargs):
-        sizes.append(self.size)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(array_type, "copy_to_host", recording)
-    return sizes
-
-
 def test_device_cache_is_compacted_in_place_and_deterministic(host_copies):
     cache = filled_cache(2, 16, 12, 5, 14, seed=3)
     expected = copy_cache(cache)

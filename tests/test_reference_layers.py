@@ -1,4 +1,7 @@
-"""Reference layers on crafted inputs: routing rules, RoPE/YaRN, RMSNorm, the KV cache."""
+"""Reference layers on crafted inputs: RoPE/YaRN, RMSNorm, attention masks, the KV cache.
+
+Routing on crafted inputs is tested against both implementations in test_pair_moe.py.
+"""
 
 import math
 
@@ -8,69 +11,9 @@ import pytest
 from ddtree.config import preset
 from ddtree.kv_cache import CacheOverflowError, LatentKVCache, compact
 from ddtree.mla import attention_absorb, causal_visibility
-from ddtree.moe import route
 from ddtree.rmsnorm import rmsnorm
 from ddtree.rope import apply_rope, inv_freq, softmax_scale
 from tests.helpers import assert_close, assert_exact
-
-
-def routing_config(**change):
-    values = preset("tiny-b").to_dict()        # 12 experts, 4 groups of 3, keep 2 groups, top-3
-    values.update(change)
-    return type(preset("tiny-b")).from_dict(values)
-
-
-def crafted_router(scores: np.ndarray):
-    """A gate whose sigmoid scores for x = e_0 are exactly ``scores``."""
-    logits = np.log(scores / (1 - scores))
-    gate = np.zeros((scores.size, 4), np.float32)
-    gate[:, 0] = logits
-    x = np.zeros((1, 4), np.float32)
-    x[0, 0] = 1.0
-    return x, gate
-
-
-def test_groups_are_excluded_before_topk():
-    config = routing_config()
-    # group 0 holds the single best expert but a weak second; groups 1 and 3 have two good ones
-    scores = np.array([0.95, 0.1, 0.1, 0.8, 0.8, 0.1, 0.2, 0.2, 0.2, 0.7, 0.75, 0.1], np.float32)
-    x, gate = crafted_router(scores)
-    ids, _ = route(x, gate, np.zeros(12, np.float32), config)
-    # group sums of top-2: g0 1.05, g1 1.6, g2 0.4, g3 1.45 -> keep g1, g3 ; expert 0 is excluded
-    assert_exact(ids[0], [3, 4, 10])
-
-
-def test_bias_changes_selection_but_not_weights():
-    config = routing_config(n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=False,
-                            routed_scaling_factor=1.0)
-    scores = np.linspace(0.2, 0.8, 12).astype(np.float32)
-    x, gate = crafted_router(scores)
-    ids, weights = route(x, gate, np.zeros(12, np.float32), config)
-    assert_exact(ids[0], [11, 10])
-    bias = np.zeros(12, np.float32)
-    bias[0] = 1.0                                   # expert 0 now wins the choice...
-    ids, weights = route(x, gate, bias, config)
-    assert_exact(ids[0], [0, 11])
-    assert_close(weights[0], scores[[0, 11]])       # ...but is weighed by its unbiased score
-
-
-def test_weights_normalised_and_scaled():
-    config = routing_config()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((5, 16)).astype(np.float32)
-    gate = rng.standard_normal((12, 16)).astype(np.float32)
-    _, weights = route(x, gate, np.zeros(12, np.float32), config)
-    assert_close(weights.sum(-1), np.full(5, config.routed_scaling_factor, np.float32))
-
-
-def test_exact_ties_go_to_the_lower_index():
-    config = routing_config(n_group=1, topk_group=1, num_experts_per_tok=3)
-    x, gate = crafted_router(np.full(12, 0.5, np.float32))
-    ids, _ = route(x, gate, np.zeros(12, np.float32), config)
-    assert_exact(ids[0], [0, 1, 2])
-    config = routing_config()                                   # groups tie too
-    ids, _ = route(x, gate, np.zeros(12, np.float32), config)
-    assert_exact(ids[0], [0, 1, 2])
 
 
 def test_rmsnorm_unit_rms():
