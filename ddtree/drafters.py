@@ -124,6 +124,7 @@ class NoisyOracleDrafter(OracleDrafter):
                 logits[d - 1, token] = np.log(p)
         return logits
 
+    # --8<-- [start:noisy_ranking]
     def noisy_ranking(self, position: int, depth: int) -> list[int]:
         truth = self.true_token(position)
         rng = _position_rng(self.seed + 1, position * 64 + depth)
@@ -136,6 +137,7 @@ class NoisyOracleDrafter(OracleDrafter):
         if self.runners_up and rng.random() < self.keep_rate:
             ranked.insert(int(rng.integers(1, self.runners_up + 1)), truth)
         return ranked[: self.runners_up + 1]
+    # --8<-- [end:noisy_ranking]
 
     def probabilities(self, ranked: list[int], position: int) -> list[float]:
         shares = 0.5 ** np.arange(len(ranked) - 1)
@@ -183,6 +185,7 @@ class NGramDrafter:
 DRAFTERS = ("oracle", "noisy", "ngram")
 
 
+# --8<-- [start:make_drafter]
 def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0):
     """A drafter by name for ``model`` (the oracles run AR once to learn the continuation)."""
     if name == "oracle":
@@ -192,3 +195,4 @@ def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0):
     if name == "ngram":
         return NGramDrafter(model.config.vocab_size)
     raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {name!r}")
+# --8<-- [end:make_drafter]

@@ -36,6 +36,7 @@ class LatentKVCache:
     def num_layers(self) -> int:
         return self.latent.shape[0]
 
+    # --8<-- [start:reserve_write_commit]
     def reserve(self, rows: int) -> int:
         """Check that ``rows`` more slots fit; returns the first new slot. Changes nothing."""
         if rows < 0:
@@ -58,6 +59,7 @@ class LatentKVCache:
     def commit(self, rows: int) -> None:
         self.reserve(rows)
         self.length += rows
+    # --8<-- [end:reserve_write_commit]
 
     def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
         """Append rows for every layer at once: latent (Ly, n, R), rope (Ly, n, dr)."""

@@ -43,6 +43,7 @@ def inv_freq(config: ModelConfig) -> np.ndarray:
 # --8<-- [end:inv_freq]
 
 
+# --8<-- [start:cos_sin_scale]
 def cos_sin_scale(config: ModelConfig) -> float:
     """Factor on cos/sin (Hugging Face's ``attention_factor``): mscale / mscale_all_dim under YaRN."""
     scaling = config.rope_scaling
@@ -53,8 +54,10 @@ def cos_sin_scale(config: ModelConfig) -> float:
     if mscale and mscale_all_dim:
         return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     return yarn_mscale(factor)
+# --8<-- [end:cos_sin_scale]
 
 
+# --8<-- [start:softmax_scale]
 def softmax_scale(config: ModelConfig) -> float:
     """Attention logit scale ``1/sqrt(dn + dr) * m^2`` with ``m = yarn_mscale(factor, mscale_all_dim)``."""
     scale = config.qk_head_dim ** -0.5
@@ -63,6 +66,7 @@ def softmax_scale(config: ModelConfig) -> float:
         m = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
         scale *= m * m
     return scale
+# --8<-- [end:softmax_scale]
 
 
 # --8<-- [start:rope_tables]

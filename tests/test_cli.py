@@ -33,3 +33,11 @@ def test_module_entry_point():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "DDTree == AR: yes" in result.stdout
+
+
+def test_readme_shows_what_the_demo_prints(capsys):
+    """The README (and the site's home page, which includes it) quotes the demo verbatim."""
+    readme = (golden.GOLDEN_DIR.parent.parent / "README.md").read_text()
+    block = readme.split("[start:demo_output] -->\n```text\n")[1].split("```\n")[0]
+    assert main(["demo"]) == 0
+    assert capsys.readouterr().out == block

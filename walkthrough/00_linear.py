@@ -12,7 +12,7 @@ bound until a few dozen rows share every weight read.
 Writes docs/assets/figures/00_linear_lm_head_roofline.png and 00_linear_report.txt (what it prints).
 """
 
-import chapter
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 

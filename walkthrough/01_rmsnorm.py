@@ -14,7 +14,7 @@ Kimi K2.6's hidden size.
 Writes docs/assets/figures/01_rmsnorm_tree_reduction.png and 01_rmsnorm_report.txt (what it prints).
 """
 
-import chapter
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 

@@ -18,7 +18,7 @@ Writes docs/assets/figures/02_rope_yarn_inv_freq.png and 02_rope_report.txt (wha
 import dataclasses
 import math
 
-import chapter
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 

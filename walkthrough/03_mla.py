@@ -18,7 +18,7 @@ query and W_UV after the softmax and attends in latent space. This chapter
 Writes docs/assets/figures/03_mla_cost.png, 03_mla_masks.png and 03_mla_report.txt (what it prints).
 """
 
-import chapter
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -149,9 +149,11 @@ def naive_vs_absorb_model() -> None:
     prompt = golden.default_prompt("tiny")
     absorb = Transformer(config, weights, attention="absorb").logits(prompt)   # [T, V]
     naive = Transformer(config, weights, attention="naive").logits(prompt)
+    same = np.array_equal(absorb.argmax(-1), naive.argmax(-1))
     print(f"tiny model, prompt of {prompt.size} tokens: max |absorb - naive| logit = "
           f"{np.abs(absorb - naive).max():.2e} (max |logit| {np.abs(naive).max():.1f}), "
-          f"same greedy tokens: {np.array_equal(absorb.argmax(-1), naive.argmax(-1))}")
+          f"same greedy tokens: {same}")
+    assert same, "absorbed and naive attention must pick the same greedy tokens"
 
 
 def kernels_vs_numpy(rng) -> None:

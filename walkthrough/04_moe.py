@@ -13,15 +13,10 @@ exactly the same experts, and the numba SwiGLU and MoE against numpy.
 
     python walkthrough/04_moe.py
 
-Writes docs/assets/figures/04_moe_routing.png and docs/assets/figures/04_moe_load.png.
+Writes docs/assets/figures/04_moe_routing.png, 04_moe_load.png and 04_moe_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -34,7 +29,7 @@ from ddtree.weights import init_weights
 from kernels import device
 from kernels import moe as knl
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "04_moe"
 
 
 # --8<-- [start:record_router_inputs]
@@ -91,10 +86,7 @@ def plot_routing(layers, config) -> None:
     fig.colorbar(image, ax=axes, shrink=0.8,
                  label=f"routing weight (each row sums to {config.routed_scaling_factor})")
     fig.suptitle("tiny-b routing on the golden tokens (real post-attention hidden states)")
-    path = FIGURES / "04_moe_routing.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "routing", bbox_inches="tight")
 
 
 def plot_load(layers, config) -> None:
@@ -117,36 +109,32 @@ def plot_load(layers, config) -> None:
     ax.set_title("tiny-b expert load on the golden tokens")
     ax.legend(fontsize=9)
     fig.tight_layout()
-    path = FIGURES / "04_moe_load.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "load")
 
 
 def kernels_vs_numpy(layers, config) -> None:
     for layer, x, params in layers:
-        start = time.perf_counter()
-        ids, weights = knl.route(x, params.gate, params.bias, config)
-        seconds = time.perf_counter() - start
+        with chapter.timed(f"numba route, layer {layer}"):
+            ids, weights = knl.route(x, params.gate, params.bias, config)
         ref_ids, ref_weights = ref.route(x, params.gate, params.bias, config)
         print(f"route, layer {layer}, x {x.shape}: selected experts equal exactly: "
               f"{np.array_equal(ids, ref_ids)}; max |weight diff| {np.abs(weights - ref_weights).max():.1e}; "
-              f"smallest margin chosen vs unchosen {margin(x, params, config):.3f}  ({seconds:.1f} s)")
+              f"smallest margin chosen vs unchosen {margin(x, params, config):.3f}")
+        assert np.array_equal(ids, ref_ids), f"layer {layer}: numba and numpy chose different experts"
     layer, x, params = layers[0]
     x = x[:2]                       # two tokens: 6 routed slots + the shared expert, seconds in the simulator
-    start = time.perf_counter()
-    shared = knl.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
-    mixed = knl.moe(x, params, config)
-    seconds = time.perf_counter() - start
+    with chapter.timed("numba swiglu + moe"):
+        shared = knl.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+        mixed = knl.moe(x, params, config)
     ref_shared = ref.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
     ref_mixed = ref.moe(x, params, config)
     print(f"swiglu (shared expert) x {x.shape}: max |numpy - numba| = "
           f"{np.abs(shared - ref_shared).max():.1e}; moe: {np.abs(mixed - ref_mixed).max():.1e} "
-          f"(max |y| {np.abs(ref_mixed).max():.2f})  ({seconds:.1f} s)")
+          f"(max |y| {np.abs(ref_mixed).max():.2f})")
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """Record tiny-b's router inputs on the golden tokens, draw the routing, check the kernels."""
     print(f"kernels run on: {device.where()}")
     config = preset("tiny-b")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
@@ -161,3 +149,8 @@ if __name__ == "__main__":
     plot_routing(layers, config)
     plot_load(layers, config)
     kernels_vs_numpy(layers, config)
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()

@@ -14,18 +14,14 @@ The layers of chapters 0-4 assemble into a DeepSeek-V3 / Kimi-K2 style decoder. 
 
     python walkthrough/05_model.py
 
-Writes docs/assets/figures/05_model_golden_gaps.png.
+Writes docs/assets/figures/05_model_golden_gaps.png and 05_model_report.txt (what it prints).
 """
 
 import collections
 import json
-import pathlib
 import tempfile
-import time
 
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -38,7 +34,7 @@ from ddtree.model import Transformer
 from ddtree.weights import init_weights, load_pretrained, save_pretrained
 from kernels import device
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "05_model"
 LAUNCH_SECONDS = 22e-6     # a numba kernel launch from Python, measured on the project's H200
 
 
@@ -68,6 +64,7 @@ def ar_demo(model: Transformer) -> dict:
           f"target forwards (1 prefill + {model.forward_count - 1} decodes)")
     print(f"  tokens equal the golden bundle: {np.array_equal(tokens, bundle['tokens'])}; "
           f"max |logit - golden| = {np.abs(step_logits - bundle['logits']).max():.1e}")
+    assert np.array_equal(tokens, bundle["tokens"]), "AR must reproduce the golden bundle"
     full = model.logits(np.concatenate([prompt, tokens]))                     # one causal pass
     recomputed = full[prompt.size - 1:-1]                                     # the rows that chose each token
     print(f"  cached decode vs one causal pass over all {prompt.size + new} tokens: "
@@ -98,14 +95,14 @@ def numba_backend_demo() -> float:
     reference = Transformer(config, weights).logits(prompt)                   # [T, V]
     model = Transformer(config, weights, backend="numba")
     calls = count_operation_calls(model)
-    start = time.perf_counter()
-    logits = model.logits(prompt)
-    seconds = time.perf_counter() - start
+    with chapter.timed("numba backend forward"):
+        logits = model.logits(prompt)
     diff = float(np.abs(logits - reference).max())
     print(f"backend='numba' on micro ({config.describe()}), prompt of {prompt.size} tokens, "
-          f"on the {device.where()}: {seconds:.1f} s")
+          f"on the {device.where()}")
     print(f"  max |logit numpy - numba| = {diff:.1e} (max |logit| {np.abs(reference).max():.1f}); "
           f"same greedy tokens: {np.array_equal(logits.argmax(-1), reference.argmax(-1))}")
+    assert np.array_equal(logits.argmax(-1), reference.argmax(-1)), "numba and numpy greedy tokens differ"
     total = sum(calls.values())
     per_layer = (total - 3) / config.num_hidden_layers          # embed, final norm, lm_head once
     kimi_layers = preset("kimi-k2.6").num_hidden_layers
@@ -149,20 +146,17 @@ def plot_gaps(measured_diff: float) -> None:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
-    path = FIGURES / "05_model_golden_gaps.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(FIGURES.parent.parent.parent)}")
+    chapter.save_figure(fig, STEM, "golden_gaps")
 
 
 if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    config = preset("tiny-b")
-    weights = init_weights(config, golden.WEIGHT_SEED)
-    model = Transformer(config, weights)
-    print(f"tiny-b: {config.describe()}, layer 0 dense, layers 1+ MoE")
-    cache_demo(model)
-    ar_demo(model)
-    checkpoint_demo(config, weights, model)
-    diff = numba_backend_demo()
-    plot_gaps(diff)
+    with chapter.report(STEM):
+        config = preset("tiny-b")
+        weights = init_weights(config, golden.WEIGHT_SEED)
+        model = Transformer(config, weights)
+        print(f"tiny-b: {config.describe()}, layer 0 dense, layers 1+ MoE")
+        cache_demo(model)
+        ar_demo(model)
+        checkpoint_demo(config, weights, model)
+        diff = numba_backend_demo()
+        plot_gaps(diff)

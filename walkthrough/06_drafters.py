@@ -12,13 +12,11 @@ the noisy oracle (the oracle with seeded mistakes) and the n-gram drafter (copie
 earlier occurrences of the context's suffix). Drafters have no numba twin: they run on the host.
 
 Run: python walkthrough/06_drafters.py
+
+Writes docs/assets/figures/06_drafters_distributions.png and 06_drafters_report.txt (what it prints).
 """
 
-import pathlib
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -29,7 +27,7 @@ from ddtree.model import Transformer
 from ddtree.tree import top_candidates
 from ddtree.weights import init_weights
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "06_drafters"
 BLOCK_SIZE = 8          # L = 7 depths
 K = 4                   # candidates shown per depth
 
@@ -76,12 +74,13 @@ def noisy_rates(vocab: int, depths: int, positions: int = 400):
             ranked = drafter.noisy_ranking(p, d)
             first[d - 1] += ranked[0] == p % vocab
             kept[d - 1] += (p % vocab) in ranked
-    expected = drafter.top1_rate * drafter.decay ** np.arange(depths)
-    return first / positions, kept / positions, expected
+    expected = drafter.top1_rate * drafter.decay ** np.arange(depths)              # truth ranked first
+    expected_kept = 1 - (1 - expected) * (1 - drafter.keep_rate)                   # not demoted and dropped
+    return first / positions, kept / positions, expected, expected_kept
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """One round of each drafter on preset tiny, the noisy oracle's rates, the figure."""
     config = preset("tiny")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
     bundle = golden.load_bundle("tiny")
@@ -118,11 +117,15 @@ if __name__ == "__main__":
     title = f"ngram (root = repeated token {int(ar_tokens[repeat])})"
     panels.append((top_logprobs, top_ids, later_truth, title))
 
-    first, kept, expected = noisy_rates(config.vocab_size, depths)
-    print("noisy oracle over 400 positions, per depth: truth ranked first "
-          f"{np.array2string(first, precision=2)} (target top1_rate * decay^(d-1) = "
-          f"{np.array2string(expected, precision=2)}), truth kept at all "
-          f"{np.array2string(kept, precision=2)}")
+    first, kept, expected, expected_kept = noisy_rates(config.vocab_size, depths)
+    with chapter.section("noisy_rates"):
+        print("noisy oracle over 400 positions, per depth d:")
+        print(f"  {'d':<42} " + " ".join(f"{d:>5}" for d in range(1, depths + 1)))
+        for label, rates in (("truth ranked first, measured", first),
+                             ("  promised: p = top1_rate * decay^(d-1)", expected),
+                             ("truth in the top 4 at all, measured", kept),
+                             ("  promised: 1 - (1 - p) * (1 - keep_rate)", expected_kept)):
+            print(f"  {label:<42} " + " ".join(f"{r:>5.2f}" for r in rates))
 
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 3.8), sharey=True)
     for ax, panel in zip(axes, panels, strict=True):
@@ -131,6 +134,9 @@ if __name__ == "__main__":
     fig.suptitle("Drafter distributions for one round (preset tiny, golden prompt, block 8): "
                  "orange = the target's true token, x = not in the top-4", fontsize=10)
     fig.tight_layout()
-    path = FIGURES / "06_drafters_distributions.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "distributions")
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()

@@ -12,15 +12,15 @@ sorted by (-weight, rank tuple); shows the tie rule; and runs the numba builder 
 request) against the heap, single and batched, requiring identical trees.
 
 Run: python walkthrough/07_tree_build.py
+
+Writes docs/assets/figures/07_tree_build_budgets.png, 07_tree_build_weights.png and
+07_tree_build_report.txt (what it prints).
 """
 
 import itertools
-import pathlib
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 from treeplot import draw_tree, tree_height
@@ -35,7 +35,7 @@ from ddtree.model import Transformer
 from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "07_tree_build"
 BLOCK_SIZE = 8
 BUDGETS = (4, 16, 64)
 
@@ -83,7 +83,7 @@ def builder_cost(depths: int, budget: int, requests: int) -> None:
     read = requests * depths * k * (4 + 8)                  # top_logprobs float32 + top_ids int64
     width = budget + 1
     written = requests * (width * (4 * 8 + 4) + 8)          # 4 int64 + 1 float32 per node, size
-    threads = gpu._builder_threads(budget)
+    threads = gpu.builder_threads(budget)
     barriers = budget * (2 + int(np.log2(threads)))         # per pop: 2 + one per reduction level
     print(f"  L={depths}, K=B={budget}, {requests} requests: reads {read / 1e3:.1f} KB, writes "
           f"{written / 1e3:.1f} KB ({(read + written) / 4.8e12 * 1e9:.0f} ns at 4.8 TB/s); but {budget} "
@@ -98,8 +98,8 @@ def print_pops(tree: ref.DraftTree, count: int) -> None:
               f"{int(tree.tokens[n]):>5} {float(tree.logprobs[n]):>8.3f}  {rank_tuple(tree, n)}")
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """Trees at three budgets, the brute-force and tie checks, the numba builder against the heap."""
     config = preset("tiny")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
     prompt = golden.default_prompt("tiny")
@@ -116,12 +116,20 @@ if __name__ == "__main__":
         t = trees[budget]
         leaves = t.size - np.unique(t.parents[1:]).size
         print(f"budget {budget:>2}: {t.size - 1} nodes, depth {int(t.depths.max())}, {leaves} leaves, "
-              f"nodes per depth {np.bincount(t.depths)[1:].tolist()}  (numpy heap {micros:.0f} us)")
+              f"nodes per depth {np.bincount(t.depths)[1:].tolist()}")
+        chapter.log(f"  (numpy heap, budget {budget}: {micros:.0f} us per tree, best of 20)")
         weights = t.logprobs[1:]
         assert np.all(weights[1:] <= weights[:-1]), "pops must come out heaviest first"
         assert np.all(t.logprobs[1:] <= t.logprobs[t.parents[1:]]), "a child never outweighs its parent"
-    print("\nthe first 10 pops at budget 16 (weight = float32 sum of log-probs root..node):")
-    print_pops(trees[16], 10)
+    print()
+    with chapter.section("pops"):
+        print("the first 10 pops at budget 16 (weight = float32 sum of log-probs root..node):")
+        print_pops(trees[16], 10)
+        order = {rank_tuple(trees[16], n): n for n in range(trees[16].size)}
+        a, b = order[0, 1], order[1, 0]
+        print(f"a tie: (0, 1) is #{a} and (1, 0) is #{b}, both weigh {float(trees[16].logprobs[a]):.3f}; "
+              f"the smaller rank tuple pops first")
+        assert trees[16].logprobs[a] == trees[16].logprobs[b] and a < b
 
     heights = [tree_height(trees[b]) for b in BUDGETS]
     fig, axes = plt.subplots(len(BUDGETS), 1, figsize=(10, 0.32 * sum(heights) + 3.0),
@@ -130,9 +138,7 @@ if __name__ == "__main__":
         draw_tree(ax, trees[budget], pop_order=True, fontsize=7,
                   title=f"budget B = {budget}: node labels = token ids, #n = pop order (root #0)")
     fig.tight_layout()
-    path = FIGURES / "07_tree_build_budgets.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "budgets")
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     big = trees[64]
@@ -146,9 +152,7 @@ if __name__ == "__main__":
                  fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = FIGURES / "07_tree_build_weights.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "weights")
 
     # 2. the heap pops exactly the B best candidates of the whole space (small K and L to enumerate)
     small_lp, small_ids = ref.top_candidates(logits[:4], 3)                        # L = 4, K = 3
@@ -167,7 +171,7 @@ if __name__ == "__main__":
 
     # 4. the GPU builder: one block per request, frontier in shared memory, block argmax per pop
     print(f"\nnumba builder ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
-    start = time.perf_counter()
+    begin = time.perf_counter()
     for budget in BUDGETS[:2]:
         lp, ids = ref.top_candidates(logits, budget)
         print(f"  build_tree budget {budget:>2}: identical to the heap: "
@@ -181,8 +185,14 @@ if __name__ == "__main__":
     identical = [same_tree(t, ref.build_tree(root, lp, ids, 16))
                  for t, lp, ids in zip(batched, batch_lp, batch_ids, strict=True)]
     print(f"  build_trees, 3 requests (oracle, noisy, ngram) in one launch, budget 16: identical: "
-          f"{identical}  ({time.perf_counter() - start:.1f} s)")
+          f"{identical}")
+    chapter.log(f"  (numba builder checks: {time.perf_counter() - begin:.1f} s)")
     assert all(identical)
     print("what the GPU builder moves:")
     builder_cost(15, 64, 32)
     builder_cost(15, 256, 32)
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()

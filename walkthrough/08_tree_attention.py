@@ -14,14 +14,11 @@ prefix + its path alone. Then it runs the numba visibility kernel and the numba 
 (with the tree mask, on the layer-0 inputs of that verify forward) against numpy.
 
 Run: python walkthrough/08_tree_attention.py
+
+Writes docs/assets/figures/08_tree_attention_mask.png and 08_tree_attention_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -39,7 +36,7 @@ from ddtree.model import Transformer
 from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "08_tree_attention"
 BLOCK_SIZE = 8
 BUDGET = 12
 
@@ -74,8 +71,8 @@ def mask_bytes(budget: int, requests: int) -> None:
           f"{written} B of mask ({(read + written) / 4.8e12 * 1e9:.1f} ns at 4.8 TB/s: launch-bound)")
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """Build a tree, verify it in one forward, check every row, draw the mask, run the kernels."""
     config = preset("tiny")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
     prompt = golden.default_prompt("tiny")
@@ -88,10 +85,20 @@ if __name__ == "__main__":
     start = cache.length
     visible = ref.visibility(tree.parents)                # [N, N]
     positions = ref.positions(tree, start)                # [N] start + depth
-    print(f"tree: {tree.size} nodes (root + {tree.size - 1}), prefix of {start} cached tokens")
-    print(f"  tokens    {tree.tokens.tolist()}")
-    print(f"  parents   {tree.parents.tolist()}")
-    print(f"  positions {positions.tolist()}  (start + depth: siblings share a position)")
+    with chapter.section("tree"):
+        print(f"tree: {tree.size} nodes (root + {tree.size - 1}), prefix of {start} cached tokens")
+        print(f"  tokens    {tree.tokens.tolist()}")
+        print(f"  parents   {tree.parents.tolist()}")
+        print(f"  positions {positions.tolist()}  (start + depth: siblings share a position)")
+        for position in np.unique(positions):
+            nodes = np.flatnonzero(positions == position)
+            print(f"    position {position}: nodes {', '.join(f'#{i}' for i in nodes)}")
+        deepest = int(np.argmax(tree.depths))
+        seen = np.flatnonzero(visible[deepest])
+        chain = " -> ".join(str(int(t)) for t in tree.tokens[seen])
+        print(f"  mask row #{deepest} (the deepest node) sees the {start} prefix keys and the tree rows "
+              f"{', '.join(f'#{i}' for i in seen)}: the path {chain}")
+        assert seen.tolist() == path_to(tree, deepest)
 
     calls = []
     inner = record_calls(model, "attention_absorb", calls)
@@ -126,24 +133,27 @@ if __name__ == "__main__":
     right.set_ylabel("query row: #node token @position")
     right.set_title("key_mask(start, visibility(parents)): blue = visible", fontsize=10)
     fig.tight_layout()
-    path = FIGURES / "08_tree_attention_mask.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "mask")
 
     # numba: the visibility kernel and the absorbed attention with the tree mask
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
-    begin = time.perf_counter()
-    same = np.array_equal(gpu_tree.visibility(tree.parents), visible)
+    with chapter.timed("numba visibility"):
+        same = np.array_equal(gpu_tree.visibility(tree.parents), visible)
     print(f"  visibility (one thread per (i, j)): identical: {same}")
     assert same
     q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale = calls[0]    # layer 0
     expected = inner(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale)   # [N, H, R]
-    got = gpu_mla.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale,
-                                   threads=32)
+    with chapter.timed("numba attention_absorb"):
+        got = gpu_mla.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale,
+                                       threads=32)
     diff = float(np.abs(got - expected).max())
     print(f"  attention_absorb, layer 0 of the verify forward: q_lat {q_lat.shape}, prefix {prefix_len}, "
-          f"mask {mask_arg.shape}: max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})"
-          f"  ({time.perf_counter() - begin:.1f} s)")
+          f"mask {mask_arg.shape}: max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})")
     assert diff < 1e-4
     mask_bytes(64, 1)
     mask_bytes(64, 32)
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()

@@ -13,14 +13,11 @@ leaves the drafter's top-1 chain, draws it, and runs the numba accept (one tree)
 (every round in one launch) against numpy.
 
 Run: python walkthrough/09_accept.py
+
+Writes docs/assets/figures/09_accept_path.png and 09_accept_report.txt (what it prints).
 """
 
-import pathlib
-import time
-
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 from treeplot import draw_tree, tree_height
@@ -36,7 +33,7 @@ from ddtree.model import Transformer
 from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "09_accept"
 BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
 
 
@@ -69,8 +66,8 @@ def print_walk(tree, posterior) -> None:
         node = int(match[0])
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """Record every round of a noisy-oracle generation, walk one round, check the numba accept."""
     config = preset("tiny")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
     bundle = golden.load_bundle("tiny")
@@ -93,15 +90,22 @@ if __name__ == "__main__":
     shown = max(range(len(rounds)), key=interest)
     tree, posterior = rounds[shown]
     accepted, bonus = accept(tree, posterior)
+    assert np.any(tree.ranks[accepted[1:]] > 0), "no round's accepted path leaves the top-1 chain"
     record = trace.rounds[shown]
     done = sum(r.committed for r in trace.rounds[:shown])
-    print(f"\nround {shown}: root {int(tree.tokens[0])} at position {record.start}, "
-          f"{tree.size - 1} drafted nodes")
-    print_walk(tree, posterior)
-    committed = [int(t) for t in tree.tokens[accepted[1:]]] + [bonus]
-    print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}), bonus {bonus}: "
-          f"commits {committed}")
-    print(f"  AR tokens at those positions: {ar_tokens[done:done + len(committed)].tolist()}")
+    print()
+    with chapter.section("walk"):
+        print(f"round {shown}: root {int(tree.tokens[0])} at position {record.start}, "
+              f"{tree.size - 1} drafted nodes")
+        print_walk(tree, posterior)
+        committed = [int(t) for t in tree.tokens[accepted[1:]]] + [bonus]
+        print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}), "
+              f"bonus {bonus}: commits {committed}")
+        print(f"  AR tokens at those positions: {ar_tokens[done:done + len(committed)].tolist()}")
+        off_chain = int(np.flatnonzero(tree.ranks[accepted[1:]] > 0)[0]) + 1     # depth of the first rank > 0
+        print(f"  a single chain (topk=1) would stop at depth {off_chain}, where the walk takes rank "
+              f"{int(tree.ranks[accepted[off_chain]])}, and commit {off_chain} tokens; the tree commits "
+              f"{len(committed)}")
     assert committed == ar_tokens[done:done + len(committed)].tolist()
     assert np.array_equal(accepted, record.accepted) and bonus == record.bonus
 
@@ -109,14 +113,12 @@ if __name__ == "__main__":
     draw_tree(ax, tree, accepted=accepted, bonus=bonus, fontsize=8, start=record.start,
               title=f"round {shown}: accepted path (orange) and bonus token (green); #n = pop order")
     fig.tight_layout()
-    path = FIGURES / "09_accept_path.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "path")
 
     # numba: one tree, then every round in one launch (padded to the widest tree)
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
-    begin = time.perf_counter()
-    got, got_bonus = gpu.accept(tree, posterior)
+    with chapter.timed("numba accept"):
+        got, got_bonus = gpu.accept(tree, posterior)
     same = np.array_equal(got, accepted) and got_bonus == bonus
     print(f"  accept (round {shown}): accepted {got.tolist()}, bonus {got_bonus}: identical: {same}")
     assert same
@@ -126,10 +128,16 @@ if __name__ == "__main__":
     for b, (t, p) in enumerate(rounds):
         padded[:, b, :t.size] = t.tokens, t.parents, p
     sizes = np.array([t.size for t, _ in rounds], np.int64)
-    batch_accepted, lengths, bonuses = gpu.accept_batch(padded[0], padded[1], sizes, padded[2])
+    with chapter.timed("numba accept_batch"):
+        batch_accepted, lengths, bonuses = gpu.accept_batch(padded[0], padded[1], sizes, padded[2])
     expected = [accept(t, p) for t, p in rounds]
     same = all(np.array_equal(batch_accepted[b, :lengths[b]], walk) and bonuses[b] == last
                for b, (walk, last) in enumerate(expected))
     print(f"  accept_batch: {len(rounds)} trees of width {width} in one launch, lengths {lengths.tolist()}, "
-          f"identical to numpy: {same}  ({time.perf_counter() - begin:.1f} s)")
+          f"identical to numpy: {same}")
     assert same
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()

@@ -12,15 +12,13 @@ finds such a round in a real generation, shows what one bad interleaving does, c
 (nothing to move), and runs the numba compaction (gather to scratch, then write back) against numpy.
 
 Run: python walkthrough/10_kv_compaction.py
+
+Writes docs/assets/figures/10_kv_compaction_slots.png and 10_kv_compaction_report.txt (what it prints).
 """
 
 import copy
-import pathlib
-import time
 
-import matplotlib
-
-matplotlib.use("Agg")
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
@@ -36,7 +34,7 @@ from ddtree.model import Transformer
 from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "assets" / "figures"
+STEM = "10_kv_compaction"
 BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
 MAX_SHOWN_SLOT = 12          # the figure shows slots start .. start + accepted[-1] + 2
 
@@ -96,14 +94,15 @@ def kimi_compaction_bytes(kept: int) -> None:
           f"{moved / 1e6:.2f} MB ({moved / 4.8e12 * 1e6:.2f} us at 4.8 TB/s) in 2 launches")
 
 
-if __name__ == "__main__":
-    FIGURES.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    """Find a round whose parallel in-place copy races, replay it, check the numba compaction."""
     config = preset("tiny")
     model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
     prompt = golden.default_prompt("tiny")
     ar_tokens = golden.load_bundle("tiny")["tokens"]
 
     # a real round whose parallel copy would race (and whose window fits the figure)
+    rounds_seen, rounds_racy = 0, 0
     for seed in range(8):
         calls = []
         inner = record_compact(model, calls)
@@ -115,10 +114,14 @@ if __name__ == "__main__":
         fast = sum(np.array_equal(a, np.arange(a.size)) for _, _, a in calls)
         print(f"noisy seed {seed}: accepted per round {[a.tolist() for _, _, a in calls]}; "
               f"fast path (nothing to move) in {fast} of {len(calls)} rounds")
+        rounds_seen += len(calls)
+        rounds_racy += sum(bool(hazards(a)) for _, _, a in calls)
         racing = [r for r, (_, _, a) in enumerate(calls) if hazards(a) and a[-1] < MAX_SHOWN_SLOT]
         if racing:
             break
     assert racing, "no round with a hazard found"
+    print(f"rounds whose parallel in-place copy could race, noisy seeds 0..{seed}: "
+          f"{rounds_racy} of {rounds_seen}")
     oracle_calls = []
     inner = record_compact(model, oracle_calls)
     generate_ddtree(model, prompt, NEW_TOKENS, make_drafter("oracle", model, prompt, NEW_TOKENS),
@@ -130,20 +133,21 @@ if __name__ == "__main__":
     shown = racing[0]
     before, start, accepted = calls[shown]
     kept = accepted.size
-    print(f"\nseed {seed}, round {shown}: tree rows at slots {start}..{before.length - 1}, "
-          f"accepted {accepted.tolist()} -> slots {start}..{start + kept - 1}")
-    for j in hazards(accepted):
-        print(f"  hazard: thread {j} reads slot {start + accepted[j]}, which thread {accepted[j]} "
-              f"overwrites with slot {start + accepted[accepted[j]]}")
-
     good = copy.deepcopy(before)
     compact(good, start, accepted)
     bad = copy.deepcopy(before)
     racy_compact(bad, start, accepted)
     good_rows = whose_rows(good, before, start, kept)
     bad_rows = whose_rows(bad, before, start, kept)
-    print(f"  sequential in place (j = 0, 1, ...): slots hold the rows of nodes {good_rows}")
-    print(f"  parallel in place, threads last-first: slots hold the rows of nodes {bad_rows}  <- wrong")
+    print()
+    with chapter.section("race"):
+        print(f"seed {seed}, round {shown}: tree rows at slots {start}..{before.length - 1}, "
+              f"accepted {accepted.tolist()} -> slots {start}..{start + kept - 1}")
+        for j in hazards(accepted):
+            print(f"  hazard: thread {j} reads slot {start + accepted[j]}, which thread {accepted[j]} "
+                  f"overwrites with slot {start + accepted[accepted[j]]}")
+        print(f"  sequential in place (j = 0, 1, ...): slots hold the rows of nodes {good_rows}")
+        print(f"  parallel in place, threads last-first: slots hold the rows of nodes {bad_rows}  <- wrong")
     assert good_rows == accepted.tolist() and bad_rows != accepted.tolist()
 
     # the figure: the window of slots that matters
@@ -169,18 +173,21 @@ if __name__ == "__main__":
     ax.set_title(f"Round {shown} (noisy seed {seed}): slot start + j <- slot start + accepted[j], "
                  f"accepted = {accepted.tolist()}; red = a row overwritten before it was read", fontsize=9)
     fig.tight_layout()
-    path = FIGURES / "10_kv_compaction_slots.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path.relative_to(FIGURES.parents[2])}")
+    chapter.save_figure(fig, STEM, "slots")
 
     # numba: gather into scratch, then write back (two launches); the same cache afterwards
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
-    begin = time.perf_counter()
     on_gpu = copy.deepcopy(before)
-    gpu.compact(on_gpu, start, accepted)
+    with chapter.timed("numba compact"):
+        gpu.compact(on_gpu, start, accepted)
     same = (on_gpu.length == good.length and np.array_equal(on_gpu.latent, good.latent, equal_nan=True)
             and np.array_equal(on_gpu.rope, good.rope, equal_nan=True))
     print(f"  compact (cache {before.latent.shape} latent + {before.rope.shape} rope, m = {kept}): "
-          f"identical to numpy, length {on_gpu.length}: {same}  ({time.perf_counter() - begin:.1f} s)")
+          f"identical to numpy, length {on_gpu.length}: {same}")
     assert same
     kimi_compaction_bytes(BLOCK_SIZE)
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()
