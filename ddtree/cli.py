@@ -22,7 +22,12 @@ def format_tokens(tokens) -> str:
 def run_demo(args) -> int:
     config = preset(args.preset)
     if args.backend == "numba":
-        import kernels  # noqa: F401  (decides GPU or simulator before numba loads)
+        from kernels import device  # decides GPU or simulator before numba loads
+
+        if device.SIMULATOR:
+            print("note: no GPU, so the kernels run in numba's CUDA simulator (every CUDA thread is a "
+                  "Python thread): expect minutes; '--preset micro --tokens 4' is the quickest",
+                  file=sys.stderr)
     model = Transformer(config, init_weights(config, WEIGHT_SEED), backend=args.backend)
     prompt = default_prompt(args.preset)
     print(f"model: {config.describe()}  (preset {args.preset}, backend {model.backend})")
@@ -32,7 +37,7 @@ def run_demo(args) -> int:
     ar_forwards = model.forward_count
     print(f"AR     ({ar_forwards} target forwards): {format_tokens(ar_tokens)}")
 
-    drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed)
+    drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens)
     model.forward_count = 0
     tokens, trace = generate_ddtree(model, prompt, args.tokens, drafter, block_size=args.block_size,
                                     budget=args.budget, topk=args.topk)

@@ -186,12 +186,18 @@ DRAFTERS = ("oracle", "noisy", "ngram")
 
 
 # --8<-- [start:make_drafter]
-def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0):
-    """A drafter by name for ``model`` (the oracles run AR once to learn the continuation)."""
-    if name == "oracle":
-        return OracleDrafter.from_model(model, prompt, max_new_tokens, seed=seed)
-    if name == "noisy":
-        return NoisyOracleDrafter.from_model(model, prompt, max_new_tokens, seed=seed)
+def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0, continuation=None):
+    """A drafter by name for ``model``.
+
+    The oracles need the target's greedy continuation: pass it as ``continuation`` when it is
+    already known (the demo has just decoded it), otherwise they run AR once to learn it.
+    """
+    if name in ("oracle", "noisy"):
+        kind = OracleDrafter if name == "oracle" else NoisyOracleDrafter
+        if continuation is None:
+            return kind.from_model(model, prompt, max_new_tokens, seed=seed)
+        sequence = np.concatenate([np.asarray(prompt, np.int64), np.asarray(continuation, np.int64)])
+        return kind(sequence, model.config.vocab_size, seed=seed)
     if name == "ngram":
         return NGramDrafter(model.config.vocab_size)
     raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {name!r}")

@@ -41,3 +41,21 @@ def test_ngram_votes_for_what_followed_the_suffix():
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         NGramDrafter(8).propose([1, 2], 0)
+
+
+def test_make_drafter_takes_a_known_continuation():
+    from ddtree import golden
+    from ddtree.config import preset
+    from ddtree.drafters import make_drafter
+    from ddtree.model import Transformer
+    from ddtree.weights import init_weights
+
+    config = preset("micro")
+    model = Transformer(config, init_weights(config))
+    prompt = golden.default_prompt("micro")
+    learned = make_drafter("noisy", model, prompt, 5, seed=1)
+    assert model.forward_count == 5                                  # ran AR once
+    given = make_drafter("noisy", model, prompt, 5, seed=1, continuation=learned.sequence[prompt.size:])
+    assert model.forward_count == 5                                  # did not run it again
+    context = learned.sequence[:prompt.size]
+    assert np.array_equal(given.propose(context, 4), learned.propose(context, 4))
