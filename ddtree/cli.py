@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
-from ddtree.decode import DEFAULT_BUDGET, generate_ar, generate_ddtree
+from ddtree.decode import DEFAULT_BUDGET
 from ddtree.drafters import DRAFTERS, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
-from ddtree.model import BACKEND_PACKAGES, Transformer
 from ddtree.weights import init_weights
+
+BACKENDS = ("numpy", "numba")
+
+
+def load_backend(name: str) -> types.SimpleNamespace:
+    """The model and decoders of ``name``: the numpy reference, or the numba engine (imported only
+    when asked for, so the reference never loads numba)."""
+    if name == "numba":
+        from kernels import decode, model
+    else:
+        from ddtree import decode, model
+    return types.SimpleNamespace(name=name, Transformer=model.Transformer,
+                                 generate_ar=decode.generate_ar, generate_ddtree=decode.generate_ddtree)
 
 
 def format_tokens(tokens) -> str:
@@ -28,18 +41,19 @@ def run_demo(args) -> int:
             print("note: no GPU, so the kernels run in numba's CUDA simulator (every CUDA thread is a "
                   "Python thread): expect minutes; '--preset micro --tokens 4' is the quickest",
                   file=sys.stderr)
-    model = Transformer(config, init_weights(config, WEIGHT_SEED), backend=args.backend)
+    backend = load_backend(args.backend)
+    model = backend.Transformer(config, init_weights(config, WEIGHT_SEED))
     prompt = default_prompt(args.preset)
-    print(f"model: {config.describe()}  (preset {args.preset}, backend {model.backend})")
+    print(f"model: {config.describe()}  (preset {args.preset}, backend {backend.name})")
     print(f"prompt({prompt.size}): {format_tokens(prompt)}")
 
-    ar_tokens = generate_ar(model, prompt, args.tokens)
+    ar_tokens = backend.generate_ar(model, prompt, args.tokens)
     ar_forwards = model.forward_count
     print(f"AR     ({ar_forwards} target forwards): {format_tokens(ar_tokens)}")
 
     drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens)
     model.forward_count = 0
-    tokens, trace = generate_ddtree(model, prompt, args.tokens, drafter, block_size=args.block_size,
+    tokens, trace = backend.generate_ddtree(model, prompt, args.tokens, drafter, block_size=args.block_size,
                                     budget=args.budget, topk=args.topk)
     print(f"DDTree ({trace.verify_forwards} verify forwards + {trace.prefill_forwards} prefill; "
           f"drafter {args.drafter}, block {args.block_size}, budget {args.budget}"
@@ -65,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
     demo.add_argument("--topk", type=int, default=None, help="candidates per depth (1: single chain)")
     demo.add_argument("--tokens", type=int, default=24, help="new tokens to generate")
-    demo.add_argument("--backend", default="numpy", choices=sorted(BACKEND_PACKAGES))
+    demo.add_argument("--backend", default="numpy", choices=BACKENDS)
     demo.add_argument("--seed", type=int, default=0, help="drafter seed")
     demo.add_argument("--rounds", action="store_true", help="print one line per DDTree round")
     demo.set_defaults(run=run_demo)

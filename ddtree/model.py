@@ -2,9 +2,10 @@
 
 Legend: T new tokens, D hidden, V vocab, H heads, dn/dr/dv head dims, R kv_lora_rank, Rq q_lora_rank.
 
-The model is written once, against a *backend*: a namespace of layer operations with the same
-names in ``ddtree`` (numpy) and ``kernels`` (numba.cuda). ``backend="numpy"`` runs the reference,
-``backend="numba"`` runs every layer through the GPU kernels (or the CUDA simulator).
+This is the readable reference: every layer is a numpy function called through ``model.ops``
+(a namespace of the layer operations, so a chapter can record or replace one). Its twin on the GPU
+is ``kernels/model.py``, a device-resident engine with the same public names and the same order of
+operations, whose weights, KV cache and activations stay on the device.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ddtree.kv_cache import LatentKVCache
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
 
-# module stem -> public operations the model calls; kernels/ mirrors ddtree/ name for name
-BACKEND_OPERATIONS = {
+# module stem -> public operations the model and the decoders call
+OPERATIONS = {
     "rmsnorm": ("rmsnorm",),
     "rope": ("apply_rope",),
     "linear": ("linear", "embed", "argmax"),
@@ -32,21 +33,18 @@ BACKEND_OPERATIONS = {
     "accept": ("accept",),
     "kv_cache": ("compact",),
 }
-BACKEND_PACKAGES = {"numpy": "ddtree", "numba": "kernels"}
 # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever rms_norm_eps says, as in
 # DeepSeek's and Kimi's code and in transformers (RMSNorm(q_lora_rank), RMSNorm(kv_lora_rank))
 LATENT_NORM_EPS = 1e-6
 
 
-def load_backend(name: str) -> types.SimpleNamespace:
-    """The layer operations of backend ``name`` ('numpy' or 'numba')."""
-    if name not in BACKEND_PACKAGES:
-        raise ValueError(f"backend must be one of {sorted(BACKEND_PACKAGES)}, got {name!r}")
+def numpy_operations() -> types.SimpleNamespace:
+    """The numpy layer operations, by name (a fresh namespace per model, so patching one is local)."""
     ops = {}
-    for stem, names in BACKEND_OPERATIONS.items():
-        module = importlib.import_module(f"{BACKEND_PACKAGES[name]}.{stem}")
+    for stem, names in OPERATIONS.items():
+        module = importlib.import_module(f"ddtree.{stem}")
         ops.update({op: getattr(module, op) for op in names})
-    return types.SimpleNamespace(name=name, **ops)
+    return types.SimpleNamespace(**ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +104,15 @@ def layer_params(config: ModelConfig, weights: dict, layer: int) -> LayerParams:
 class Transformer:
     """Prefill, decode and tree verification over a :class:`LatentKVCache`.
 
-    ``attention`` picks the MLA form for the numpy backend: 'absorb' (the cache is attended in
-    latent space) or 'naive' (keys and values expanded per head); both give the same logits.
+    ``attention`` picks the MLA form: 'absorb' (the cache is attended in latent space) or 'naive'
+    (keys and values expanded per head); both give the same logits.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, backend: str = "numpy",
-                 attention: str = "absorb"):
+    def __init__(self, config: ModelConfig, weights: dict, attention: str = "absorb"):
         if attention not in ("absorb", "naive"):
             raise ValueError(f"attention must be 'absorb' or 'naive', got {attention!r}")
-        if attention == "naive" and backend != "numpy":
-            raise ValueError("attention='naive' exists only in the numpy backend")
         self.config = config
-        self.ops = load_backend(backend)
+        self.ops = numpy_operations()
         self.attention = attention
         self.embed_tokens = np.ascontiguousarray(weights["model.embed_tokens.weight"], dtype=np.float32)
         self.final_norm = np.ascontiguousarray(weights["model.norm.weight"], dtype=np.float32)
@@ -127,10 +122,6 @@ class Transformer:
         self.rope_scale = cos_sin_scale(config)
         self.softmax_scale = softmax_scale(config)
         self.forward_count = 0      # target forwards run so far (prefill included)
-
-    @property
-    def backend(self) -> str:
-        return self.ops.name
 
     def new_cache(self, capacity: int | None = None) -> LatentKVCache:
         return LatentKVCache.for_config(self.config, capacity or self.config.max_position_embeddings)
