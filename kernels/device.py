@@ -1,8 +1,15 @@
-"""One place decides where the kernels run: a real CUDA GPU, or numba's CUDA simulator.
+"""One place decides where the kernels run (a real CUDA GPU, or numba's CUDA simulator), and the
+host-side helpers every launch wrapper shares: device arrays in and out, output buffers.
 
 The simulator is used when no GPU is present or when the user asks for it with
 ``NUMBA_ENABLE_CUDASIM=1``; ``NUMBA_ENABLE_CUDASIM=0`` forces hardware. numba reads the variable
 once, at import, so every kernel module imports this module before ``numba``.
+
+A launch wrapper takes numpy arrays (the result comes back as numpy) or device arrays (the
+result stays on the device). ``out``, when given, is the buffer the kernel writes (``check_out``,
+``output``): a device ``out`` means no allocation and no NaN poison, so a caller can keep its
+buffers and capture the launches in a CUDA graph; without it the wrapper allocates a new output
+filled with NaN (``poisoned``), so an element the kernel fails to write shows.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ:
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
+from kernels.blocks import blocks  # noqa: E402
+
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 if SIMULATOR:
     # every simulated CUDA thread is a Python thread: shorter switch intervals make
@@ -36,8 +45,8 @@ def where() -> str:
     """'simulator' or the GPU's name."""
     if SIMULATOR:
         return "simulator"
-    return cuda.get_current_device().name.decode() if isinstance(
-        cuda.get_current_device().name, bytes) else str(cuda.get_current_device().name)
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def is_device_array(x) -> bool:
@@ -46,11 +55,9 @@ def is_device_array(x) -> bool:
     return bool(getattr(x, "__cuda_ndarray__", False))
 
 
-def check_threads(threads: int) -> None:
-    """Block sizes for shared-memory tree reductions: a power of two in [32, 1024]."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or not (
-            32 <= threads <= 1024 and threads & (threads - 1) == 0):
-        raise ValueError(f"threads must be a power of two in [32, 1024], got {threads!r}")
+def host_or_device(x, dtype=None):
+    """Device arrays as they are; anything else as a numpy array (of ``dtype`` when given)."""
+    return x if is_device_array(x) else np.asarray(x, dtype=dtype)
 
 
 def to_device(x, dtype=None):
@@ -61,6 +68,15 @@ def to_device(x, dtype=None):
     return cuda.to_device(x)
 
 
+def as_rows(d_array, name: str):
+    """View a device array (..., C) as (R, C): kernels index rows and columns."""
+    if d_array.ndim == 2:
+        return d_array
+    if not d_array.is_c_contiguous():
+        raise ValueError(f"a {d_array.ndim}-d device {name} must be C-contiguous (it is viewed as 2-D)")
+    return d_array.reshape(-1, d_array.shape[d_array.ndim - 1])
+
+
 @cuda.jit
 def fill_kernel(flat, value):
     # one thread per element of a flat (contiguous) view
@@ -69,24 +85,52 @@ def fill_kernel(flat, value):
         flat[i] = value
 
 
-def poisoned(shape, dtype=np.float32):
-    """A new device array filled with NaN (floats) or -1 (integers), so unwritten elements show.
+def filled(shape, value, dtype=np.float32, stream=None):
+    """A new device array holding ``value`` everywhere.
 
     On a GPU the fill runs on the device (nothing is copied from the host); in the simulator,
     where every CUDA thread is a Python thread, the array is filled on the host and copied.
     """
     dtype = np.dtype(dtype)
-    value = dtype.type(np.nan if np.issubdtype(dtype, np.floating) else -1)
     if SIMULATOR:
         return cuda.to_device(np.full(shape, value, dtype=dtype))
     out = cuda.device_array(shape, dtype=dtype)
     if out.size:
-        fill_kernel[blocks(out.size, 256), 256](out.reshape(out.size), value)
+        fill_kernel[blocks(out.size, 256), 256, stream](out.reshape(out.size), dtype.type(value))
     return out
 
 
-def to_host_if(result, *inputs):
-    """Return ``result`` as numpy unless some input already lived on the device."""
+def poisoned(shape, dtype=np.float32, stream=None):
+    """A new device array filled with NaN (floats) or -1 (integers), so unwritten elements show."""
+    dtype = np.dtype(dtype)
+    return filled(shape, np.nan if np.issubdtype(dtype, np.floating) else -1, dtype, stream)
+
+
+def check_out(out, shape, dtype=np.float32, name: str = "out") -> None:
+    """A caller's output buffer (host or device), when given: ``shape``, ``dtype``, C-contiguous."""
+    if out is None:
+        return
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {shape}, "
+                         f"got {out.dtype} of shape {tuple(out.shape)}")
+    if not (out.is_c_contiguous() if is_device_array(out) else out.flags.c_contiguous):
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def output(out, shape, dtype=np.float32, stream=None):
+    """The device array a kernel writes: a device ``out`` itself (no allocation, no poison),
+    otherwise a new NaN-poisoned one (copied into a host ``out`` by ``deliver``)."""
+    return out if is_device_array(out) else poisoned(shape, dtype, stream)
+
+
+def deliver(result, out, *inputs):
+    """What a wrapper returns. With ``out`` given: ``out`` (a host ``out`` receives a copy of the
+    device ``result``). Without: ``result`` on the device if some input lived there, else on the host."""
+    if out is not None:
+        if not is_device_array(out):
+            result.copy_to_host(out)
+        return out
     if any(is_device_array(x) for x in inputs):
         return result
     return result.copy_to_host()
@@ -99,21 +143,9 @@ def check_float32(**arrays) -> None:
             raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
 
 
-def pow2_threads(count: int, maximum: int = 128) -> int:
-    """Block size for a reduction over ``count`` items: the smallest power of two >= count, in
-    [32, maximum]. A block never has many more threads than work: idle threads still pay for every
-    barrier (on hardware a little, in the simulator a whole Python thread)."""
-    threads = 32
-    while threads < min(count, maximum):
-        threads *= 2
-    return threads
+# TRANSITIONAL (removed once every kernel module uses kernels.blocks and deliver)
+from kernels.blocks import check_threads, pow2_threads, row_threads  # noqa: E402, F401
 
 
-def row_threads(count: int, maximum: int = 128) -> int:
-    """Threads per block for a row of ``count`` independent outputs: whole warps, at most ``maximum``."""
-    return min(maximum, 32 * blocks(count, 32))
-
-
-def blocks(count: int, threads: int) -> int:
-    """Blocks of ``threads`` needed to cover ``count`` items (at least one)."""
-    return max(1, (count + threads - 1) // threads)
+def to_host_if(result, *inputs):
+    return deliver(result, None, *inputs)

@@ -1,8 +1,12 @@
-"""Comparators shared by the equivalence tests (numpy reference vs numba kernel)."""
+"""Comparators and guards shared by the equivalence tests (numpy reference vs numba kernel)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+
+from kernels.device import cuda
 
 
 def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, name: str = "output"):
@@ -40,3 +44,32 @@ def assert_exact(actual, expected, name: str = "output"):
         where = np.argwhere(actual != expected)[0]
         raise AssertionError(f"{name}: differs at {tuple(where)}: actual {actual[tuple(where)]}, "
                              f"expected {expected[tuple(where)]}")
+
+
+@contextlib.contextmanager
+def no_transfers():
+    """Fail if anything inside the block allocates device memory or copies between host and device.
+
+    Patches numba's allocation and copy entry points (``cuda.to_device``, ``cuda.device_array``,
+    ``cuda.device_array_like`` and a device array's ``copy_to_host``): what a wrapper given device
+    inputs and an ``out`` buffer must never call (a CUDA graph could not capture it).
+    """
+    array_type = type(cuda.to_device(np.zeros(1, np.float32)))
+    calls = []
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"{name} called inside no_transfers()")
+        return refused
+
+    saved = [(cuda, name, getattr(cuda, name)) for name in ("to_device", "device_array", "device_array_like")]
+    saved.append((array_type, "copy_to_host", array_type.copy_to_host))
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse(name))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    assert calls == [], f"device allocations or copies: {calls}"
