@@ -13,7 +13,7 @@ from numba import cuda
 from ddtree import rmsnorm as reference
 from kernels import device
 from kernels import rmsnorm as kernel
-from tests.helpers import assert_close
+from tests.helpers import assert_close, no_transfers
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -23,8 +23,6 @@ def _inputs(shape, seed=0):
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
     weight = (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)
     return x, weight
-
-
 
 
 # (T, D, threads): D below, above and not a multiple of the block; D = 1; one row
@@ -49,7 +47,7 @@ def test_every_element_written():
     """The output starts as NaN: a full launch leaves none, one block short leaves a NaN row."""
     x, weight = _inputs((3, 45))
     d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
-    launch = kernel._rmsnorm_kernel(32)
+    launch = kernel.rmsnorm_kernel(32)
 
     out = device.poisoned(x.shape)
     launch[3, 32](d_x, d_weight, 1e-6, out)
@@ -87,6 +85,19 @@ def test_device_arrays_stay_on_device(host_copies):
     assert_close(d_out.copy_to_host(), reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
 
 
+def test_out_buffer_on_the_device_allocates_and_copies_nothing():
+    x, weight = _inputs((2, 3, 33))
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    d_out = cuda.to_device(np.full(x.shape, 7.0, np.float32))     # not poisoned: every element is written
+    with no_transfers():
+        result = kernel.rmsnorm(d_x, d_weight, 1e-6, threads=32, out=d_out, stream=cuda.default_stream())
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
+    host_out = np.empty_like(x)                                   # a host out receives the result
+    assert kernel.rmsnorm(x, weight, 1e-6, out=host_out) is host_out
+    assert_close(host_out, reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda x, w: kernel.rmsnorm(x, w[:-1], 1e-6), r"weight must have shape \(8,\)"),
     (lambda x, w: kernel.rmsnorm(x, w, -1.0), "eps must be a non-negative finite number"),
@@ -96,6 +107,8 @@ def test_device_arrays_stay_on_device(host_copies):
     (lambda x, w: kernel.rmsnorm(np.float32(1.0), w, 1e-6), "x must have shape"),
     (lambda x, w: kernel.rmsnorm(cuda.to_device(x.astype(np.float64)), w, 1e-6),
      "x must be float32 on the device"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, out=cuda.device_array((2, 7), np.float32)),
+     r"out must be float32 of shape \(2, 8\)"),
 ])
 def test_bad_inputs(call, message):
     x, weight = _inputs((2, 8))
