@@ -78,6 +78,22 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0)
 # --8<-- [end:rope_tables]
 
 
+def check_rope(x, positions, inv_freq, scale) -> None:
+    """Validate ``apply_rope``'s arguments; shapes and dtypes only (device arrays too)."""
+    if len(x.shape) < 2:
+        raise ValueError(f"x must have shape (T, dr) or (T, H, dr), got shape {tuple(x.shape)}")
+    rows, width = x.shape[0], x.shape[len(x.shape) - 1]          # (the simulator's shapes reject [-1])
+    if width % 2:
+        raise ValueError(f"x's last axis (dr) must be even (NeoX rotates halves), got {width}")
+    if tuple(positions.shape) != (rows,) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(f"positions must be integers of shape ({rows},), "
+                         f"got {positions.dtype} of shape {tuple(positions.shape)}")
+    if tuple(inv_freq.shape) != (width // 2,):
+        raise ValueError(f"inv_freq must have shape ({width // 2},) (dr/2), got {tuple(inv_freq.shape)}")
+    if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+
+
 # --8<-- [start:apply_rope]
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
                scale: float = 1.0) -> np.ndarray:

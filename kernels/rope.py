@@ -1,12 +1,12 @@
 """NeoX rotary position embedding, the numba.cuda twin of ``ddtree/rope.py``.
 
-Legend: T rows, H heads, dr rotary width (qk_rope_head_dim), dr/2 frequencies.
+Legend: T rows, H heads, dr rotary width (qk_rope_head_dim), dr/2 frequencies, TPB threads per block.
 
 One kernel: one thread per (row t, head h, frequency i). It rotates the pair
 (x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
 Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
 assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
-once and written once, so ``out=x`` rotates in place safely.
+once and written once (``bytes_moved``), so ``out=x`` rotates in place safely.
 
 Angles are float32, exactly as in the numpy reference (``np.outer`` of float32 positions and
 float32 inv_freq): float32(position) * inv_freq[i] is one correctly rounded float32 multiply, so
@@ -24,14 +24,25 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.device import blocks, is_device_array, poisoned, to_device, to_host_if
+from ddtree import rope as reference
+from kernels.blocks import blocks
+from kernels.device import (
+    check_float32,
+    check_out,
+    deliver,
+    host_or_device,
+    is_device_array,
+    output,
+    to_device,
+)
 
-THREADS = 128  # threads per block; the grid covers T * H * dr/2 (row, head, frequency) triples
+TPB = 128   # threads per block; the grid covers T * H * dr/2 (row, head, frequency) triples
+F32, I64 = 4, 8
 
 
 # --8<-- [start:rope_kernel]
 @cuda.jit
-def _rope_kernel(x, positions, inv_freq, scale, out):
+def rope_kernel(x, positions, inv_freq, scale, out):
     # one thread = one (row t, head h, frequency i): rotates x[t, h, i] with x[t, h, i + dr/2]
     # x, out (T, H, dr) float32 (out may be x); positions (T,) integers; inv_freq (dr/2,) float32
     # no shared memory: each thread reads its two elements once and writes them once
@@ -54,55 +65,66 @@ def _rope_kernel(x, positions, inv_freq, scale, out):
 # --8<-- [end:rope_kernel]
 
 
-# --8<-- [start:apply_rope]
-def apply_rope(x, positions, inv_freq, scale: float = 1.0, out=None):
-    """Rotate ``x`` (T, dr) or (T, H, dr) NeoX-style; row t uses ``positions[t]``.
-
-    Returns a new array, or writes into ``out`` (same shape as x, float32; may be x itself for
-    an in-place rotation) and returns it. numpy in -> numpy out; device arrays stay on the device.
-    """
-    x = x if is_device_array(x) else np.asarray(x, dtype=np.float32)
-    positions = positions if is_device_array(positions) else np.asarray(positions)
-    inv_freq = inv_freq if is_device_array(inv_freq) else np.asarray(inv_freq, dtype=np.float32)
-    if x.ndim < 2:
-        raise ValueError(f"x must have shape (T, dr) or (T, H, dr), got shape {x.shape}")
-    rows, width = x.shape[0], x.shape[x.ndim - 1]                 # (the simulator's shapes reject [-1])
-    if width % 2:
-        raise ValueError(f"x's last axis (dr) must be even (NeoX rotates halves), got {width}")
-    if positions.shape != (rows,) or not np.issubdtype(positions.dtype, np.integer):
-        raise ValueError(f"positions must be integers of shape ({rows},), "
-                         f"got {positions.dtype} of shape {positions.shape}")
-    if inv_freq.shape != (width // 2,):
-        raise ValueError(f"inv_freq must have shape ({width // 2},) (dr/2), got {inv_freq.shape}")
-    if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    for name, array in (("x", x), ("inv_freq", inv_freq)):
-        if is_device_array(array) and array.dtype != np.float32:
-            raise ValueError(f"{name} must be float32 on the device, got {array.dtype}")
+def check_rope(x, positions, inv_freq, scale, *, out=None):
+    """The reference's rules, then the launch's: float32 on the device, a C-contiguous device x
+    (viewed as (T, H, dr)), ``out``. Returns x, positions and inv_freq as numpy or device arrays."""
+    x, inv_freq = host_or_device(x, np.float32), host_or_device(inv_freq, np.float32)
+    positions = host_or_device(positions)
+    reference.check_rope(x, positions, inv_freq, scale)
+    check_float32(x=x, inv_freq=inv_freq)
     if is_device_array(x) and not x.is_c_contiguous():
         raise ValueError("a device x must be C-contiguous (it is viewed as (T, H, dr))")
-    if out is not None and (out.shape != x.shape or out.dtype != np.float32):
-        raise ValueError(f"out must be float32 of shape {x.shape} (x's shape), "
-                         f"got {out.dtype} of shape {out.shape}")
-    if out is not None and not (out.is_c_contiguous() if is_device_array(out) else out.flags.c_contiguous):
-        raise ValueError("out must be C-contiguous")
+    check_out(out, x.shape)
+    return x, positions, inv_freq
 
-    d_x = to_device(x, np.float32)
-    if out is not None and is_device_array(out):
-        d_out = out                                               # out=x rotates in place
-    else:
-        d_out = poisoned(x.shape)                                 # NaN until written
+
+# --8<-- [start:apply_rope]
+def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=None):
+    """Rotate ``x`` (T, dr) or (T, H, dr) NeoX-style; row t uses ``positions[t]``.
+
+    Returns a new array, or writes into ``out`` (x's shape, float32; may be x itself for an
+    in-place rotation) and returns it. numpy in -> numpy out; device arrays stay on the device.
+    ``stream``: where the kernel is launched (None: the default stream).
+    """
+    x, positions, inv_freq = check_rope(x, positions, inv_freq, scale, out=out)
+    rows, width = x.shape[0], x.shape[x.ndim - 1]
     heads = math.prod(x.shape[1:x.ndim - 1])                      # (T, dr) is (T, 1, dr)
-    d_x3 = d_x.reshape(rows, heads, width)                        # [T, H, dr]
-    d_out3 = d_out.reshape(rows, heads, width)
+    d_out = output(out, x.shape, stream=stream)                   # NaN until written
     count = rows * heads * (width // 2)                           # (row, head, frequency) triples
     if count > 0:
-        _rope_kernel[blocks(count, THREADS), THREADS](
-            d_x3, to_device(positions), to_device(inv_freq, np.float32), float(scale), d_out3)
-
-    if out is None:
-        return to_host_if(d_out, x, positions, inv_freq)
-    if not is_device_array(out):                                  # a host out: copy the result into it
-        d_out.copy_to_host(out)
-    return out
+        rope_kernel[blocks(count, TPB), TPB, stream](
+            to_device(x, np.float32).reshape(rows, heads, width), to_device(positions),
+            to_device(inv_freq, np.float32), float(scale), d_out.reshape(rows, heads, width))
+    return deliver(d_out, out, x, positions, inv_freq)
 # --8<-- [end:apply_rope]
+
+
+def bytes_moved(*, T: int, H: int, dr: int) -> int:
+    """Fewest bytes ``apply_rope`` moves: x (T, H, dr) read once and written once, inv_freq (dr/2,)
+    read once (float32), positions (T,) read once (int64)."""
+    return F32 * (2 * T * H * dr + dr // 2) + I64 * T
+
+
+def flops(*, T: int, H: int, dr: int) -> int:
+    """Floating-point operations of the rotation: 6 per (row, head, frequency) pair (four
+    multiplies, two adds); the cos and sin are not counted."""
+    return 6 * T * H * (dr // 2)
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree."""
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    config, rows = sizes.config, sizes.rows
+    heads, rope_dim = config.num_attention_heads, config.qk_rope_head_dim
+    frequencies, scale = reference.inv_freq(config), reference.cos_sin_scale(config)
+    positions = np.arange(sizes.verify_prefix, sizes.verify_prefix + rows)
+    return [Case("rope_q_pe", f"rotate q_pe of {rows} tree rows (YaRN)", f"x ({rows}, {heads}, {rope_dim})",
+                 setup=lambda seed: (uniform((rows, heads, rope_dim), seed), cuda.to_device(positions),
+                                     cuda.to_device(frequencies), scale),
+                 call=lambda inputs: apply_rope(*inputs),
+                 bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
+                 note="FLOPs: the rotation, sin/cos not counted")]
+
+
+_rope_kernel = rope_kernel  # TRANSITIONAL: kernels/model.py's old name, until it uses the public one

@@ -20,7 +20,7 @@ from ddtree import rope as reference
 from ddtree.config import preset
 from kernels import device
 from kernels import rope as kernel
-from tests.helpers import assert_close
+from tests.helpers import assert_close, no_transfers
 
 RTOL = 1e-5
 
@@ -41,8 +41,6 @@ def _inputs(shape, seed=0, top=4000):
     positions = rng.integers(0, top, size=shape[0])
     positions[1::3] = positions[0]                                # shared positions
     return x, positions
-
-
 
 
 # tiny: dr 16, plain frequencies; tiny-b: dr 8, YaRN frequencies (its mscale equals mscale_all_dim,
@@ -95,11 +93,11 @@ def test_every_element_written():
     d_x, d_positions, d_freqs = cuda.to_device(x), cuda.to_device(positions), cuda.to_device(freqs)
 
     out = device.poisoned(x.shape)
-    kernel._rope_kernel[2, 128](d_x, d_positions, d_freqs, 1.0, out)
+    kernel.rope_kernel[2, 128](d_x, d_positions, d_freqs, 1.0, out)
     assert np.isfinite(out.copy_to_host()).all()
 
     out = device.poisoned(x.shape)                                # negative control: the poison shows
-    kernel._rope_kernel[1, 128](d_x, d_positions, d_freqs, 1.0, out)
+    kernel.rope_kernel[1, 128](d_x, d_positions, d_freqs, 1.0, out)
     assert np.isnan(out.copy_to_host()).sum() == 2 * (144 - 128)
 
 
@@ -133,6 +131,18 @@ def test_in_place():
     d_out = device.poisoned(x.shape)                              # another device buffer
     kernel.apply_rope(x, positions, freqs, scale, out=d_out)
     assert_close(d_out.copy_to_host(), expected, rtol=RTOL, atol=_atol(x, scale))
+
+
+def test_out_buffer_on_the_device_allocates_and_copies_nothing():
+    freqs, scale = _frequencies("tiny-b")
+    x, positions = _inputs((5, 3, 8))
+    d_x, d_positions, d_freqs = cuda.to_device(x), cuda.to_device(positions), cuda.to_device(freqs)
+    d_out = cuda.to_device(np.zeros(x.shape, np.float32))
+    with no_transfers():
+        result = kernel.apply_rope(d_x, d_positions, d_freqs, scale, out=d_out, stream=cuda.default_stream())
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), reference.apply_rope(x, positions, freqs, scale),
+                 rtol=RTOL, atol=_atol(x, scale))
 
 
 def test_deterministic():
