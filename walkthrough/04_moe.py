@@ -21,11 +21,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
-from ddtree import golden
 from ddtree import moe as ref
-from ddtree.config import preset
 from ddtree.model import Transformer
-from ddtree.weights import init_weights
 from kernels import device
 from kernels import moe as knl
 
@@ -37,20 +34,11 @@ def record_router_inputs(model: Transformer, tokens: np.ndarray) -> list[tuple[n
     """One causal pass over ``tokens``; returns (x, params) for every MoE layer, in layer order.
 
     x (T, D) is what the router really sees: the post-attention RMSNorm of the residual stream.
-    The model calls its operations through ``model.ops``, so wrapping ``ops.moe`` records them.
+    The model calls its operations through ``model.ops``, so recording ``ops.moe`` catches them.
     """
-    seen, plain_moe = [], model.ops.moe
-
-    def recording_moe(x, params, config):
-        seen.append((np.array(x), params))
-        return plain_moe(x, params, config)
-
-    model.ops.moe = recording_moe
-    try:
+    with chapter.record_ops(model, "moe") as calls:
         model.logits(tokens)
-    finally:
-        model.ops.moe = plain_moe
-    return seen
+    return [(call.args[0], call.args[1]) for call in calls]
 # --8<-- [end:record_router_inputs]
 
 
@@ -136,11 +124,10 @@ def kernels_vs_numpy(layers, config) -> None:
 def main() -> None:
     """Record tiny-b's router inputs on the golden tokens, draw the routing, check the kernels."""
     print(f"kernels run on: {device.where()}")
-    config = preset("tiny-b")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    bundle = golden.load_bundle("tiny-b")
-    tokens = np.concatenate([bundle["prompt"], bundle["tokens"]])
-    recorded = record_router_inputs(model, tokens)
+    setup = chapter.golden_model("tiny-b")
+    config = setup.config
+    tokens = np.concatenate([setup.prompt, setup.ar_tokens])
+    recorded = record_router_inputs(setup.model, tokens)
     moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     layers = [(i, x, params) for i, (x, params) in zip(moe_layers, recorded, strict=True)]
     print(f"tiny-b: {config.n_routed_experts} experts in {config.n_group} groups, keep {config.topk_group} "

@@ -13,24 +13,51 @@ before ``mkdocs build --strict``):
 The report must come out the same on every run: timings and file names go to the terminal only,
 through ``log`` and ``timed``. Importing this module also selects matplotlib's Agg backend (no
 display needed).
+
+Two more things every chapter shares:
+
+* ``golden_model(name)`` builds the chapter's model: a preset with the golden bundles' weights,
+  its default prompt and (for tiny and tiny-b) the committed AR tokens;
+* ``record_ops(model, *names)`` records what the model does: while the block runs, every call of
+  ``model.ops.<name>`` is kept as a ``Call`` (copies of the arguments taken before it ran, and its
+  result); ``replace=`` swaps operations for others (the numba twins). The model's own operations
+  come back when the block ends, also on an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import io
+import os
 import pathlib
 import sys
 import time
 
-import matplotlib
+# one BLAS thread: a multithreaded matmul splits its sums differently from run to run, and the
+# reports print float32 differences that must come out the same on every run (before numpy loads)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from ddtree import golden  # noqa: E402
+from ddtree.config import ModelConfig, preset  # noqa: E402
+from ddtree.model import Transformer  # noqa: E402
+from ddtree.weights import init_weights  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent          # the repository
 FIGURES = ROOT / "docs" / "assets" / "figures"
 DPI = 110
+# the site's text column is about 688 px wide: a figure wider than this would be shown at less than
+# 60% of its size, so save_figure refuses it (draw at figsize width <= 10 inches at DPI 110)
+MAX_FIGURE_WIDTH = 1100
+# a report line longer than this is cut off or wrapped in the site's code blocks
+REPORT_WIDTH = 100
 
 
 class _Tee(io.TextIOBase):
@@ -84,7 +111,12 @@ def report(stem: str):
         yield path
     finally:
         sys.stdout = tee.terminal
-    path.write_text(tee.text.getvalue(), encoding="utf-8")
+    text = tee.text.getvalue()
+    too_long = [line for line in text.splitlines() if len(line) > REPORT_WIDTH]
+    if too_long:
+        raise ValueError(f"{len(too_long)} report line(s) longer than {REPORT_WIDTH} characters, "
+                         f"e.g. {too_long[0]!r}: shorten them at the source")
+    path.write_text(text, encoding="utf-8")
     log(f"wrote {path.relative_to(ROOT)}")
 
 
@@ -106,10 +138,83 @@ def section(name: str):
 
 
 def save_figure(fig, stem: str, name: str, **savefig_options) -> pathlib.Path:
-    """Save ``fig`` as docs/assets/figures/<stem>_<name>.png (dpi 110), close it, log the path."""
+    """Save ``fig`` as docs/assets/figures/<stem>_<name>.png (dpi 110), close it, log the path.
+
+    Raises if the saved image is wider than ``MAX_FIGURE_WIDTH`` pixels (too small in the column).
+    """
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / f"{stem}_{name}.png"
     fig.savefig(path, dpi=DPI, **savefig_options)
     plt.close(fig)
+    width = plt.imread(path).shape[1]
+    if width > MAX_FIGURE_WIDTH:
+        path.unlink()
+        raise ValueError(f"{path.name} is {width} px wide, more than {MAX_FIGURE_WIDTH}: draw it narrower "
+                         "or split its panels")
     log(f"wrote {path.relative_to(ROOT)}")
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenModel:
+    """A chapter's model and the inputs the golden bundles were made from."""
+    name: str
+    config: ModelConfig
+    weights: dict
+    model: Transformer
+    prompt: np.ndarray                 # [P] the preset's default prompt
+    ar_tokens: np.ndarray | None       # [24] the committed AR tokens (tiny and tiny-b), else None
+
+
+def golden_model(name: str = "tiny") -> GoldenModel:
+    """Preset ``name`` with the golden bundles' weights (seed ``golden.WEIGHT_SEED``)."""
+    config = preset(name)
+    weights = init_weights(config, golden.WEIGHT_SEED)
+    ar_tokens = golden.load_bundle(name)["tokens"] if name in golden.GOLDEN_PRESETS else None
+    return GoldenModel(name, config, weights, Transformer(config, weights), golden.default_prompt(name),
+                       ar_tokens)
+
+
+# --8<-- [start:record_ops]
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a model operation: its arguments as they were when it ran, and its result."""
+    name: str
+    args: tuple
+    kwargs: dict
+    result: object
+
+
+@contextlib.contextmanager
+def record_ops(model, *names: str, replace: dict | None = None):
+    """Record the calls of ``model.ops.<name>`` for each of ``names`` while the block runs.
+
+    Yields the list of ``Call``s, in call order. Arguments are deep copies taken before the
+    operation runs (``compact`` changes the cache it is given). ``replace`` maps operation names to
+    functions that run instead (recorded too if named). The model's operations are put back in a
+    ``finally``, so an exception inside the block leaves the model as it was.
+    """
+    replace = replace or {}
+    unknown = sorted((set(names) | set(replace)) - set(vars(model.ops)))
+    if unknown:
+        raise ValueError(f"model.ops has no operation(s) {unknown}; it has {sorted(vars(model.ops))}")
+    saved = {name: getattr(model.ops, name) for name in set(names) | set(replace)}
+    calls: list[Call] = []
+
+    def recorded(name, operation):
+        def call(*args, **kwargs):
+            args_then, kwargs_then = copy.deepcopy(args), copy.deepcopy(kwargs)
+            result = operation(*args, **kwargs)
+            calls.append(Call(name, args_then, kwargs_then, result))
+            return result
+        return call
+
+    try:
+        for name, original in saved.items():
+            operation = replace.get(name, original)
+            setattr(model.ops, name, recorded(name, operation) if name in names else operation)
+        yield calls
+    finally:
+        for name, original in saved.items():
+            setattr(model.ops, name, original)
+# --8<-- [end:record_ops]
