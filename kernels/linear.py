@@ -1,23 +1,26 @@
 """Linear layers, embedding gather and greedy argmax: the numba.cuda twin of ``ddtree/linear.py``.
 
-Legend: T rows, K input features, N output features, V vocabulary, D hidden, B threads per block.
-Weights are stored (N, K) as in Hugging Face state dicts, so ``y = x @ W.T``.
+Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden_size,
+TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
+``y = x @ W.T``.
 
 ``linear`` has two kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
-    version "gemv": one block per output y[t, n], a block reduction over K (T <= 4: decode steps)
-Bytes: W (N*K floats) dominates at decode sizes. The GEMM loads each W tile once per 16-row strip
-of x and reuses every loaded element 16 times from shared memory, which pays off when many rows
-share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so the GEMV instead
-puts a whole block on each dot product and streams every W row once (the T blocks sharing a row
-run back to back, so the rows after the first find it in L2).
+    version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
+Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
+16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
+when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
+the GEMV instead puts a whole block on each dot product and streams every W row once (the T
+blocks sharing a row run back to back, so the rows after the first find it in L2).
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
-and reduces (value, index) pairs in shared memory with numpy's order: the first maximal index
-wins, and NaN counts as larger than everything (np.argmax returns the first NaN).
+and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
+first maximal index wins, and NaN counts as larger than everything (np.argmax returns the first
+NaN).
 
-Kernels whose shared arrays depend on B are built per block size and cached (``_gemv_kernel(B)``,
-``_argmax_kernel(B)``): a shared array needs a size known when the kernel compiles.
+Kernels whose shared arrays depend on TPB are built per block size and cached
+(``gemv_kernel(TPB)``, ``argmax_kernel(TPB)``): a shared array needs a size known when the
+kernel compiles. ``bytes_moved`` and ``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
@@ -28,47 +31,32 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from ddtree import linear as reference
+from kernels.blocks import block_argmax, block_sum, blocks, check_threads, comes_first, pow2_threads
 from kernels.device import (
-    blocks,
+    as_rows,
     check_float32,
-    check_threads,
+    check_out,
+    deliver,
+    host_or_device,
     is_device_array,
-    poisoned,
-    pow2_threads,
+    output,
     to_device,
-    to_host_if,
 )
 
 TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x TILE threads
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
-THREADS = 128       # embed: threads per block (GEMV and argmax size theirs from the work)
+TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
 VERSIONS = ("gemm", "gemv")
-
-
-
-
-def _host_or_device(array, dtype=None):
-    """Device arrays as they are; anything else as a numpy array (of ``dtype`` when given)."""
-    return array if is_device_array(array) else np.asarray(array, dtype=dtype)
-
-
-
-
-def _as_rows(d_array, name: str):
-    """View a device array (..., C) as (R, C): kernels index rows and columns."""
-    if d_array.ndim == 2:
-        return d_array
-    if not d_array.is_c_contiguous():
-        raise ValueError(f"a {d_array.ndim}-d device {name} must be C-contiguous (it is viewed as 2-D)")
-    return d_array.reshape(-1, d_array.shape[d_array.ndim - 1])
+F32, I64 = 4, 8
 
 
 # --8<-- [start:gemm_tiled_kernel]
 @cuda.jit
-def _gemm_tiled_kernel(x, weight, out):
-    # one thread = one output y[t, n]; one block = a TILE x TILE tile of y (T, N)
-    # shared memory, per step along K: x_tile = x[rows of the tile, k0:k0+TILE] and
+def gemm_tiled_kernel(x, weight, out):
+    # one thread = one output y[t, n]; one block = a TILE x TILE tile of y (T, Dout)
+    # shared memory, per step along Din: x_tile = x[rows of the tile, k0:k0+TILE] and
     # w_tile = W[columns of the tile, k0:k0+TILE]; each loaded element is then used TILE times
     x_tile = cuda.shared.array((TILE, TILE), float32)
     w_tile = cuda.shared.array((TILE, TILE_PADDED), float32)   # +1: column reads hit distinct banks
@@ -78,7 +66,7 @@ def _gemm_tiled_kernel(x, weight, out):
     outputs = weight.shape[0]
     t = cuda.blockIdx.y * TILE + ty          # the output row this thread computes
     n = cuda.blockIdx.x * TILE + tx          # the output column this thread computes
-    n_load = cuda.blockIdx.x * TILE + ty     # the W row this thread loads (coalesced along K)
+    n_load = cuda.blockIdx.x * TILE + ty     # the W row this thread loads (coalesced along Din)
 
     acc = float32(0.0)
     for k0 in range(0, depth, TILE):
@@ -102,13 +90,13 @@ def _gemm_tiled_kernel(x, weight, out):
 
 # --8<-- [start:gemv_kernel]
 @functools.cache
-def _gemv_kernel(threads: int):
+def gemv_kernel(threads: int):
     """The GEMV kernel for blocks of ``threads`` threads (a power of two)."""
 
     @cuda.jit
-    def gemv_kernel(x, weight, out):
-        # one block = one output y[t, n]; one thread = k = tid, tid + B, ... of the dot product
-        # (coalesced reads of the W row); shared memory: B float32 partial sums, tree-reduced
+    def kernel(x, weight, out):
+        # one block = one output y[t, n]; one thread = k = tid, tid + TPB, ... of the dot product
+        # (coalesced reads of the W row); shared memory: TPB float32 partial sums, block_sum
         partial = cuda.shared.array(threads, float32)
         rows, depth = x.shape
         n = cuda.blockIdx.x // rows          # blocks of the same W row are adjacent: W is read
@@ -119,17 +107,11 @@ def _gemv_kernel(threads: int):
         for k in range(tid, depth, threads):
             acc += x[t, k] * weight[n, k]
         partial[tid] = acc
-        cuda.syncthreads()
-        stride = threads // 2
-        while stride > 0:
-            if tid < stride:
-                partial[tid] += partial[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
+        block_sum(partial)
         if tid == 0:
             out[t, n] = partial[0]
 
-    return gemv_kernel
+    return kernel
 # --8<-- [end:gemv_kernel]
 
 
@@ -140,49 +122,50 @@ def pick_version(rows: int) -> str:
 # --8<-- [end:pick_version]
 
 
-# --8<-- [start:linear]
-def linear(x, weight, version: str | None = None, threads: int | None = None):
-    """``x`` (T, K) (or (..., K)) times ``weight.T`` (K, N) -> (T, N), float32.
-
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; ``threads`` is the GEMV
-    block size (default: the smallest power of two covering K, at most 128).
-    numpy in -> numpy out; device arrays stay on the device.
-    """
-    x, weight = _host_or_device(x, np.float32), _host_or_device(weight, np.float32)
-    if x.ndim < 1:
-        raise ValueError(f"x must have shape (T, K) or (..., K), got a {x.ndim}-d array")
-    depth = x.shape[x.ndim - 1]                                   # (the simulator's shapes reject [-1])
-    if weight.ndim != 2 or weight.shape[1] != depth:
-        raise ValueError(f"weight must have shape (N, {depth}) to match x's last axis (K), "
-                         f"got {weight.shape}")
+def check_linear(x, weight, *, version=None, threads=None, out=None):
+    """The reference's shape rules, then the launch's: version, block size, float32 on the device,
+    ``out`` (..., Dout). Returns x and weight as numpy or device arrays."""
+    x, weight = host_or_device(x, np.float32), host_or_device(weight, np.float32)
+    reference.check_linear(x, weight)
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version must be None or one of {VERSIONS}, got {version!r}")
-    threads = pow2_threads(depth) if threads is None else threads
-    check_threads(threads)
+    if threads is not None:
+        check_threads(threads)
     check_float32(x=x, weight=weight)
+    check_out(out, (*x.shape[:-1], weight.shape[0]))
+    return x, weight
 
-    lead, outputs = x.shape[:-1], weight.shape[0]
-    d_x, d_weight = _as_rows(to_device(x, np.float32), "x"), to_device(weight, np.float32)   # [T, K], [N, K]
-    rows = d_x.shape[0]
-    out = poisoned((rows, outputs))                               # [T, N], NaN until written
-    version = pick_version(rows) if version is None else version
+
+# --8<-- [start:linear]
+def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
+    """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
+
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; ``threads`` is the GEMV
+    block size (default: the smallest power of two covering Din, at most 128). ``out`` receives
+    the result; ``stream`` is where the kernel is launched (None: the default stream).
+    numpy in -> numpy out; device arrays stay on the device.
+    """
+    x, weight = check_linear(x, weight, version=version, threads=threads, out=out)
+    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
+    rows, depth, outputs = d_x.shape[0], d_x.shape[1], weight.shape[0]
+    d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
     if rows > 0 and outputs > 0:
-        if version == "gemm":
-            grid = (blocks(outputs, TILE), blocks(rows, TILE))    # x over N, y over T
-            _gemm_tiled_kernel[grid, (TILE, TILE)](d_x, d_weight, out)
+        d_weight, d_y = to_device(weight, np.float32), as_rows(d_out, "out")   # [Dout, Din], [T, Dout]
+        if (version or pick_version(rows)) == "gemm":
+            grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
+            gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
         else:
-            _gemv_kernel(threads)[outputs * rows, threads](d_x, d_weight, out)
-    if lead != (rows,):
-        out = out.reshape(*lead, outputs)
-    return to_host_if(out, x, weight)
+            threads = threads or pow2_threads(depth)
+            gemv_kernel(threads)[outputs * rows, threads, stream](d_x, d_weight, d_y)
+    return deliver(d_out, out, x, weight)
 # --8<-- [end:linear]
 
 
 # --8<-- [start:embed_kernel]
 @cuda.jit
-def _embed_kernel(tokens, table, out, bad):
+def embed_kernel(tokens, table, out, range_error):
     # one thread = one output element out[t, d] = table[tokens[t], d] (coalesced along D)
-    # an id outside [0, V) is not read (that row stays NaN); thread d = 0 raises the flag bad[0]
+    # an id outside [0, V) is not read (that row stays as it was); thread d = 0 sets range_error[0]
     count, width = out.shape
     index = cuda.grid(1)
     if index >= count * width:
@@ -192,114 +175,85 @@ def _embed_kernel(tokens, table, out, bad):
     token = tokens[t]
     if token < 0 or token >= table.shape[0]:
         if d == 0:
-            bad[0] = 1
+            range_error[0] = 1
         return
     out[t, d] = table[token, d]
 # --8<-- [end:embed_kernel]
 
 
-def _token_range_error(tokens: np.ndarray, vocab: int) -> ValueError:
-    return ValueError(f"tokens must lie in [0, {vocab}), got min {tokens.min()} max {tokens.max()}")
+def check_embed(tokens, table, *, out=None, range_error=None):
+    """The reference's rules (numpy tokens in [0, V) too), then the launch's: float32 on the
+    device, contiguous device tokens, ``out`` (..., D), ``range_error``."""
+    tokens, table = host_or_device(tokens), host_or_device(table, np.float32)
+    reference.check_embed(tokens, table)
+    check_float32(table=table)
+    if is_device_array(tokens) and tokens.ndim != 1 and not tokens.is_c_contiguous():
+        raise ValueError("device tokens with more than one axis must be C-contiguous")
+    check_out(out, (*tokens.shape, table.shape[1]))
+    if range_error is not None and not (is_device_array(range_error) and range_error.shape == (1,)
+                                        and range_error.dtype == np.int32):
+        raise ValueError(f"range_error must be a device int32 array of shape (1,), got {range_error!r}")
+    return tokens, table
 
 
 # --8<-- [start:embed]
-def embed(tokens, table):
+def embed(tokens, table, *, out=None, stream=None, range_error=None):
     """Rows of the embedding ``table`` (V, D) for ``tokens`` (T,) (any shape) -> (T, D).
 
     Ids outside [0, V) raise numpy's ValueError. Host tokens are checked before the launch;
-    device tokens are checked by the kernel, which sets a one-int flag read back after it
-    (4 bytes, and a synchronisation: the only copy to the host on the device path).
+    device tokens by the kernel, which raises a flag: by default a new one, read back after the
+    launch (4 bytes and a synchronisation). Given ``range_error`` (a device int32 (1,) array, zero
+    before the call), the kernel sets it to 1 instead and nothing is read back: with ``out`` too,
+    nothing is allocated or copied, and the caller looks at the flag when it suits it.
     """
-    tokens, table = _host_or_device(tokens), _host_or_device(table, np.float32)
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got {tokens.dtype}")
-    if table.ndim != 2:
-        raise ValueError(f"table must have shape (V, D), got {table.shape}")
-    check_float32(table=table)
-    vocab, width = table.shape
-    if not is_device_array(tokens) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise _token_range_error(tokens, vocab)
-
-    lead = tokens.shape
-    d_tokens, d_table = to_device(tokens), to_device(table, np.float32)
-    if d_tokens.ndim != 1:
-        if not d_tokens.is_c_contiguous():
-            raise ValueError("device tokens with more than one axis must be C-contiguous")
-        d_tokens = d_tokens.reshape(-1)                           # [T]
-    count = d_tokens.shape[0]
-    out = poisoned((count, width))                                # [T, D], NaN until written
+    tokens, table = check_embed(tokens, table, out=out, range_error=range_error)
+    count, width = tokens.size, table.shape[1]
+    d_out = output(out, (*tokens.shape, width), stream=stream)            # [..., D] NaN until written
     if count * width > 0:
-        bad = cuda.to_device(np.zeros(1, dtype=np.int32))
-        _embed_kernel[blocks(count * width, THREADS), THREADS](d_tokens, d_table, out, bad)
-        if is_device_array(tokens) and bad.copy_to_host()[0]:
-            raise _token_range_error(tokens.copy_to_host(), vocab)
-    if lead != (count,):
-        out = out.reshape(*lead, width)
-    return to_host_if(out, tokens, table)
+        flag = cuda.to_device(np.zeros(1, np.int32)) if range_error is None else range_error
+        embed_kernel[blocks(count * width, TPB), TPB, stream](
+            to_device(tokens).reshape(count), to_device(table, np.float32), as_rows(d_out, "out"), flag)
+        if range_error is None and is_device_array(tokens) and flag.copy_to_host()[0]:
+            reference.check_embed(tokens.copy_to_host(), table)           # raises the reference's error
+    return deliver(d_out, out, tokens, table)
 # --8<-- [end:embed]
-
-
-# --8<-- [start:wins]
-@cuda.jit(device=True)
-def _wins(value, index, best_value, best_index):
-    """True when (value, index) comes before (best_value, best_index) in np.argmax's order:
-    NaN beats any number, a larger value beats a smaller one, and equals go to the lower index."""
-    if math.isnan(value):
-        return not math.isnan(best_value) or index < best_index
-    if math.isnan(best_value):
-        return False
-    return value > best_value or (value == best_value and index < best_index)
-# --8<-- [end:wins]
 
 
 # --8<-- [start:argmax_kernel]
 @functools.cache
-def _argmax_kernel(threads: int):
+def argmax_kernel(threads: int):
     """The argmax kernel for blocks of ``threads`` threads (a power of two)."""
 
     @cuda.jit
-    def argmax_kernel(logits, out):
-        # one block = one row of logits (T, V); one thread scans v = tid, tid + B, ... keeping its
-        # best (value, index); shared memory: B values and B indices, tree-reduced with _wins
-        best_values = cuda.shared.array(threads, float32)
-        best_indices = cuda.shared.array(threads, int32)
+    def kernel(logits, out):
+        # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping
+        # its first (value, index) in np.argmax's order; shared memory: TPB values and TPB
+        # indices, reduced by block_argmax
+        values = cuda.shared.array(threads, float32)
+        indices = cuda.shared.array(threads, int32)
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        vocab = logits.shape[1]
 
-        best_value = float32(-math.inf)
-        best_index = vocab                   # past the end: loses every tie, even with -inf
-        for v in range(tid, vocab, threads):
-            value = logits[row, v]
-            if _wins(value, v, best_value, best_index):
-                best_value = value
+        best_value = float32(0.0)
+        best_index = -1                      # nothing seen yet: comes after every entry
+        for v in range(tid, logits.shape[1], threads):
+            if comes_first(logits[row, v], v, best_value, best_index):
+                best_value = logits[row, v]
                 best_index = v
-        best_values[tid] = best_value
-        best_indices[tid] = best_index
-        cuda.syncthreads()
-
-        stride = threads // 2
-        while stride > 0:
-            if tid < stride and _wins(best_values[tid + stride], best_indices[tid + stride],
-                                      best_values[tid], best_indices[tid]):
-                best_values[tid] = best_values[tid + stride]
-                best_indices[tid] = best_indices[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
+        values[tid] = best_value
+        indices[tid] = best_index
+        block_argmax(values, indices)
         if tid == 0:
-            out[row] = best_indices[0]
+            out[row] = indices[0]
 
-    return argmax_kernel
+    return kernel
 # --8<-- [end:argmax_kernel]
 
 
-# --8<-- [start:argmax]
-def argmax(logits, threads: int | None = None):
-    """Greedy token per row of ``logits`` (T, V) (or (..., V)) -> int64 (T,), numpy's tie order.
-
-    The first maximal index wins; a row holding NaN returns its first NaN, as np.argmax does.
-    """
-    logits = _host_or_device(logits, np.float32)
+def check_argmax(logits, *, threads=None, out=None):
+    """Rows of logits (T, V) or (..., V) with V in [1, int32 max], block size, float32 on the
+    device, ``out`` (...,) int64. Returns logits as numpy or a device array."""
+    logits = host_or_device(logits, np.float32)
     if logits.ndim < 2:
         raise ValueError(f"logits must have shape (T, V) or (..., V), got shape {logits.shape}")
     vocab = logits.shape[logits.ndim - 1]                         # (the simulator's shapes reject [-1])
@@ -307,17 +261,93 @@ def argmax(logits, threads: int | None = None):
         raise ValueError("attempt to get argmax of an empty sequence (V = 0)")
     if vocab > np.iinfo(np.int32).max:
         raise ValueError(f"V must fit in int32 (the kernel's indices), got {vocab}")
-    threads = pow2_threads(vocab) if threads is None else threads
-    check_threads(threads)
+    if threads is not None:
+        check_threads(threads)
     check_float32(logits=logits)
+    check_out(out, logits.shape[:-1], np.int64)
+    return logits
 
-    lead = logits.shape[:-1]
-    d_logits = _as_rows(to_device(logits, np.float32), "logits")   # [T, V]
-    rows = d_logits.shape[0]
-    out = poisoned((rows,), np.int64)                             # [T], -1 until written
+
+# --8<-- [start:argmax]
+def argmax(logits, *, threads: int | None = None, out=None, stream=None):
+    """Greedy token per row of ``logits`` (T, V) (or (..., V)) -> int64 (T,), numpy's tie order.
+
+    The first maximal index wins; a row holding NaN returns its first NaN, as np.argmax does.
+    """
+    logits = check_argmax(logits, threads=threads, out=out)
+    d_logits = as_rows(to_device(logits, np.float32), "logits")           # [T, V]
+    rows, vocab = d_logits.shape
+    d_out = output(out, logits.shape[:-1], np.int64, stream)              # [...] -1 until written
     if rows > 0:
-        _argmax_kernel(threads)[rows, threads](d_logits, out)
-    if lead != (rows,):
-        out = out.reshape(*lead)
-    return to_host_if(out, logits)
+        threads = threads or pow2_threads(vocab)
+        argmax_kernel(threads)[rows, threads, stream](d_logits, d_out.reshape(rows))
+    return deliver(d_out, out, logits)
 # --8<-- [end:argmax]
+
+
+def _linear_cost(*, T: int, Din: int, Dout: int) -> tuple[int, int]:
+    # x (T, Din) and W (Dout, Din) read once, y (T, Dout) written once; a multiply-add per weight per row
+    return F32 * (T * Din + Dout * Din + T * Dout), 2 * T * Din * Dout
+
+
+def _embed_cost(*, T: int, D: int) -> tuple[int, int]:
+    # the ids (int64) read once, T table rows read once and written once; no arithmetic
+    return I64 * T + 2 * F32 * T * D, 0
+
+
+def _argmax_cost(*, T: int, V: int) -> tuple[int, int]:
+    # the logits read once, one id (int64) per row written; comparisons are not counted
+    return F32 * T * V + I64 * T, 0
+
+
+_COSTS = {"linear": _linear_cost, "embed": _embed_cost, "argmax": _argmax_cost}
+
+
+def bytes_moved(operation: str = "linear", **dims: int) -> int:
+    """Fewest bytes an operation moves through device memory (inputs read once, outputs written
+    once; float32 4 B, int64 8 B). Dimensions by the glossary: "linear" (T, Din, Dout),
+    "embed" (T, D), "argmax" (T, V); e.g. ``bytes_moved("argmax", T=8, V=163840)``."""
+    return _COSTS[operation](**dims)[0]
+
+
+def flops(operation: str = "linear", **dims: int) -> int:
+    """Floating-point operations (a multiply-add counts 2), dimensions as in ``bytes_moved``."""
+    return _COSTS[operation](**dims)[1]
+
+
+def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, version: str):
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    dims = {"T": rows, "Din": depth, "Dout": outputs}
+    return Case(name, what, f"x ({rows}, {depth}) W ({outputs}, {depth})",
+                setup=lambda seed: (uniform((rows, depth), seed),
+                                    uniform((outputs, depth), seed + 1, 1 / math.sqrt(depth))),
+                call=lambda inputs: linear(*inputs, version=version),
+                bytes=bytes_moved("linear", **dims), flops=flops("linear", **dims), note=f"version={version}")
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, argmax."""
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    config = sizes.config
+    hidden, rows, vocab = config.hidden_size, sizes.argmax_rows, config.vocab_size
+    up_mb = config.intermediate_size * hidden * F32 / 1e6
+    head_gb = vocab * hidden * F32 / 1e9
+    return [
+        _linear_case("linear_gemv_mlp_up", f"dense-MLP up projection, 1 decode row (W {up_mb:.0f} MB)",
+                     1, hidden, config.intermediate_size, "gemv"),
+        _linear_case("linear_gemv_lm_head", f"lm_head, 1 decode row (W {head_gb:.1f} GB)",
+                     1, hidden, vocab, "gemv"),
+        _linear_case("linear_gemm", f"{sizes.rows} tree rows through a {hidden} -> "
+                     f"{config.moe_intermediate_size} projection (expert-sized)",
+                     sizes.rows, hidden, config.moe_intermediate_size, "gemm"),
+        Case("argmax", f"greedy tokens of {rows} rows of logits", f"logits ({rows}, {vocab})",
+             setup=lambda seed: (uniform((rows, vocab), seed),),
+             call=lambda inputs: argmax(*inputs),
+             bytes=bytes_moved("argmax", T=rows, V=vocab), flops=flops("argmax", T=rows, V=vocab)),
+    ]
+
+
+# TRANSITIONAL: kernels/model.py's old names, until it uses the public ones
+_embed_kernel, _argmax_kernel = embed_kernel, argmax_kernel

@@ -1,10 +1,11 @@
 """Equivalence: kernels/linear.py (numba.cuda) against ddtree/linear.py (numpy).
 
 Tolerances:
-- linear: float32 dot products of K terms, summed in different orders (BLAS blocking; the GEMM
-  sequentially along K; the GEMV strided, then a tree). Partial sums are O(sqrt(K) |x| |w|) and each
-  of the K additions rounds by up to half an ulp, so the two results differ by about
-  eps32 * K * rms(x) * rms(w) / 3 (a random walk); atol = 2 * eps32 * K * rms(x) * rms(w) covers
+- linear: float32 dot products of Din terms, summed in different orders (numpy's pairwise sum;
+  the GEMM sequentially along Din; the GEMV strided, then a tree). Partial sums are
+  O(sqrt(Din) |x| |w|) and each of the Din additions rounds by up to half an ulp, so the two
+  results differ by about eps32 * Din * rms(x) * rms(w) / 3 (a random walk);
+  atol = 2 * eps32 * Din * rms(x) * rms(w) covers
   that with margin (outputs near 0 by cancellation need it), rtol 1e-5 the rest.
 - embed copies and argmax picks: both must be exact (assert_exact), ties included.
 """
@@ -16,7 +17,7 @@ from numba import cuda
 from ddtree import linear as reference
 from kernels import device
 from kernels import linear as kernel
-from tests.helpers import assert_close, assert_exact
+from tests.helpers import assert_close, assert_exact, no_transfers
 
 RTOL = 1e-5
 EPS32 = float(np.finfo(np.float32).eps)
@@ -35,11 +36,9 @@ def _inputs(rows, depth, outputs, seed=0):
     return x, weight
 
 
-
-
 # ---------------------------------------------------------------------------------------- linear
 
-# (T, K, N): K and N not multiples of the 16-wide tile nor of the GEMV block; K < one tile
+# (T, Din, Dout): Din, Dout not multiples of the 16-wide tile nor of the GEMV block; Din < one tile
 @pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("rows, depth, outputs", [(1, 70, 5), (3, 45, 2), (5, 37, 2), (2, 9, 3)])
 def test_linear_matches_reference(version, rows, depth, outputs):
@@ -54,7 +53,7 @@ def test_gemm_several_tiles_each_way():
                  rtol=RTOL, atol=_atol(x, weight))
 
 
-def test_gemv_block_larger_than_k():
+def test_gemv_block_larger_than_din():
     x, weight = _inputs(2, 50, 3)                                 # 64 threads, 50 products
     assert_close(kernel.linear(x, weight, version="gemv", threads=64), reference.linear(x, weight),
                  rtol=RTOL, atol=_atol(x, weight))
@@ -82,7 +81,7 @@ def test_linear_every_element_written():
     x, weight = _inputs(2, 20, 3)
     d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
     out = device.poisoned((2, 3))
-    kernel._gemv_kernel(32)[5, 32](d_x, d_weight, out)            # 6 blocks needed: (t, n) = (1, 2) missing
+    kernel.gemv_kernel(32)[5, 32](d_x, d_weight, out)            # 6 blocks needed: (t, n) = (1, 2) missing
     assert np.isnan(out.copy_to_host()).sum() == 1 and np.isnan(out.copy_to_host()[1, 2])
 
 
@@ -118,8 +117,8 @@ def test_linear_device_arrays_stay_on_device(version, host_copies):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda x, w: kernel.linear(x, w[:, :-1]), r"weight must have shape \(N, 8\)"),
-    (lambda x, w: kernel.linear(x, w[0]), r"weight must have shape \(N, 8\)"),
+    (lambda x, w: kernel.linear(x, w[:, :-1]), r"weight must have shape \(Dout, 8\)"),
+    (lambda x, w: kernel.linear(x, w[0]), r"weight must have shape \(Dout, 8\)"),
     (lambda x, w: kernel.linear(x, w, version="tiled"), "version must be None or one of"),
     (lambda x, w: kernel.linear(x, w, threads=100), "threads must be a power of two"),
     (lambda x, w: kernel.linear(np.float32(2.0), w), "x must have shape"),
@@ -130,6 +129,18 @@ def test_linear_bad_inputs(call, message):
     x, weight = _inputs(2, 8, 3)
     with pytest.raises(ValueError, match=message):
         call(x, weight)
+
+
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_linear_out_buffer_on_the_device_allocates_and_copies_nothing(version):
+    x, weight = _inputs(3, 21, 5)
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    d_out = cuda.to_device(np.zeros((3, 5), np.float32))
+    with no_transfers():
+        result = kernel.linear(d_x, d_weight, version=version, threads=32, out=d_out,
+                               stream=cuda.default_stream())
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
 
 
 # ----------------------------------------------------------------------------------------- embed
@@ -161,11 +172,29 @@ def test_embed_bad_ids_raise_like_numpy(tokens, on_device):
     assert str(actual.value) == str(expected.value)
 
 
+def test_embed_with_out_and_a_range_flag_allocates_and_copies_nothing():
+    table = np.random.default_rng(3).standard_normal((50, 37)).astype(np.float32)
+    tokens = np.array([[9, 0], [49, 3]], np.int64)
+    d_tokens, d_table = cuda.to_device(tokens), cuda.to_device(table)
+    d_out = cuda.to_device(np.zeros((2, 2, 37), np.float32))
+    flag = cuda.to_device(np.zeros(1, np.int32))
+    with no_transfers():
+        assert kernel.embed(d_tokens, d_table, out=d_out, range_error=flag) is d_out
+    assert_exact(d_out.copy_to_host(), table[tokens])
+    assert flag.copy_to_host()[0] == 0
+    kernel.embed(cuda.to_device(np.array([3, 50])), d_table, range_error=flag)   # no raise: the flag says
+    assert flag.copy_to_host()[0] == 1
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t: kernel.embed(np.array([1.0, 2.0]), t), "tokens must be integers"),
     (lambda t: kernel.embed([1, 2], t[0]), r"table must have shape \(V, D\)"),
     (lambda t: kernel.embed([1, 2], cuda.to_device(t.astype(np.float64))),
      "table must be float32 on the device"),
+    (lambda t: kernel.embed([1, 2], t, range_error=np.zeros(1, np.int32)),
+     "range_error must be a device int32"),
+    (lambda t: kernel.embed([1, 2], t, out=np.zeros((2, 5), np.float32)),
+     r"out must be float32 of shape \(2, 4\)"),
 ])
 def test_embed_bad_inputs(call, message):
     with pytest.raises(ValueError, match=message):
@@ -229,7 +258,7 @@ def test_argmax_leading_axes_and_every_row_written():
 def test_argmax_poison_shows_unwritten_rows():
     logits = cuda.to_device(_tie_rows(80)[:3])
     out = device.poisoned((3,), np.int64)                         # -1 until written
-    kernel._argmax_kernel(32)[2, 32](logits, out)                 # negative control: one block short
+    kernel.argmax_kernel(32)[2, 32](logits, out)                 # negative control: one block short
     assert out.copy_to_host().tolist() == [int(np.argmax(_tie_rows(80)[0])), 0, -1]
 
 
@@ -242,6 +271,14 @@ def test_argmax_deterministic_and_device_path(host_copies):
     assert device.is_device_array(first)
     assert_exact(first.copy_to_host(), second.copy_to_host())
     assert_exact(first.copy_to_host(), reference.argmax(logits))
+
+
+def test_argmax_out_buffer_on_the_device_allocates_and_copies_nothing():
+    logits = _tie_rows(90)[[0, 2, 7]]
+    d_logits, d_out = cuda.to_device(logits), cuda.to_device(np.zeros(3, np.int64))
+    with no_transfers():
+        assert kernel.argmax(d_logits, threads=32, out=d_out, stream=cuda.default_stream()) is d_out
+    assert_exact(d_out.copy_to_host(), reference.argmax(logits))
 
 
 @pytest.mark.parametrize("call, message", [
