@@ -72,8 +72,8 @@ def lm_head_report() -> None:
     kimi = preset("kimi-k2.6")
     vocab, hidden = kimi.vocab_size, kimi.hidden_size
     bytes_1, flops_1 = linear_cost(1, vocab, hidden)
-    print(f"Kimi K2.6 lm_head ({vocab} x {hidden} fp32): {bytes_1 / 1e9:.2f} GB per decode row, "
-          f"{flops_1 / 1e9:.2f} GFLOP, {flops_1 / bytes_1:.2f} FLOP/byte "
+    print(f"Kimi K2.6 lm_head ({vocab} x {hidden}, fp32), one decode row:")
+    print(f"  {bytes_1 / 1e9:.2f} GB, {flops_1 / 1e9:.2f} GFLOP, {flops_1 / bytes_1:.2f} FLOP/byte "
           f"-> at least {bytes_1 / H200_BANDWIDTH * 1e3:.3f} ms at 4.8 TB/s")
     for rows in (1, 65):
         print(f"  {rows:3d} rows: time floor {time_floor(rows, vocab, hidden) * 1e3:.3f} ms")

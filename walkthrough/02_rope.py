@@ -21,6 +21,7 @@ import math
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
 from ddtree import rope as ref
@@ -62,8 +63,8 @@ def layouts_demo(rng) -> None:
                               apply_rope_interleaved(k, p_k, freqs)[0])
     score_neox = float(ref.apply_rope(q[:, perm], p_q, freqs)[0] @ ref.apply_rope(k[:, perm], p_k, freqs)[0])
     print(f"NeoX vs interleaved, dr={dim}, perm={perm.tolist()}:")
-    print(f"  max |neox(x[perm]) - interleaved(x)[perm]| = {rotated_same:.1e}; "
-          f"q.k at positions 300/41: interleaved {score_interleaved:.6f}, neox {score_neox:.6f}")
+    print(f"  max |neox(x[perm]) - interleaved(x)[perm]| = {rotated_same:.1e}")
+    print(f"  q.k at positions 300/41: interleaved {score_interleaved:.6f}, neox {score_neox:.6f}")
 
 
 def span(indices: np.ndarray) -> str:
@@ -80,14 +81,14 @@ def yarn_report() -> None:
         ramp = (1 - yarn / base) / (1 - 1 / factor)             # 0: kept, 1: divided by factor
         kept, scaled = np.flatnonzero(ramp < 1e-6), np.flatnonzero(ramp > 1 - 1e-6)
         m = ref.yarn_mscale(factor, scaling["mscale_all_dim"])
-        print(f"{name}: dr/2={base.size} pairs, factor {factor:g}: base frequency kept for pairs "
-              f"{span(kept)}, divided by {factor:g} for pairs {span(scaled)}; "
-              f"m = {m:.4f}, m^2 = {m * m:.4f}, softmax scale = 1/sqrt({config.qk_head_dim}) * m^2 "
+        print(f"{name}: {base.size} pairs, factor {factor:g}: pairs {span(kept)} keep the base "
+              f"frequency, {span(scaled)} divide it by {factor:g}")
+        print(f"  m = {m:.4f}, m^2 = {m * m:.4f}, softmax scale = 1/sqrt({config.qk_head_dim}) * m^2 "
               f"= {ref.softmax_scale(config):.5f}, cos/sin factor = {ref.cos_sin_scale(config):g}")
 
 
 def plot_yarn() -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
+    fig, axes = plt.subplots(2, 1, figsize=(8, 8.2))
     for ax, name in zip(axes, ("tiny-b", "kimi-k2.6"), strict=True):
         config = preset(name)
         factor = config.rope_scaling["factor"]
@@ -107,6 +108,7 @@ def plot_yarn() -> None:
                        label="ramp 0 < r_i < 1")
         ax.set_title(f"{name}: dr = {config.qk_rope_head_dim}, theta = {config.rope_theta:g}")
         ax.set_xlabel("feature pair i")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("inverse frequency (rad / position)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -128,8 +130,8 @@ def tree_positions_demo(rng) -> None:
                     ref.apply_rope(q_pe, positions, freqs, scale)).max()
     k_diff = np.abs(knl.apply_rope(k_pe, positions, freqs, scale) -
                     ref.apply_rope(k_pe, positions, freqs, scale)).max()
-    print(f"tree of {parents.size} nodes, positions {positions.tolist()} "
-          f"(ancestor mask rows: {[np.flatnonzero(r).tolist() for r in visibility(parents)]})")
+    print(f"tree of {parents.size} nodes, positions {positions.tolist()}")
+    print(f"  ancestor mask rows: {[np.flatnonzero(r).tolist() for r in visibility(parents)]}")
     print(f"  apply_rope q_pe {q_pe.shape}: max |numpy - numba| = {q_diff:.1e}; "
           f"shared key k_pe {k_pe.shape}: {k_diff:.1e}")
 

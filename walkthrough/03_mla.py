@@ -23,12 +23,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
-from ddtree import golden
 from ddtree import mla as ref
 from ddtree.config import preset
 from ddtree.model import Transformer
 from ddtree.tree import visibility
-from ddtree.weights import init_weights
 from kernels import device
 from kernels import mla as knl
 
@@ -82,26 +80,41 @@ def cache_report() -> None:
     latent = kimi.latent_cache_width
     expanded = H * kimi.qk_head_dim + H * kimi.v_head_dim
     layers, context = kimi.num_hidden_layers, kimi.max_position_embeddings
-    print(f"Kimi K2.6 cache per token per layer: latent {kimi.kv_lora_rank} + rope {kimi.qk_rope_head_dim} "
-          f"= {latent} floats; expanded K/V {H}*({kimi.qk_nope_head_dim}+{kimi.qk_rope_head_dim}) + "
-          f"{H}*{kimi.v_head_dim} = {expanded} floats ({expanded / latent:.1f}x)")
-    tokens = layers * context * FLOAT
-    print(f"  fp32, {layers} layers, {context} tokens: latent {latent * tokens / 1e9:.1f} GB, "
-          f"expanded {expanded * tokens / 1e9:.0f} GB")
-    for rows in (1, TREE_ROWS):
-        for keys in (4096, 131072):
-            a_flops, a_bytes = mla_cost(kimi, rows, keys, "absorb")
-            n_flops, n_bytes = mla_cost(kimi, rows, keys, "naive")
-            a_floor, n_floor = time_floor(a_flops, a_bytes), time_floor(n_flops, n_bytes)
-            print(f"  T={rows:2d} S={keys:6d}: absorb {a_flops / 1e9:7.2f} GFLOP {a_bytes / 1e6:6.1f} MB "
-                  f"{a_floor * 1e3:6.3f} ms | naive {n_flops / 1e9:7.1f} GFLOP {n_bytes / 1e6:7.1f} MB "
-                  f"{n_floor * 1e3:6.2f} ms | FLOP ratio {n_flops / a_flops:5.1f}x")
+    with chapter.section("cache"):
+        print(f"Kimi K2.6 cache per token per layer: latent {kimi.kv_lora_rank} + rope "
+              f"{kimi.qk_rope_head_dim} = {latent} floats")
+        print(f"  expanded K/V: {H}*({kimi.qk_nope_head_dim}+{kimi.qk_rope_head_dim}) + "
+              f"{H}*{kimi.v_head_dim} = {expanded} floats ({expanded / latent:.1f}x)")
+        tokens = layers * context * FLOAT
+        print(f"  fp32, {layers} layers, {context} tokens: latent {latent * tokens / 1e9:.1f} GB, "
+              f"expanded {expanded * tokens / 1e9:.0f} GB")
+
+
+def cost_report() -> None:
+    kimi = preset("kimi-k2.6")
+    H, R, dr = kimi.num_attention_heads, kimi.kv_lora_rank, kimi.qk_rope_head_dim
+    with chapter.section("cost"):
+        print("one layer's attention core at Kimi K2.6 dims, fp32")
+        print("floor = max(FLOPs / 51 TFLOP/s, bytes / 4.8 TB/s)")
+        print(f"  {'T':>3} {'S':>7}  {'form':<6} {'GFLOP':>8} {'MB':>8} {'floor ms':>9}  FLOP ratio")
+        for rows in (1, TREE_ROWS):
+            for keys in (4096, 131072):
+                a_flops, a_bytes = mla_cost(kimi, rows, keys, "absorb")
+                n_flops, n_bytes = mla_cost(kimi, rows, keys, "naive")
+                for form, flops, moved in (("absorb", a_flops, a_bytes), ("naive", n_flops, n_bytes)):
+                    ratio = f"  {n_flops / a_flops:.1f}x" if form == "naive" else ""
+                    print(f"  {rows:>3} {keys:>7}  {form:<6} {flops / 1e9:>8.2f} {moved / 1e6:>8.1f} "
+                          f"{time_floor(flops, moved) * 1e3:>9.3f}{ratio}")
+        per_key_flops, per_key_bytes = 2 * H * (2 * R + dr), FLOAT * (R + dr)
+        print(f"absorbed, per cached key: 2H(2R + dr) = {per_key_flops} FLOPs over 4(R + dr) = "
+              f"{per_key_bytes} bytes = {per_key_flops / per_key_bytes:.0f} FLOP/byte")
+        print(f"fp32 ridge point: 51 TFLOP/s / 4.8 TB/s = {FP32_RATE / H200_BANDWIDTH:.1f} FLOP/byte")
 
 
 def plot_cost() -> None:
     kimi = preset("kimi-k2.6")
     keys = np.unique(np.logspace(np.log2(512), np.log2(kimi.max_position_embeddings), 60, base=2).astype(int))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
+    fig, axes = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
     styles = {("absorb", 1): ("tab:blue", "-"), ("absorb", TREE_ROWS): ("tab:blue", "--"),
               ("naive", 1): ("tab:red", "-"), ("naive", TREE_ROWS): ("tab:red", "--")}
     for (form, rows), (color, ls) in styles.items():
@@ -114,11 +127,11 @@ def plot_cost() -> None:
     for ax, title, unit in zip(axes, ("FLOPs", "bytes (fp32)", "time floor: max(FLOPs/51T, bytes/4.8T)"),
                                ("FLOP per layer", "bytes per layer", "ms per layer"), strict=True):
         ax.set_title(title, fontsize=11)
-        ax.set_xlabel("cached tokens S (context)")
         ax.set_ylabel(unit)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("MLA attention core at Kimi K2.6 dims (64 heads, R=512, dr=64, dn=dv=128), one layer")
+    axes[-1].set_xlabel("cached tokens S (context)")
+    axes[0].legend(fontsize=9)
+    fig.suptitle("MLA attention core at Kimi K2.6 dims, one layer\n(64 heads, R=512, dr=64, dn=dv=128)")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "cost")
 
@@ -128,7 +141,9 @@ def plot_masks() -> None:
     cases = [("prefill: P = 0, causal", 0, ref.causal_visibility(6)),
              ("decode: P = 7, one row", 7, np.ones((1, 1), bool)),
              ("tree verify: P = 4, ancestors", 4, visibility(parents))]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), gridspec_kw=dict(width_ratios=[6, 8, 11]))
+    fig = plt.figure(figsize=(8, 7.2))
+    grid = fig.add_gridspec(2, 2, height_ratios=[6, 7], width_ratios=[6, 8])
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
     for ax, (title, prefix, visible) in zip(axes, cases, strict=True):
         mask = ref.key_mask(prefix, visible)                                    # [T, P+T]
         ax.imshow(mask, cmap="Blues", vmin=-0.3, vmax=1.2)
@@ -138,21 +153,21 @@ def plot_masks() -> None:
         ax.set_xlabel("key slot s (prefix | new rows)")
         ax.set_ylabel("query row t")
         ax.set_title(title, fontsize=10)
-    fig.suptitle("key_mask(prefix_len, visible), dark = visible: prefix to all rows, new rows by visible")
+    fig.suptitle("key_mask(prefix_len, visible), dark = visible:\n"
+                 "the prefix to every row, new rows as visible says")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "masks")
 
 
 def naive_vs_absorb_model() -> None:
-    config = preset("tiny")
-    weights = init_weights(config, seed=0)
-    prompt = golden.default_prompt("tiny")
-    absorb = Transformer(config, weights, attention="absorb").logits(prompt)   # [T, V]
-    naive = Transformer(config, weights, attention="naive").logits(prompt)
+    setup = chapter.golden_model("tiny")
+    prompt = setup.prompt
+    absorb = setup.model.logits(prompt)                                         # [T, V]
+    naive = Transformer(setup.config, setup.weights, attention="naive").logits(prompt)
     same = np.array_equal(absorb.argmax(-1), naive.argmax(-1))
     print(f"tiny model, prompt of {prompt.size} tokens: max |absorb - naive| logit = "
-          f"{np.abs(absorb - naive).max():.2e} (max |logit| {np.abs(naive).max():.1f}), "
-          f"same greedy tokens: {same}")
+          f"{np.abs(absorb - naive).max():.2e} (max |logit| {np.abs(naive).max():.1f})")
+    print(f"  same greedy tokens: {same}")
     assert same, "absorbed and naive attention must pick the same greedy tokens"
 
 
@@ -195,6 +210,7 @@ if __name__ == "__main__":
     with chapter.report(STEM):
         print(f"kernels run on: {device.where()}")
         cache_report()
+        cost_report()
         plot_cost()
         plot_masks()
         naive_vs_absorb_model()

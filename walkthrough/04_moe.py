@@ -106,7 +106,8 @@ def kernels_vs_numpy(layers, config) -> None:
             ids, weights = knl.route(x, params.gate, params.bias, config)
         ref_ids, ref_weights = ref.route(x, params.gate, params.bias, config)
         print(f"route, layer {layer}, x {x.shape}: selected experts equal exactly: "
-              f"{np.array_equal(ids, ref_ids)}; max |weight diff| {np.abs(weights - ref_weights).max():.1e}; "
+              f"{np.array_equal(ids, ref_ids)}")
+        print(f"  max |weight diff| {np.abs(weights - ref_weights).max():.1e}; "
               f"smallest margin chosen vs unchosen {margin(x, params, config):.3f}")
         assert np.array_equal(ids, ref_ids), f"layer {layer}: numba and numpy chose different experts"
     layer, x, params = layers[0]
@@ -131,8 +132,8 @@ def main() -> None:
     moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     layers = [(i, x, params) for i, (x, params) in zip(moe_layers, recorded, strict=True)]
     print(f"tiny-b: {config.n_routed_experts} experts in {config.n_group} groups, keep {config.topk_group} "
-          f"groups, top-{config.num_experts_per_tok}, scaling {config.routed_scaling_factor}; "
-          f"{tokens.size} golden tokens, MoE layers {moe_layers}")
+          f"groups, top-{config.num_experts_per_tok}, scaling {config.routed_scaling_factor}")
+    print(f"  {tokens.size} golden tokens, MoE layers {moe_layers}")
     plot_routing(layers, config)
     plot_load(layers, config)
     kernels_vs_numpy(layers, config)
