@@ -39,6 +39,42 @@ def check_visibility(prefix_len: int, visible: np.ndarray, num_rows: int) -> np.
     return visible
 
 
+def check_attention(q_lat, q_pe, cache_latent, cache_rope, prefix_len) -> int:
+    """Validate the shapes of an attention call (device arrays too; ``visible`` is
+    ``check_visibility``'s); returns ``prefix_len`` as an int."""
+    if len(q_lat.shape) != 3:
+        raise ValueError(f"q_lat must be (T, H, R), got shape {tuple(q_lat.shape)}")
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, (int, np.integer)) or prefix_len < 0:
+        raise ValueError(f"prefix_len must be a non-negative integer, got {prefix_len!r}")
+    rows, heads, rank = q_lat.shape
+    if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (rows, heads):
+        raise ValueError(f"q_pe must be (T, H, dr) = ({rows}, {heads}, dr), got shape {tuple(q_pe.shape)}")
+    keys, rope_dim = int(prefix_len) + rows, q_pe.shape[2]
+    for name, cache, width in (("cache_latent", cache_latent, rank), ("cache_rope", cache_rope, rope_dim)):
+        if len(cache.shape) != 2 or cache.shape[1] != width or cache.shape[0] < keys:
+            raise ValueError(f"{name} must be (>= prefix_len + T = {keys}, {width}), "
+                             f"got shape {tuple(cache.shape)}")
+    return int(prefix_len)
+
+
+def check_absorb_query(q_nope, w_uk) -> None:
+    """q_nope (T, H, dn) and W_UK (H, dn, R) (device arrays too)."""
+    if len(q_nope.shape) != 3:
+        raise ValueError(f"q_nope must be (T, H, dn), got shape {tuple(q_nope.shape)}")
+    heads, nope = q_nope.shape[1:]
+    if len(w_uk.shape) != 3 or tuple(w_uk.shape[:2]) != (heads, nope):
+        raise ValueError(f"w_uk must be (H, dn, R) = ({heads}, {nope}, R), got shape {tuple(w_uk.shape)}")
+
+
+def check_absorb_output(o_lat, w_uv) -> None:
+    """o_lat (T, H, R) and W_UV (H, dv, R) (device arrays too)."""
+    if len(o_lat.shape) != 3:
+        raise ValueError(f"o_lat must be (T, H, R), got shape {tuple(o_lat.shape)}")
+    heads, rank = o_lat.shape[1:]
+    if len(w_uv.shape) != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
+        raise ValueError(f"w_uv must be (H, dv, R) = ({heads}, dv, {rank}), got shape {tuple(w_uv.shape)}")
+
+
 def key_mask(prefix_len: int, visible: np.ndarray) -> np.ndarray:
     """(T, P+T) bool: the prefix is visible to all rows, new rows through ``visible``."""
     rows = visible.shape[0]

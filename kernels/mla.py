@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA), absorbed form: the numba.cuda twin of ``ddtree/mla.py``.
 
 Legend: T new rows, P fully visible prefix rows, S = P + T keys, H heads,
-dn qk_nope_head_dim, dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank.
+dn qk_nope_head_dim, dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank, TPB threads per block.
 
 Kernels (one version each):
 - ``absorb_query_kernel``: q_lat = W_UK^T q_nope, one thread per output element (t, h, r).
@@ -15,9 +15,11 @@ Only the absorbed form is implemented here, on purpose. The numpy module also ha
 runs it only with the numpy backend, so it has no kernel twin.
 
 Inputs are numpy arrays (the results come back as numpy) or numba device arrays (the results
-stay on the device). ``visible`` (T, T) is a small bool mask that is checked on the host by
-``ddtree.mla.check_visibility`` (a device mask is copied back first), so bad masks raise exactly
-the numpy reference's errors; the kernel gets it as uint8.
+stay on the device). ``visible`` (T, T) is a small bool mask. A host mask is checked by
+``ddtree.mla.check_visibility`` (the numpy reference's errors) and copied to the device; a
+device mask is used as it is, except that with no prefix (P = 0) it is copied back to check
+that every row sees a key (with P > 0 every row sees the prefix). ``bytes_moved`` and
+``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
@@ -27,30 +29,20 @@ import math
 import numpy as np
 from numba import cuda, float32  # the package __init__ has already chosen GPU or simulator
 
-from ddtree.mla import check_visibility
+from ddtree import mla as reference
+from kernels.blocks import MAX_TPB, block_max, block_sum, blocks, check_threads, pow2_threads, row_threads
 from kernels.device import (
-    blocks,
     check_float32,
+    check_out,
+    deliver,
+    host_or_device,
     is_device_array,
-    poisoned,
-    pow2_threads,
-    row_threads,
+    output,
     to_device,
-    to_host_if,
 )
 
-THREADS = 128            # most threads per block of the element-wise projection kernels
-MAX_TILE = 128           # largest attention block: keys per tile = threads per block
-TILE_SIZES = (32, 64, 128)  # attention block sizes (powers of two, for the tree reductions)
-
-
-
-
-
-
-def _check_ndim(name: str, x, ndim: int, legend: str) -> None:
-    if len(x.shape) != ndim:
-        raise ValueError(f"{name} must be {legend}, got shape {tuple(x.shape)}")
+MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the size of p and red
+F32 = 4
 
 
 # --8<-- [start:absorb_query_kernel]
@@ -97,49 +89,38 @@ def absorb_output_kernel(o_lat, w_uv, out):
 # --8<-- [end:absorb_output_kernel]
 
 
-# --8<-- [start:block_max]
-@cuda.jit(device=True)
-def block_max(red):
-    """Tree reduction: red[0] = max(red[:blockDim.x]); blockDim.x must be a power of two.
-
-    Starts and ends with a barrier, so the caller may write ``red`` just before and read
-    ``red[0]`` just after.
-    """
-    tid = cuda.threadIdx.x
-    cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
-    while stride > 0:
-        if tid < stride:
-            red[tid] = max(red[tid], red[tid + stride])
-        cuda.syncthreads()
-        stride //= 2
-# --8<-- [end:block_max]
-
-
-# --8<-- [start:block_sum]
-@cuda.jit(device=True)
-def block_sum(red):
-    """Tree reduction: red[0] = sum(red[:blockDim.x]) in a fixed order (deterministic)."""
-    tid = cuda.threadIdx.x
-    cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
-    while stride > 0:
-        if tid < stride:
-            red[tid] = red[tid] + red[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-# --8<-- [end:block_sum]
-
-
 # --8<-- [start:attention_absorb_kernel]
+@cuda.jit(device=True)
+def _score(query, cache_latent, cache_rope, key, scale):
+    """(q_lat . c_key + q_pe . k_pe_key) * scale: a float32 dot over R + dr, query in shared memory."""
+    rank = cache_latent.shape[1]
+    score = float32(0.0)
+    for i in range(rank):
+        score += query[i] * cache_latent[key, i]
+    for i in range(cache_rope.shape[1]):
+        score += query[rank + i] * cache_rope[key, i]
+    return score * scale
+
+
+@cuda.jit(device=True)
+def _accumulate(acc, p, cache_latent, start, count, alpha):
+    """acc[i] = acc[i] * alpha + sum_j p[j] * c_{start + j}[i] for this thread's i (strided over R).
+    Keys with p = 0 (masked) are skipped: their cache rows are never read."""
+    for i in range(cuda.threadIdx.x, acc.shape[0], cuda.blockDim.x):
+        total = acc[i] * alpha
+        for j in range(count):
+            if p[j] > float32(0.0):
+                total += p[j] * cache_latent[start + j, i]
+        acc[i] = total
+
+
 @cuda.jit
 def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, o_lat):
     """One block computes o_lat[row, head, :] (R) for one query row and one head.
 
-    Online softmax over tiles of blockDim.x keys: in each tile, thread j scores key start + j
-    (a float32 dot over R + dr against the query held in shared memory), the block reduces the
-    tile's max and (after rescaling to the new running max) its sum of exp, and then thread i
-    updates the accumulator entries r = i, i + blockDim.x, ...: acc[r] = acc[r] * alpha +
+    Online softmax over tiles of TPB keys: in each tile, thread j scores key start + j
+    (``_score``), the block reduces the tile's max and (after rescaling to the new running max)
+    its sum of exp, and ``_accumulate`` updates the accumulator: acc[r] = acc[r] * alpha +
     sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared memory independent of the context
     length (a whole score row would need S floats: 16 KiB at 4k keys, too much at 100k+).
 
@@ -149,7 +130,7 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
     host), so the running sum ends >= 1: no division by zero, no exp of -inf arithmetic.
 
     Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output
-    accumulator (R); static: p (the tile's probabilities) and red (reduction scratch), blockDim.x
+    accumulator (R); static: p (the tile's probabilities) and red (reduction scratch), TPB
     floats each. Cost: each block reads the S visible cache rows twice (scores, then values),
     from L2 after the first head; a block per (row, group of heads) would share those reads.
     """
@@ -164,8 +145,8 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
     smem = cuda.shared.array(0, dtype=float32)            # dynamic: 2R + dr floats
     query = smem[:rank + rope_dim]                        # [R + dr] q_lat then q_pe
     acc = smem[rank + rope_dim:2 * rank + rope_dim]       # [R] running sum_s p_s c_s
-    p = cuda.shared.array(MAX_TILE, dtype=float32)        # [tile] probabilities, 0 if masked
-    red = cuda.shared.array(MAX_TILE, dtype=float32)      # [tile] reduction scratch
+    p = cuda.shared.array(MAX_TILE, dtype=float32)        # [TPB] probabilities, 0 if masked
+    red = cuda.shared.array(MAX_TILE, dtype=float32)      # [TPB] reduction scratch
 
     for i in range(tid, rank, tile):
         query[i] = q_lat[row, head, i]
@@ -179,14 +160,12 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
     seen = False                             # has any visible key been met yet?
     for start in range(0, keys, tile):
         key = start + tid
-        visible_key = key < keys and (key < prefix_len or visible[row, key - prefix_len] != 0)
+        visible_key = False
+        if key < keys:
+            visible_key = key < prefix_len or bool(visible[row, key - prefix_len])
         score = float32(0.0)
         if visible_key:
-            for i in range(rank):
-                score += query[i] * cache_latent[key, i]
-            for i in range(rope_dim):
-                score += query[rank + i] * cache_rope[key, i]
-            score *= scale
+            score = _score(query, cache_latent, cache_rope, key, scale)
             red[tid] = score
         else:
             red[tid] = -math.inf             # compared only, never used in arithmetic
@@ -205,14 +184,7 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
         run_sum = run_sum * alpha + red[0]
         run_max = new_max
         seen = True
-
-        count = min(tile, keys - start)
-        for i in range(tid, rank, tile):
-            total = acc[i] * alpha
-            for j in range(count):
-                if p[j] > float32(0.0):     # masked keys (p = 0) are never read
-                    total += p[j] * cache_latent[start + j, i]
-            acc[i] = total
+        _accumulate(acc, p, cache_latent, start, min(tile, keys - start), alpha)
         cuda.syncthreads()                   # p and red are rewritten by the next tile
 
     for i in range(tid, rank, tile):
@@ -220,84 +192,214 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
 # --8<-- [end:attention_absorb_kernel]
 
 
-# --8<-- [start:absorb_query]
-def absorb_query(q_nope, w_uk):
-    """q_nope (T, H, dn), W_UK (H, dn, R) -> q_lat (T, H, R)."""
-    _check_ndim("q_nope", q_nope, 3, "(T, H, dn)")
-    rows, heads, nope = q_nope.shape
-    if len(w_uk.shape) != 3 or tuple(w_uk.shape[:2]) != (heads, nope):
-        raise ValueError(f"w_uk must be (H, dn, R) = ({heads}, {nope}, R), got shape {tuple(w_uk.shape)}")
+def check_absorb_query(q_nope, w_uk, *, out=None):
+    """The reference's shape rules, float32 on the device, ``out`` (T, H, R)."""
+    q_nope, w_uk = host_or_device(q_nope, np.float32), host_or_device(w_uk, np.float32)
+    reference.check_absorb_query(q_nope, w_uk)
     check_float32(q_nope=q_nope, w_uk=w_uk)
-    rank = w_uk.shape[2]
-    out = poisoned((rows, heads, rank))                                       # [T, H, R]
+    check_out(out, (*q_nope.shape[:2], w_uk.shape[2]))
+    return q_nope, w_uk
+
+
+# --8<-- [start:absorb_query]
+def absorb_query(q_nope, w_uk, *, out=None, stream=None):
+    """q_nope (T, H, dn), W_UK (H, dn, R) -> q_lat (T, H, R)."""
+    q_nope, w_uk = check_absorb_query(q_nope, w_uk, out=out)
+    (rows, heads, _), rank = q_nope.shape, w_uk.shape[2]
+    d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     if rows * heads * rank:
         threads = row_threads(rank)
-        absorb_query_kernel[(blocks(rank, threads), rows * heads), threads](
-            to_device(q_nope, np.float32), to_device(w_uk, np.float32), out)
-    return to_host_if(out, q_nope, w_uk)
+        absorb_query_kernel[(blocks(rank, threads), rows * heads), threads, stream](
+            to_device(q_nope, np.float32), to_device(w_uk, np.float32), d_out)
+    return deliver(d_out, out, q_nope, w_uk)
 # --8<-- [end:absorb_query]
 
 
-# --8<-- [start:absorb_output]
-def absorb_output(o_lat, w_uv):
-    """o_lat (T, H, R), W_UV (H, dv, R) -> o (T, H, dv)."""
-    _check_ndim("o_lat", o_lat, 3, "(T, H, R)")
-    rows, heads, rank = o_lat.shape
-    if len(w_uv.shape) != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
-        raise ValueError(f"w_uv must be (H, dv, R) = ({heads}, dv, {rank}), got shape {tuple(w_uv.shape)}")
+def check_absorb_output(o_lat, w_uv, *, out=None):
+    """The reference's shape rules, float32 on the device, ``out`` (T, H, dv)."""
+    o_lat, w_uv = host_or_device(o_lat, np.float32), host_or_device(w_uv, np.float32)
+    reference.check_absorb_output(o_lat, w_uv)
     check_float32(o_lat=o_lat, w_uv=w_uv)
-    value_dim = w_uv.shape[1]
-    out = poisoned((rows, heads, value_dim))                                  # [T, H, dv]
+    check_out(out, (*o_lat.shape[:2], w_uv.shape[1]))
+    return o_lat, w_uv
+
+
+# --8<-- [start:absorb_output]
+def absorb_output(o_lat, w_uv, *, out=None, stream=None):
+    """o_lat (T, H, R), W_UV (H, dv, R) -> o (T, H, dv)."""
+    o_lat, w_uv = check_absorb_output(o_lat, w_uv, out=out)
+    (rows, heads, _), value_dim = o_lat.shape, w_uv.shape[1]
+    d_out = output(out, (rows, heads, value_dim), stream=stream)            # [T, H, dv]
     if rows * heads * value_dim:
         threads = row_threads(value_dim)
-        absorb_output_kernel[(blocks(value_dim, threads), rows * heads), threads](
-            to_device(o_lat, np.float32), to_device(w_uv, np.float32), out)
-    return to_host_if(out, o_lat, w_uv)
+        absorb_output_kernel[(blocks(value_dim, threads), rows * heads), threads, stream](
+            to_device(o_lat, np.float32), to_device(w_uv, np.float32), d_out)
+    return deliver(d_out, out, o_lat, w_uv)
 # --8<-- [end:absorb_output]
 
 
+def _check_mask(prefix_len, visible, rows):
+    """``check_visibility`` on a host mask; a device mask must be (T, T) bool, and is copied back
+    for the every-row-sees-a-key rule only when there is no prefix."""
+    if not is_device_array(visible):
+        return reference.check_visibility(prefix_len, visible, rows)
+    if visible.shape != (rows, rows) or visible.dtype != np.bool_:
+        raise ValueError(f"visible must be a ({rows}, {rows}) bool array, "
+                         f"got {visible.shape} {visible.dtype}")
+    if prefix_len == 0:
+        reference.check_visibility(prefix_len, visible.copy_to_host(), rows)
+    return visible
+
+
+def check_attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, *,
+                           threads=None, out=None):
+    """The reference's rules (the mask's first, as numpy raises them), then the launch's: block
+    size (at most MAX_TILE), float32 on the device, ``out`` (T, H, R). Returns the arrays as
+    numpy or device arrays, and prefix_len as an int."""
+    q_lat, q_pe = host_or_device(q_lat, np.float32), host_or_device(q_pe, np.float32)
+    cache_latent, cache_rope = host_or_device(cache_latent), host_or_device(cache_rope)
+    if len(q_lat.shape) == 3:
+        visible = _check_mask(prefix_len, visible, q_lat.shape[0])
+    prefix_len = reference.check_attention(q_lat, q_pe, cache_latent, cache_rope, prefix_len)
+    if threads is not None:
+        check_threads(threads, MAX_TILE)
+    check_float32(q_lat=q_lat, q_pe=q_pe, cache_latent=cache_latent, cache_rope=cache_rope)
+    check_out(out, q_lat.shape)
+    return q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible
+
+
+def _rows_read(cache, keys: int):
+    """The cache rows the kernel reads: a host cache is copied up to its first S rows only."""
+    return cache if is_device_array(cache) else cache[:keys]
+
+
 # --8<-- [start:attention_absorb]
-def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, *, threads=None):
+def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, *,
+                     threads=None, out=None, stream=None):
     """Absorbed attention over the latent cache.
 
     q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
     hold the prefix in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R).
     ``threads`` (32, 64 or 128) is the block size, which is also the key tile; by default the
-    smallest that covers the S keys.
+    smallest that covers the S keys. ``out`` receives the result; ``stream`` is where the kernel
+    is launched (None: the default stream).
     """
-    _check_ndim("q_lat", q_lat, 3, "(T, H, R)")
-    rows, heads, rank = q_lat.shape
-    if is_device_array(visible):
-        visible = visible.copy_to_host()
-    visible = check_visibility(prefix_len, visible, rows)        # the numpy reference's errors
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, (int, np.integer)) or prefix_len < 0:
-        raise ValueError(f"prefix_len must be a non-negative integer, got {prefix_len!r}")
-    prefix_len = int(prefix_len)
-    keys = prefix_len + rows
-    _check_ndim("q_pe", q_pe, 3, "(T, H, dr)")
-    if tuple(q_pe.shape[:2]) != (rows, heads):
-        raise ValueError(f"q_pe must be (T, H, dr) = ({rows}, {heads}, dr), got shape {tuple(q_pe.shape)}")
-    rope_dim = q_pe.shape[2]
-    for name, cache, width in (("cache_latent", cache_latent, rank), ("cache_rope", cache_rope, rope_dim)):
-        if len(cache.shape) != 2 or cache.shape[1] != width or cache.shape[0] < keys:
-            raise ValueError(f"{name} must be (>= prefix_len + T = {keys}, {width}), "
-                             f"got shape {tuple(cache.shape)}")
-    if threads is None:
-        threads = pow2_threads(keys, MAX_TILE)
-    if threads not in TILE_SIZES:
-        raise ValueError(f"threads must be one of {TILE_SIZES}, got {threads!r}")
-    check_float32(q_lat=q_lat, q_pe=q_pe, cache_latent=cache_latent, cache_rope=cache_rope)
-
-    out = poisoned((rows, heads, rank))                                       # [T, H, R]
+    q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible = check_attention_absorb(
+        q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, threads=threads, out=out)
+    (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
+    keys = prefix_len + rows                                                # S
+    d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     if rows * heads * rank:
-        if not is_device_array(cache_latent):
-            cache_latent = cache_latent[:keys]     # copy only the S rows the kernel reads
-        if not is_device_array(cache_rope):
-            cache_rope = cache_rope[:keys]
-        shared_bytes = (2 * rank + rope_dim) * 4
-        attention_absorb_kernel[(heads, rows), threads, 0, shared_bytes](
+        threads = threads or pow2_threads(keys, MAX_TILE)
+        shared_bytes = F32 * (2 * rank + rope_dim)                          # query and accumulator
+        attention_absorb_kernel[(heads, rows), threads, stream, shared_bytes](
             to_device(q_lat, np.float32), to_device(q_pe, np.float32),
-            to_device(cache_latent, np.float32), to_device(cache_rope, np.float32),
-            prefix_len, cuda.to_device(visible.astype(np.uint8)), np.float32(scale), out)
-    return to_host_if(out, q_lat, q_pe, cache_latent, cache_rope)
+            to_device(_rows_read(cache_latent, keys), np.float32),
+            to_device(_rows_read(cache_rope, keys), np.float32),
+            prefix_len, to_device(visible), np.float32(scale), d_out)
+    return deliver(d_out, out, q_lat, q_pe, cache_latent, cache_rope)
 # --8<-- [end:attention_absorb]
+
+
+def _absorb_query_cost(*, T: int, H: int, dn: int, R: int) -> tuple[int, int]:
+    # q_nope (T, H, dn) and W_UK (H, dn, R) read once, q_lat (T, H, R) written once
+    return F32 * (T * H * dn + H * dn * R + T * H * R), 2 * T * H * dn * R
+
+
+def _attention_cost(*, T: int, H: int, R: int, dr: int, S: int, pairs: int) -> tuple[int, int]:
+    # the S cache rows (R + dr) read once, q_lat | q_pe read and o_lat written once, the (T, T)
+    # mask (a byte per entry); per visible (row, key) pair and head: a dot over R + dr for the
+    # score and a multiply-add over R for the value
+    return (F32 * (S * (R + dr) + T * H * (R + dr) + T * H * R) + T * T,
+            2 * H * (2 * R + dr) * pairs)
+
+
+def _absorb_output_cost(*, T: int, H: int, dv: int, R: int) -> tuple[int, int]:
+    # o_lat (T, H, R) and W_UV (H, dv, R) read once, o (T, H, dv) written once
+    return F32 * (T * H * R + H * dv * R + T * H * dv), 2 * T * H * dv * R
+
+
+_COSTS = {"absorb_query": _absorb_query_cost, "attention_absorb": _attention_cost,
+          "absorb_output": _absorb_output_cost}
+
+
+def bytes_moved(operation: str = "attention_absorb", **dims: int) -> int:
+    """Fewest bytes an operation moves through device memory (inputs read once, outputs written
+    once, float32). Dimensions by the glossary: "absorb_query" (T, H, dn, R), "attention_absorb"
+    (T, H, R, dr, S, pairs: the (row, key) pairs a row sees, T * P plus the True entries of the
+    (T, T) mask), "absorb_output" (T, H, dv, R). Every head re-reading the cache is not counted:
+    at more bytes than this the rate is an effective one."""
+    return _COSTS[operation](**dims)[0]
+
+
+def flops(operation: str = "attention_absorb", **dims: int) -> int:
+    """Floating-point operations (a multiply-add counts 2; the softmax's exp is not counted),
+    dimensions as in ``bytes_moved``."""
+    return _COSTS[operation](**dims)[1]
+
+
+def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarray):
+    """attention_absorb for T rows seeing ``prefix`` cached keys plus ``visible`` (T, T) new ones."""
+    from ddtree.rope import softmax_scale
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    config, rows = sizes.config, visible.shape[0]
+    heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    keys, scale = prefix + rows, softmax_scale(config)                    # S cache rows
+    dims = {"T": rows, "H": heads, "R": rank, "dr": rope_dim, "S": keys,
+            "pairs": rows * prefix + int(visible.sum())}
+    return Case(name, what, f"q ({rows}, {heads}, {rank}+{rope_dim}) cache ({keys}, {rank}+{rope_dim})",
+                setup=lambda seed: (uniform((rows, heads, rank), seed),
+                                    uniform((rows, heads, rope_dim), seed + 1),
+                                    uniform((keys, rank), seed + 2), uniform((keys, rope_dim), seed + 3),
+                                    prefix, visible, scale),
+                call=lambda inputs: attention_absorb(*inputs),
+                bytes=bytes_moved("attention_absorb", **dims), flops=flops("attention_absorb", **dims),
+                note="the (T, T) mask is copied to the device per call")
+
+
+def _projection_cases(sizes, role: str, rows: int):
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    config = sizes.config
+    heads, nope, value = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+    rank = config.kv_lora_rank
+    query = {"T": rows, "H": heads, "dn": nope, "R": rank}
+    output_dims = {"T": rows, "H": heads, "dv": value, "R": rank}
+    return [
+        Case(f"absorb_query_{role}", f"q_nope -> latent query, {rows} row(s)",
+             f"q_nope ({rows}, {heads}, {nope}) W_UK ({heads}, {nope}, {rank})",
+             setup=lambda seed: (uniform((rows, heads, nope), seed),
+                                 uniform((heads, nope, rank), seed + 1, 1 / math.sqrt(nope))),
+             call=lambda inputs: absorb_query(*inputs),
+             bytes=bytes_moved("absorb_query", **query), flops=flops("absorb_query", **query)),
+        Case(f"absorb_output_{role}", f"latent output -> per-head values, {rows} row(s)",
+             f"o_lat ({rows}, {heads}, {rank}) W_UV ({heads}, {value}, {rank})",
+             setup=lambda seed: (uniform((rows, heads, rank), seed),
+                                 uniform((heads, value, rank), seed + 1, 1 / math.sqrt(rank))),
+             call=lambda inputs: absorb_output(*inputs),
+             bytes=bytes_moved("absorb_output", **output_dims), flops=flops("absorb_output", **output_dims)),
+    ]
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: decode and tree-verify attention, the
+    absorbed projections for one decode row and for a verified tree."""
+    from ddtree.tree import visibility
+    from kernels.bench.case import verified_tree  # here: the bench package imports this module
+
+    tree = verified_tree(sizes)
+    short, long = sizes.decode_prefixes
+    decode = np.ones((1, 1), bool)
+    cases = [
+        _attention_case("attention_decode_short", f"absorbed MLA, 1 decode row, {short}-token context",
+                        sizes, short, decode),
+        _attention_case("attention_decode_long", f"absorbed MLA, 1 decode row, {long}-token context",
+                        sizes, long, decode),
+        _attention_case("attention_verify", f"verify a {tree.size}-node draft tree over a "
+                        f"{sizes.verify_prefix}-token context", sizes, sizes.verify_prefix,
+                        visibility(tree.parents)),
+    ]
+    for role, rows in (("decode", 1), ("verify", sizes.rows)):
+        cases += _projection_cases(sizes, role, rows)
+    return cases

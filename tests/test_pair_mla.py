@@ -17,20 +17,22 @@ from ddtree import mla as ref
 from ddtree.config import preset
 from ddtree.rope import softmax_scale
 from kernels import mla as gpu
-from kernels.device import is_device_array, to_device
-from tests.helpers import assert_close, assert_exact
+from kernels.device import cuda, is_device_array, to_device
+from tests.helpers import assert_close, assert_exact, no_transfers
 
 RTOL, ATOL = 1e-5, 1e-6
 
 
 def tree_visibility(parents: np.ndarray) -> np.ndarray:
-    """Ancestor mask of a tree given parents (parent[i] < i): row i sees itself and its ancestors."""
+    """Ancestor mask by brute force, independent of ddtree.tree.visibility's recurrence: row i sees
+    every node met walking the parent links up from i (itself included) to the root."""
     rows = parents.size
     visible = np.zeros((rows, rows), dtype=bool)
     for i in range(rows):
-        if parents[i] >= 0:
-            visible[i, :i] = visible[parents[i], :i]
-        visible[i, i] = True
+        node = i
+        while node >= 0:
+            visible[i, node] = True
+            node = parents[node]
     return visible
 
 
@@ -157,6 +159,44 @@ def test_device_arrays_stay_on_the_device():
     assert is_device_array(o_dev)
     assert_close(o_dev.copy_to_host(), ref.absorb_output(ref.absorb_query(q_nope, w_uk), w_uk),
                  rtol=RTOL, atol=ATOL)
+
+
+def test_device_mask_and_out_buffer_allocate_and_copy_nothing():
+    q_lat, q_pe, latent, rope, prefix, visible, scale = make_inputs(SMALL, seed=7)
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, visible, scale)
+    inputs = [to_device(a) for a in (q_lat, q_pe, latent, rope)]
+    d_visible = to_device(visible)                                # bool, (T, T); P > 0: not copied back
+    d_out = to_device(np.zeros(q_lat.shape, np.float32))
+    with no_transfers():
+        result = gpu.attention_absorb(*inputs, prefix, d_visible, scale, threads=32, out=d_out,
+                                      stream=cuda.default_stream())
+    assert result is d_out
+    assert_close(d_out.copy_to_host(), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_projections_into_out_buffers_allocate_and_copy_nothing():
+    rng = np.random.default_rng(10)
+    q_nope = to_device(rng.standard_normal((3, 2, 5)).astype(np.float32))
+    w_uk = to_device(rng.standard_normal((2, 5, 7)).astype(np.float32))
+    w_uv = to_device(rng.standard_normal((2, 4, 7)).astype(np.float32))
+    q_lat, o = to_device(np.zeros((3, 2, 7), np.float32)), to_device(np.zeros((3, 2, 4), np.float32))
+    with no_transfers():
+        assert gpu.absorb_query(q_nope, w_uk, out=q_lat, stream=cuda.default_stream()) is q_lat
+        assert gpu.absorb_output(q_lat, w_uv, out=o, stream=cuda.default_stream()) is o
+    expected = ref.absorb_output(ref.absorb_query(q_nope.copy_to_host(), w_uk.copy_to_host()),
+                                 w_uv.copy_to_host())
+    assert_close(o.copy_to_host(), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_device_mask_without_prefix_is_checked_like_numpy():
+    visible = np.array([[True, False], [False, False]])          # row 1 sees nothing, no prefix
+    q, q_pe = np.ones((2, 1, 4), np.float32), np.ones((2, 1, 2), np.float32)
+    latent, rope = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
+    expected = numpy_error(lambda: ref.attention_absorb(q, q_pe, latent, rope, 0, visible, 1.0))
+    actual = numpy_error(lambda: gpu.attention_absorb(q, q_pe, latent, rope, 0, to_device(visible), 1.0))
+    assert actual == expected
+    with pytest.raises(ValueError, match=r"visible must be a \(2, 2\) bool array"):
+        gpu.attention_absorb(q, q_pe, latent, rope, 1, to_device(visible.astype(np.uint8)), 1.0)
 
 
 # T, H, dn (or dv), R: irregular, and R or dv spanning more than one block of 32 threads
