@@ -72,19 +72,24 @@ def span(indices: np.ndarray) -> str:
 
 
 def yarn_report() -> None:
-    for name in ("tiny-b", "kimi-k2.6"):
-        config = preset(name)
-        scaling = config.rope_scaling
-        factor = scaling["factor"]
-        base = ref.inv_freq(dataclasses.replace(config, rope_scaling=None)).astype(np.float64)
-        yarn = ref.inv_freq(config).astype(np.float64)
-        ramp = (1 - yarn / base) / (1 - 1 / factor)             # 0: kept, 1: divided by factor
-        kept, scaled = np.flatnonzero(ramp < 1e-6), np.flatnonzero(ramp > 1 - 1e-6)
-        m = ref.yarn_mscale(factor, scaling["mscale_all_dim"])
-        print(f"{name}: {base.size} pairs, factor {factor:g}: pairs {span(kept)} keep the base "
-              f"frequency, {span(scaled)} divide it by {factor:g}")
-        print(f"  m = {m:.4f}, m^2 = {m * m:.4f}, softmax scale = 1/sqrt({config.qk_head_dim}) * m^2 "
-              f"= {ref.softmax_scale(config):.5f}, cos/sin factor = {ref.cos_sin_scale(config):g}")
+    with chapter.section("yarn"):
+        for name in ("tiny-b", "kimi-k2.6"):
+            yarn_lines(preset(name), name)
+
+
+def yarn_lines(config, name: str) -> None:
+    """Which pairs YaRN keeps and divides, and the logit scale, for one preset."""
+    scaling = config.rope_scaling
+    factor = scaling["factor"]
+    base = ref.inv_freq(dataclasses.replace(config, rope_scaling=None)).astype(np.float64)
+    yarn = ref.inv_freq(config).astype(np.float64)
+    ramp = (1 - yarn / base) / (1 - 1 / factor)             # 0: kept, 1: divided by factor
+    kept, scaled = np.flatnonzero(ramp < 1e-6), np.flatnonzero(ramp > 1 - 1e-6)
+    m = ref.yarn_mscale(factor, scaling["mscale_all_dim"])
+    print(f"{name}: {base.size} pairs, factor {factor:g}: pairs {span(kept)} keep the base "
+          f"frequency, {span(scaled)} divide it by {factor:g}")
+    print(f"  m = {m:.4f}, m^2 = {m * m:.4f}, softmax scale = 1/sqrt({config.qk_head_dim}) * m^2 "
+          f"= {ref.softmax_scale(config):.5f}, cos/sin factor = {ref.cos_sin_scale(config):g}")
 
 
 def plot_yarn() -> None:

@@ -20,12 +20,8 @@ import chapter  # walkthrough/chapter.py: figures, the report file, the Agg back
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ddtree import golden
-from ddtree.config import preset
 from ddtree.drafters import DRAFTERS, NGramDrafter, NoisyOracleDrafter, make_drafter
-from ddtree.model import Transformer
 from ddtree.tree import top_candidates
-from ddtree.weights import init_weights
 
 STEM = "06_drafters"
 BLOCK_SIZE = 8          # L = 7 depths
@@ -53,7 +49,7 @@ def draw_panel(ax, top_logprobs, top_ids, truth, title):
                    color="#e6550d" if hit else "#9ecae1", edgecolor="#444444", lw=0.4)
             if hit or r == 0:                      # label the truth, and the drafter's favourite
                 ax.text(x, np.exp(top_logprobs[d, r]) * 1.25, str(int(top_ids[d, r])), ha="center",
-                        fontsize=7, color="#e6550d" if hit else "#555555")
+                        fontsize=8.5, color="#e6550d" if hit else "#555555")
         if truth[d] not in top_ids[d]:
             ax.text(d + 1, 2.2e-4, "x", ha="center", fontsize=10, color="#c0392b", fontweight="bold")
     ax.set_yscale("log")
@@ -79,45 +75,53 @@ def noisy_rates(vocab: int, depths: int, positions: int = 400):
     return first / positions, kept / positions, expected, expected_kept
 
 
-def main() -> None:
-    """One round of each drafter on preset tiny, the noisy oracle's rates, the figure."""
-    config = preset("tiny")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    bundle = golden.load_bundle("tiny")
-    prompt, ar_tokens = bundle["prompt"], bundle["tokens"]            # [8], [24]
+def first_round(setup) -> list:
+    """Each drafter's top-K for round 0 (root = the prompt's last token); one figure panel each."""
+    prompt, ar_tokens = setup.prompt, setup.ar_tokens                        # [8], [24]
     depths = BLOCK_SIZE - 1
     truth = ar_tokens[:depths]                # the token at position start + d is AR token d - 1
-    print(f"preset tiny, vocab {config.vocab_size}; prompt {prompt.tolist()}; root {int(prompt[-1])} "
-          f"at position {prompt.size - 1}")
-    print(f"the target's greedy continuation (depths 1..{depths}): {truth.tolist()}")
-
+    print(f"preset tiny, vocab {setup.config.vocab_size}; prompt {prompt.tolist()}")
+    print(f"  root {int(prompt[-1])} at position {prompt.size - 1}; the target's greedy tokens at "
+          f"depths 1..{depths}:")
+    print(f"  {truth.tolist()}")
     panels = []
     for name in DRAFTERS:
-        drafter = make_drafter(name, model, prompt, ar_tokens.size)
+        drafter = make_drafter(name, setup.model, prompt, ar_tokens.size)
         logits = drafter.propose(prompt, BLOCK_SIZE)                              # [L, V]
         top_logprobs, top_ids = top_candidates(logits, K)                         # [L, K]
         ranks = true_ranks(top_ids, truth)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))               # [L, V]
         p_true = (probs / probs.sum(axis=-1, keepdims=True))[np.arange(depths), truth]  # [L]
         print(f"{name:>6}: logits {logits.shape}, rank of the true token per depth "
-              f"{['-' if r is None else r for r in ranks]}, p(true) "
-              f"{np.array2string(p_true, precision=3, floatmode='fixed')}")
+              f"{['-' if r is None else r for r in ranks]}")
+        print(f"{'':>8}p(true) {np.array2string(p_true, precision=3, floatmode='fixed')}")
         panels.append((top_logprobs, top_ids, truth, f"{name} (round 0)"))
+    return panels
 
-    # the n-gram drafter needs repeats: AR token 6 repeats AR token 0 (301), so in the round whose
-    # root is that second 301 the suffix matches and the drafter votes for what followed the first one
+
+def ngram_after_repeat(setup):
+    """The n-gram drafter in the round whose root repeats an earlier token; one figure panel.
+
+    AR token 6 repeats AR token 0 (301), so in the round whose root is that second 301 the suffix
+    matches and the drafter votes for what followed the first one.
+    """
+    prompt, ar_tokens = setup.prompt, setup.ar_tokens
+    depths = BLOCK_SIZE - 1
     repeat = int(np.flatnonzero(ar_tokens[1:] == ar_tokens[0])[0]) + 1
     context = np.concatenate([prompt, ar_tokens[:repeat + 1]])                    # ends with the repeat
-    ngram = NGramDrafter(config.vocab_size)
-    later_truth = ar_tokens[repeat + 1:repeat + 1 + depths]
-    top_logprobs, top_ids = top_candidates(ngram.propose(context, BLOCK_SIZE), K)
-    print(f" ngram after the repeated token {int(ar_tokens[repeat])}: proposes {top_ids[:, 0].tolist()} "
-          f"(what followed its first occurrence), truth {later_truth.tolist()}, "
-          f"ranks {['-' if r is None else r for r in true_ranks(top_ids, later_truth)]}")
-    title = f"ngram (root = repeated token {int(ar_tokens[repeat])})"
-    panels.append((top_logprobs, top_ids, later_truth, title))
+    truth = ar_tokens[repeat + 1:repeat + 1 + depths]
+    logits = NGramDrafter(setup.config.vocab_size).propose(context, BLOCK_SIZE)   # [L, V]
+    top_logprobs, top_ids = top_candidates(logits, K)
+    print(f" ngram after the repeated token {int(ar_tokens[repeat])}:")
+    print(f"   proposes {top_ids[:, 0].tolist()} (what followed its first occurrence)")
+    print(f"   truth    {truth.tolist()}, ranks "
+          f"{['-' if r is None else r for r in true_ranks(top_ids, truth)]}")
+    return top_logprobs, top_ids, truth, f"ngram (root = repeated token {int(ar_tokens[repeat])})"
 
-    first, kept, expected, expected_kept = noisy_rates(config.vocab_size, depths)
+
+def print_noisy_rates(vocab: int) -> None:
+    depths = BLOCK_SIZE - 1
+    first, kept, expected, expected_kept = noisy_rates(vocab, depths)
     with chapter.section("noisy_rates"):
         print("noisy oracle over 400 positions, per depth d:")
         print(f"  {'d':<42} " + " ".join(f"{d:>5}" for d in range(1, depths + 1)))
@@ -127,14 +131,26 @@ def main() -> None:
                              ("  promised: 1 - (1 - p) * (1 - keep_rate)", expected_kept)):
             print(f"  {label:<42} " + " ".join(f"{r:>5.2f}" for r in rates))
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(16, 3.8), sharey=True)
-    for ax, panel in zip(axes, panels, strict=True):
+
+def plot_distributions(panels) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(9, 7.4), sharey=True)
+    for ax, panel in zip(axes.flat, panels, strict=True):
         draw_panel(ax, *panel)
-    axes[0].set_ylabel(f"probability of the top-{K} per depth (log scale)")
-    fig.suptitle("Drafter distributions for one round (preset tiny, golden prompt, block 8): "
-                 "orange = the target's true token, x = not in the top-4", fontsize=10)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"top-{K} probabilities (log)")
+    fig.suptitle("Drafter distributions for one round (preset tiny, golden prompt, block 8)\n"
+                 "orange = the target's true token, x = not in the top 4", fontsize=11)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "distributions")
+
+
+def main() -> None:
+    """One round of each drafter on preset tiny, the noisy oracle's rates, the figure."""
+    setup = chapter.golden_model("tiny")
+    panels = first_round(setup)
+    panels.append(ngram_after_repeat(setup))
+    print_noisy_rates(setup.config.vocab_size)
+    plot_distributions(panels)
 
 
 if __name__ == "__main__":
