@@ -13,7 +13,7 @@ request) against the heap, single and batched, requiring identical trees.
 
 Run: python walkthrough/07_tree_build.py
 
-Writes docs/assets/figures/07_tree_build_budgets.png, 07_tree_build_weights.png and
+Writes docs/assets/figures/07_tree_build_budget_{4,16,64}.png, 07_tree_build_weights.png and
 07_tree_build_report.txt (what it prints).
 """
 
@@ -27,12 +27,8 @@ from treeplot import draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.tree as gpu
-from ddtree import golden
 from ddtree import tree as ref
-from ddtree.config import preset
 from ddtree.drafters import make_drafter
-from ddtree.model import Transformer
-from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
 STEM = "07_tree_build"
@@ -86,9 +82,9 @@ def builder_cost(depths: int, budget: int, requests: int) -> None:
     threads = gpu.builder_threads(budget)
     barriers = budget * (2 + int(np.log2(threads)))         # per pop: 2 + one per reduction level
     print(f"  L={depths}, K=B={budget}, {requests} requests: reads {read / 1e3:.1f} KB, writes "
-          f"{written / 1e3:.1f} KB ({(read + written) / 4.8e12 * 1e9:.0f} ns at 4.8 TB/s); but {budget} "
-          f"sequential pops x {2 + int(np.log2(threads))} barriers = {barriers} block barriers "
-          f"({threads} threads)")
+          f"{written / 1e3:.1f} KB ({(read + written) / 4.8e12 * 1e9:.0f} ns at 4.8 TB/s)")
+    print(f"    but {budget} sequential pops x {2 + int(np.log2(threads))} barriers = {barriers} block "
+          f"barriers ({threads} threads)")
 
 
 def print_pops(tree: ref.DraftTree, count: int) -> None:
@@ -98,22 +94,13 @@ def print_pops(tree: ref.DraftTree, count: int) -> None:
               f"{int(tree.tokens[n]):>5} {float(tree.logprobs[n]):>8.3f}  {rank_tuple(tree, n)}")
 
 
-def main() -> None:
-    """Trees at three budgets, the brute-force and tie checks, the numba builder against the heap."""
-    config = preset("tiny")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    prompt = golden.default_prompt("tiny")
-    drafter = make_drafter("noisy", model, prompt, 24)
-    logits = drafter.propose(prompt, BLOCK_SIZE)                                  # [L, V]
-    root = int(prompt[-1])
-
-    # 1. trees at several budgets, K = min(B, V) candidates per depth (as ddtree_round does)
+def trees_at_budgets(logits: np.ndarray, root: int, vocab: int) -> dict[int, ref.DraftTree]:
+    """Trees at several budgets, K = min(B, V) candidates per depth (as ddtree_round does)."""
     trees = {}
     for budget in BUDGETS:
-        top_logprobs, top_ids = ref.top_candidates(logits, min(budget, config.vocab_size))  # [L, K]
-        trees[budget] = ref.build_tree(root, top_logprobs, top_ids, budget)
+        top_logprobs, top_ids = ref.top_candidates(logits, min(budget, vocab))       # [L, K]
+        trees[budget] = t = ref.build_tree(root, top_logprobs, top_ids, budget)
         micros = 1e6 * min(_timed(ref.build_tree, root, top_logprobs, top_ids, budget) for _ in range(20))
-        t = trees[budget]
         leaves = t.size - np.unique(t.parents[1:]).size
         print(f"budget {budget:>2}: {t.size - 1} nodes, depth {int(t.depths.max())}, {leaves} leaves, "
               f"nodes per depth {np.bincount(t.depths)[1:].tolist()}")
@@ -121,40 +108,45 @@ def main() -> None:
         weights = t.logprobs[1:]
         assert np.all(weights[1:] <= weights[:-1]), "pops must come out heaviest first"
         assert np.all(t.logprobs[1:] <= t.logprobs[t.parents[1:]]), "a child never outweighs its parent"
-    print()
+    return trees
+
+
+def print_first_pops(tree: ref.DraftTree) -> None:
     with chapter.section("pops"):
         print("the first 10 pops at budget 16 (weight = float32 sum of log-probs root..node):")
-        print_pops(trees[16], 10)
-        order = {rank_tuple(trees[16], n): n for n in range(trees[16].size)}
+        print_pops(tree, 10)
+        order = {rank_tuple(tree, n): n for n in range(tree.size)}
         a, b = order[0, 1], order[1, 0]
-        print(f"a tie: (0, 1) is #{a} and (1, 0) is #{b}, both weigh {float(trees[16].logprobs[a]):.3f}; "
+        print(f"a tie: (0, 1) is #{a} and (1, 0) is #{b}, both weigh {float(tree.logprobs[a]):.3f}; "
               f"the smaller rank tuple pops first")
-        assert trees[16].logprobs[a] == trees[16].logprobs[b] and a < b
+        assert tree.logprobs[a] == tree.logprobs[b] and a < b
 
-    heights = [tree_height(trees[b]) for b in BUDGETS]
-    fig, axes = plt.subplots(len(BUDGETS), 1, figsize=(10, 0.32 * sum(heights) + 3.0),
-                             gridspec_kw=dict(height_ratios=[h + 2 for h in heights]))
-    for ax, budget in zip(axes, BUDGETS, strict=True):
-        draw_tree(ax, trees[budget], pop_order=True, fontsize=7,
-                  title=f"budget B = {budget}: node labels = token ids, #n = pop order (root #0)")
-    fig.tight_layout()
-    chapter.save_figure(fig, STEM, "budgets")
 
+def plot_trees(trees: dict[int, ref.DraftTree]) -> None:
+    """One figure per budget (a 64-node tree needs the whole column), then the weights."""
+    for budget, tree in trees.items():
+        fig, ax = plt.subplots(figsize=(8, 0.3 * tree_height(tree) + 1.4))
+        draw_tree(ax, tree, pop_order=True, fontsize=9, top1=True,
+                  title=f"budget B = {budget}: token ids, #n = pop order, purple = top-1 chain")
+        fig.tight_layout()
+        chapter.save_figure(fig, STEM, f"budget_{budget}")
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    big = trees[64]
+    big = trees[BUDGETS[-1]]
     ax.step(np.arange(1, big.size), big.logprobs[1:], where="mid", color="#3182bd")
     dots = ax.scatter(np.arange(1, big.size), big.logprobs[1:], c=big.depths[1:], cmap="viridis", s=14,
                       zorder=3)
     fig.colorbar(dots, ax=ax, label="depth")
     ax.set_xlabel("pop index n")
     ax.set_ylabel("weight (log of the path's probability)")
-    ax.set_title("Budget 64: weights never increase along the pop order; flat runs are exact ties",
-                 fontsize=10)
+    ax.set_title(f"Budget {BUDGETS[-1]}: weights never increase along the pop order; flat runs are "
+                 "exact ties", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "weights")
 
-    # 2. the heap pops exactly the B best candidates of the whole space (small K and L to enumerate)
+
+def check_brute_force(logits: np.ndarray, root: int) -> None:
+    """The heap pops exactly the B best candidates of the whole space (small K and L to enumerate)."""
     small_lp, small_ids = ref.top_candidates(logits[:4], 3)                        # L = 4, K = 3
     small = ref.build_tree(root, small_lp, small_ids, 20)
     expected = brute_force_order(small_lp, 20)
@@ -163,34 +155,56 @@ def main() -> None:
           f"by (-weight, rank tuple): {got == expected}")
     assert got == expected
 
-    # 3. ties: equal log-probs everywhere; the lexicographically smaller rank tuple pops first
+
+def all_ties():
+    """Equal log-probs everywhere: the lexicographically smaller rank tuple pops first."""
     tie_lp = np.full((3, 2), np.log(np.float32(0.5)), np.float32)                   # L = 3, K = 2
     tie_ids = np.array([[10, 11], [20, 21], [30, 31]])
     tie = ref.build_tree(0, tie_lp, tie_ids, 8)
-    print("ties (every log-prob log 0.5): pop order", [rank_tuple(tie, n) for n in range(1, tie.size)])
+    print("ties (every log-prob log 0.5), pop order:")
+    print(f"  {[rank_tuple(tie, n) for n in range(1, tie.size)]}")
+    return tie, tie_lp, tie_ids
 
-    # 4. the GPU builder: one block per request, frontier in shared memory, block argmax per pop
+
+def check_gpu_builder(setup, logits, trees, ties) -> None:
+    """The GPU builder (one block per request) must build the heap's trees, single and batched."""
+    root = int(setup.prompt[-1])
     print(f"\nnumba builder ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
     begin = time.perf_counter()
     for budget in BUDGETS[:2]:
         lp, ids = ref.top_candidates(logits, budget)
         print(f"  build_tree budget {budget:>2}: identical to the heap: "
               f"{same_tree(gpu.build_tree(root, lp, ids, budget), trees[budget])}")
+    tie, tie_lp, tie_ids = ties
     print(f"  ties: identical: {same_tree(gpu.build_tree(0, tie_lp, tie_ids, 8), tie)}")
-    drafts = [make_drafter(name, model, prompt, 24) for name in ("oracle", "noisy", "ngram")]
-    batch_lp, batch_ids = zip(*(ref.top_candidates(d.propose(prompt, BLOCK_SIZE), 16) for d in drafts),
+    drafts = [make_drafter(name, setup.model, setup.prompt, 24) for name in ("oracle", "noisy", "ngram")]
+    batch_lp, batch_ids = zip(*(ref.top_candidates(d.propose(setup.prompt, BLOCK_SIZE), 16) for d in drafts),
                               strict=True)
     roots = np.full(3, root, np.int64)
     batched = gpu.build_trees(roots, np.stack(batch_lp), np.stack(batch_ids), 16)    # [Bq=3] trees
     identical = [same_tree(t, ref.build_tree(root, lp, ids, 16))
                  for t, lp, ids in zip(batched, batch_lp, batch_ids, strict=True)]
-    print(f"  build_trees, 3 requests (oracle, noisy, ngram) in one launch, budget 16: identical: "
-          f"{identical}")
+    print(f"  build_trees, 3 requests (oracle, noisy, ngram) in one launch: identical: {identical}")
     chapter.log(f"  (numba builder checks: {time.perf_counter() - begin:.1f} s)")
     assert all(identical)
-    print("what the GPU builder moves:")
-    builder_cost(15, 64, 32)
-    builder_cost(15, 256, 32)
+
+
+def main() -> None:
+    """Trees at three budgets, the brute-force and tie checks, the numba builder against the heap."""
+    setup = chapter.golden_model("tiny")
+    drafter = make_drafter("noisy", setup.model, setup.prompt, 24)
+    logits = drafter.propose(setup.prompt, BLOCK_SIZE)                           # [L, V]
+    trees = trees_at_budgets(logits, int(setup.prompt[-1]), setup.config.vocab_size)
+    print()
+    print_first_pops(trees[16])
+    plot_trees(trees)
+    check_brute_force(logits, int(setup.prompt[-1]))
+    ties = all_ties()
+    check_gpu_builder(setup, logits, trees, ties)
+    with chapter.section("builder_cost"):
+        print("what the GPU builder moves:")
+        builder_cost(15, 64, 32)
+        builder_cost(15, 256, 32)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ A tree is anything with ``tokens``, ``parents`` and ``depths`` arrays in pop ord
 (``ddtree.tree.DraftTree`` or a ``ddtree.decode.RoundTrace``). Depth runs left to right (the
 reading direction of the sequence: node i sits at position start + depth[i]); siblings are
 stacked top to bottom in rank order, each parent centred on its children.
+
+Siblings pop in rank order (rank r is pushed when rank r - 1 pops), so a node's first child in
+pop order is its rank-0 child, and the drafter's top-1 chain is the walk from the root along first
+children: ``top1_chain`` finds it without the ranks (a ``RoundTrace`` does not keep them).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ ACCEPTED = "#e6550d"       # accepted path: nodes and edges
 BONUS = "#31a354"          # the bonus token (the target's own next token, not a tree node)
 NODE = "#deebf7"           # every other node
 EDGE = "#9ecae1"
+TOP1 = "#9e9ac8"           # the drafter's top-1 chain: a wide band under its edges
 
 
 def children_lists(parents: np.ndarray) -> list[list[int]]:
@@ -22,6 +27,15 @@ def children_lists(parents: np.ndarray) -> list[list[int]]:
     for node in range(1, len(parents)):
         children[int(parents[node])].append(node)
     return children
+
+
+def top1_chain(parents: np.ndarray) -> list[int]:
+    """Node indices of the drafter's top-1 chain: from the root, always the first child."""
+    children = children_lists(np.asarray(parents))
+    chain = [0]
+    while children[chain[-1]]:
+        chain.append(children[chain[-1]][0])
+    return chain
 
 
 def layout(parents: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -46,7 +60,7 @@ def layout(parents: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, fontsize=8,
-              title=None, start=None):
+              title=None, start=None, top1=False, weights=None):
     """Draw ``tree`` on ``ax``.
 
     accepted: node indices of the accepted walk (starting at 0), drawn in orange.
@@ -54,6 +68,8 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
     bonus: the round's bonus token, drawn as a green dashed node after the accepted path.
     tokens: write the token id in each node (off for very small plots).
     start: if given, the x axis is labelled with positions start + depth instead of depths.
+    top1: mark the drafter's top-1 chain with a purple band under its edges.
+    weights: per node, the cumulative log-probability, written under the box.
     """
     parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
     token_ids = np.asarray(tree.tokens)
@@ -62,6 +78,10 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
     if accepted is not None:
         on_path[np.asarray(accepted, dtype=np.int64)] = True
 
+    if top1:
+        chain = top1_chain(parents)
+        ax.plot(x[chain], y[chain], color=TOP1, lw=fontsize * 1.1, alpha=0.55, zorder=0,
+                solid_capstyle="round")
     for node in range(1, len(parents)):            # edges first, boxes on top
         parent = int(parents[node])
         hot = on_path[node] and on_path[parent]
@@ -77,6 +97,10 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
         if pop_order:
             ax.annotate(f"#{node}", (x[node], y[node]), xytext=(0, fontsize * 0.95),
                         textcoords="offset points", ha="center", va="bottom",
+                        fontsize=fontsize * 0.75, color="#555555", zorder=3)
+        if weights is not None and node > 0:
+            ax.annotate(f"{float(weights[node]):.2f}", (x[node], y[node]), xytext=(0, -fontsize * 0.95),
+                        textcoords="offset points", ha="center", va="top",
                         fontsize=fontsize * 0.75, color="#555555", zorder=3)
     columns = int(depths.max()) + 1
     show_bonus = bonus is not None and accepted is not None and len(accepted) > 0
