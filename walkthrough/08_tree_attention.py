@@ -15,25 +15,22 @@ prefix + its path alone. Then it runs the numba visibility kernel and the numba 
 
 Run: python walkthrough/08_tree_attention.py
 
-Writes docs/assets/figures/08_tree_attention_mask.png and 08_tree_attention_report.txt (what it prints).
+Writes docs/assets/figures/08_tree_attention_{tree,mask}.png and 08_tree_attention_report.txt (what it
+prints).
 """
 
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
-from treeplot import draw_tree
+from treeplot import draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.mla as gpu_mla
 import kernels.tree as gpu_tree
-from ddtree import golden
 from ddtree import tree as ref
-from ddtree.config import preset
 from ddtree.drafters import make_drafter
 from ddtree.mla import key_mask
-from ddtree.model import Transformer
-from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
 STEM = "08_tree_attention"
@@ -49,47 +46,29 @@ def path_to(tree: ref.DraftTree, node: int) -> list[int]:
     return path[::-1]
 
 
-# --8<-- [start:record_calls]
-def record_calls(model, name: str, calls: list):
-    """Wrap model.ops.<name> so that the arguments of each call are kept (host copies)."""
-    inner = getattr(model.ops, name)
-
-    def recording(*args, **kwargs):
-        calls.append(tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args))
-        return inner(*args, **kwargs)
-
-    setattr(model.ops, name, recording)
-    return inner
-# --8<-- [end:record_calls]
-
-
 def mask_bytes(budget: int, requests: int) -> None:
     """What the visibility kernel moves: parents in (int64), the (N, N) bool mask out, per request."""
     size = budget + 1
     read, written = requests * size * 8, requests * size * size
     print(f"  visibility, {requests} requests x budget {budget}: reads {read} B of parents, writes "
-          f"{written} B of mask ({(read + written) / 4.8e12 * 1e9:.1f} ns at 4.8 TB/s: launch-bound)")
+          f"{written} B of mask")
+    print(f"    {(read + written) / 4.8e12 * 1e9:.1f} ns at 4.8 TB/s: launch-bound")
 
 
-def main() -> None:
-    """Build a tree, verify it in one forward, check every row, draw the mask, run the kernels."""
-    config = preset("tiny")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    prompt = golden.default_prompt("tiny")
-    drafter = make_drafter("noisy", model, prompt, 24)
-    top_logprobs, top_ids = ref.top_candidates(drafter.propose(prompt, BLOCK_SIZE), BUDGET)
-    tree = ref.build_tree(int(prompt[-1]), top_logprobs, top_ids, BUDGET)
+def noisy_tree(setup) -> ref.DraftTree:
+    """The noisy oracle's first round at budget BUDGET."""
+    drafter = make_drafter("noisy", setup.model, setup.prompt, 24)
+    top_logprobs, top_ids = ref.top_candidates(drafter.propose(setup.prompt, BLOCK_SIZE), BUDGET)
+    return ref.build_tree(int(setup.prompt[-1]), top_logprobs, top_ids, BUDGET)
 
-    cache = model.new_cache(64)
-    model.forward(cache, prompt[:-1])                     # the committed prefix, root excluded
-    start = cache.length
-    visible = ref.visibility(tree.parents)                # [N, N]
-    positions = ref.positions(tree, start)                # [N] start + depth
+
+def print_tree(tree: ref.DraftTree, start: int, visible: np.ndarray, positions: np.ndarray) -> None:
     with chapter.section("tree"):
         print(f"tree: {tree.size} nodes (root + {tree.size - 1}), prefix of {start} cached tokens")
         print(f"  tokens    {tree.tokens.tolist()}")
         print(f"  parents   {tree.parents.tolist()}")
-        print(f"  positions {positions.tolist()}  (start + depth: siblings share a position)")
+        print(f"  positions {positions.tolist()}")
+        print("  (start + depth: siblings share a position)")
         for position in np.unique(positions):
             nodes = np.flatnonzero(positions == position)
             print(f"    position {position}: nodes {', '.join(f'#{i}' for i in nodes)}")
@@ -97,61 +76,90 @@ def main() -> None:
         seen = np.flatnonzero(visible[deepest])
         chain = " -> ".join(str(int(t)) for t in tree.tokens[seen])
         print(f"  mask row #{deepest} (the deepest node) sees the {start} prefix keys and the tree rows "
-              f"{', '.join(f'#{i}' for i in seen)}: the path {chain}")
+              f"{', '.join(f'#{i}' for i in seen)}:")
+        print(f"    the path {chain}")
         assert seen.tolist() == path_to(tree, deepest)
 
-    calls = []
-    inner = record_calls(model, "attention_absorb", calls)
-    logits = model.forward(cache, tree.tokens, positions=positions, visible=visible)   # [N, V]
-    model.ops.attention_absorb = inner
-    print(f"verify: ONE forward over {tree.size} rows -> logits {logits.shape}, "
-          f"cache length {start} -> {cache.length}")
 
+def check_rows(setup, tree: ref.DraftTree, logits: np.ndarray) -> None:
+    """Each row's logits against a causal forward over prefix + that node's own path."""
     worst, argmax_same = 0.0, True
     for i in range(tree.size):
-        alone = model.logits(np.concatenate([prompt[:-1], tree.tokens[path_to(tree, i)]]))[-1]   # [V]
+        path = np.concatenate([setup.prompt[:-1], tree.tokens[path_to(tree, i)]])
+        alone = setup.model.logits(path)[-1]                                           # [V]
         worst = max(worst, float(np.abs(alone - logits[i]).max()))
         argmax_same &= int(alone.argmax()) == int(logits[i].argmax())
     print(f"  each row vs a causal forward over prefix + its own path: max |diff| {worst:.1e} "
-          f"(max |logit| {np.abs(logits).max():.2f}), same argmax everywhere: {argmax_same}")
+          f"(max |logit| {np.abs(logits).max():.2f})")
+    print(f"  same argmax everywhere: {argmax_same}")
     assert argmax_same
 
-    # the figure: the tree (x = position) and the key mask of every row
+
+def plot_tree_and_mask(tree: ref.DraftTree, start: int, visible: np.ndarray, positions: np.ndarray) -> None:
+    """Two figures: the tree (x = position) and the key mask of every tree row."""
+    fig, ax = plt.subplots(figsize=(8, 0.32 * tree_height(tree) + 1.4))
+    draw_tree(ax, tree, pop_order=True, fontsize=9, start=start, title=f"the tree (budget {BUDGET})")
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "tree")
     mask = key_mask(start, visible)                                                # [N, P + N]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw=dict(width_ratios=[1, 1.5]))
-    draw_tree(left, tree, pop_order=True, fontsize=8, start=start, title=f"the tree (budget {BUDGET})")
     shade = mask.astype(int)                                                       # 1 = visible tree key
     shade[:, :start] *= 2                                                          # 2 = prefix key
-    right.imshow(shade, cmap=ListedColormap(["white", "#3182bd", "#9e9ac8"]), vmin=0, vmax=2, aspect="auto")
-    right.axvline(start - 0.5, color="black", lw=1)
-    right.set_xticks(range(start + tree.size))
-    right.set_xticklabels([f"p{s}" for s in range(start)] + [f"#{j}" for j in range(tree.size)], fontsize=7)
-    right.set_yticks(range(tree.size))
-    right.set_yticklabels([f"#{i} {int(t)} @{int(p)}" for i, (t, p) in
-                           enumerate(zip(tree.tokens, positions, strict=True))], fontsize=7)
-    right.set_xlabel("keys: the cached prefix (purple, seen by every row), then the tree rows")
-    right.set_ylabel("query row: #node token @position")
-    right.set_title("key_mask(start, visibility(parents)): blue = visible", fontsize=10)
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    ax.imshow(shade, cmap=ListedColormap(["white", "#3182bd", "#9e9ac8"]), vmin=0, vmax=2, aspect="auto")
+    ax.axvline(start - 0.5, color="black", lw=1)
+    ax.set_xticks(range(start + tree.size))
+    ax.set_xticklabels([f"p{s}" for s in range(start)] + [f"#{j}" for j in range(tree.size)], fontsize=8)
+    ax.set_yticks(range(tree.size))
+    ax.set_yticklabels([f"#{i} {int(t)} @{int(p)}" for i, (t, p) in
+                        enumerate(zip(tree.tokens, positions, strict=True))], fontsize=8)
+    ax.set_xlabel("keys: the cached prefix (purple, seen by every row), then the tree rows")
+    ax.set_ylabel("query row: #node token @position")
+    ax.set_title("key_mask(start, visibility(parents)): blue = visible", fontsize=10)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "mask")
 
-    # numba: the visibility kernel and the absorbed attention with the tree mask
+
+def check_kernels(tree: ref.DraftTree, visible: np.ndarray, attention_call) -> None:
+    """The numba visibility kernel, and the absorbed attention on layer 0's recorded inputs."""
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
     with chapter.timed("numba visibility"):
         same = np.array_equal(gpu_tree.visibility(tree.parents), visible)
     print(f"  visibility (one thread per (i, j)): identical: {same}")
     assert same
-    q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale = calls[0]    # layer 0
-    expected = inner(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale)   # [N, H, R]
+    q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale = attention_call.args
+    expected = attention_call.result                                                # [N, H, R]
     with chapter.timed("numba attention_absorb"):
         got = gpu_mla.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, mask_arg, scale,
                                        threads=32)
     diff = float(np.abs(got - expected).max())
     print(f"  attention_absorb, layer 0 of the verify forward: q_lat {q_lat.shape}, prefix {prefix_len}, "
-          f"mask {mask_arg.shape}: max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})")
+          f"mask {mask_arg.shape}:")
+    print(f"    max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})")
     assert diff < 1e-4
-    mask_bytes(64, 1)
-    mask_bytes(64, 32)
+
+
+def main() -> None:
+    """Build a tree, verify it in one forward, check every row, draw the mask, run the kernels."""
+    setup = chapter.golden_model("tiny")
+    tree = noisy_tree(setup)
+    cache = setup.model.new_cache(64)
+    setup.model.forward(cache, setup.prompt[:-1])           # the committed prefix, root excluded
+    start = cache.length
+    visible = ref.visibility(tree.parents)                  # [N, N]
+    positions = ref.positions(tree, start)                  # [N] start + depth
+    print_tree(tree, start, visible, positions)
+    # --8<-- [start:verify]
+    with chapter.record_ops(setup.model, "attention_absorb") as calls:
+        logits = setup.model.forward(cache, tree.tokens, positions=positions, visible=visible)  # [N, V]
+    # --8<-- [end:verify]
+    print(f"verify: ONE forward over {tree.size} rows -> logits {logits.shape}, "
+          f"cache length {start} -> {cache.length}")
+    check_rows(setup, tree, logits)
+    plot_tree_and_mask(tree, start, visible, positions)
+    check_kernels(tree, visible, calls[0])                  # layer 0
+    with chapter.section("mask_bytes"):
+        mask_bytes(64, 1)
+        mask_bytes(64, 32)
 
 
 if __name__ == "__main__":
