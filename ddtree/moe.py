@@ -88,3 +88,51 @@ def moe(x: np.ndarray, params: MoEParams, config: ModelConfig) -> np.ndarray:
         out[rows] += weights[rows, slot, None] * y
     return out
 # --8<-- [end:moe]
+
+
+def _check_shape(name: str, x, expected: tuple, legend: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name} must be {legend} = {expected}, got shape {tuple(x.shape)}")
+
+
+def check_route(x, gate, bias, config: ModelConfig) -> None:
+    """x (T, D), gate (E, D), bias (E,) with E = n_routed_experts (device arrays too)."""
+    if len(x.shape) != 2:
+        raise ValueError(f"x must be (T, D), got shape {tuple(x.shape)}")
+    experts = config.n_routed_experts
+    _check_shape("gate", gate, (experts, x.shape[1]), "(n_routed_experts, D)")
+    _check_shape("bias", bias, (experts,), "(n_routed_experts,)")
+
+
+def check_swiglu(x, gate_proj, up_proj, down_proj) -> None:
+    """x (T, D), gate_proj and up_proj (F, D), down_proj (D, F) (device arrays too)."""
+    if len(x.shape) != 2:
+        raise ValueError(f"x must be (T, D), got shape {tuple(x.shape)}")
+    width = x.shape[1]
+    if len(gate_proj.shape) != 2 or gate_proj.shape[1] != width:
+        raise ValueError(f"gate_proj must be (F, D) with D = {width}, got shape {tuple(gate_proj.shape)}")
+    features = gate_proj.shape[0]
+    _check_shape("up_proj", up_proj, (features, width), "(F, D)")
+    _check_shape("down_proj", down_proj, (width, features), "(D, F)")
+
+
+def check_moe(x, params: MoEParams, config: ModelConfig) -> None:
+    """The router's shapes, the stacked experts (E, F, D) / (E, D, F), and a shared expert that is
+    all arrays or all None (device arrays too)."""
+    check_route(x, params.gate, params.bias, config)
+    experts, width = params.gate.shape
+    if len(params.gate_proj.shape) != 3 or tuple(params.gate_proj.shape[::2]) != (experts, width):
+        raise ValueError(f"params.gate_proj must be (E, F, D) = ({experts}, F, {width}), "
+                         f"got shape {tuple(params.gate_proj.shape)}")
+    features = params.gate_proj.shape[1]
+    _check_shape("params.up_proj", params.up_proj, (experts, features, width), "(E, F, D)")
+    _check_shape("params.down_proj", params.down_proj, (experts, width, features), "(E, D, F)")
+    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+    if any(a is None for a in shared) and not all(a is None for a in shared):
+        raise ValueError("params.shared_gate_proj, shared_up_proj and shared_down_proj must be "
+                         "all arrays or all None")
+    if shared[0] is not None:
+        try:
+            check_swiglu(x, *shared)
+        except ValueError as error:
+            raise ValueError(f"shared expert: {error}") from None

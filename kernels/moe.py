@@ -1,11 +1,12 @@
 """Mixture of experts with DeepSeek-V3 routing: the numba.cuda twin of ``ddtree/moe.py``.
 
-Legend: T tokens, D hidden, E routed experts, G groups, k experts per token,
-F moe_intermediate_size (the shared expert has Fs = n_shared_experts * F).
+Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token,
+F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
 Kernels (one version each):
-- ``route_kernel``: one block per token: gate GEMV + sigmoid, group-limited top-k by repeated
-  block-wide argmax (exact ties -> lower index), normalised and scaled weights.
+- ``route_kernel``: one block per token: gate GEMV + sigmoid (``_scores``), group-limited
+  routing (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties ->
+  lower index), normalised and scaled weights (``_weigh``).
 - ``expert_hidden_kernel``: h[t, j] = silu(gate_e x_t) * (up_e x_t) for expert e = ids[t, j],
   one thread per (token, slot, f).
 - ``expert_down_kernel``: out[t] (+)= sum_j w[t, j] * down_e h[t, j], one thread per (token, d);
@@ -16,186 +17,190 @@ A dense SwiGLU (the dense layers and the shared expert) is the same two kernels 
 the routed experts in place: four launches plus the router, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
-device). MoE weights are large and reused every step, so ``moe`` copies a host ``MoEParams`` to
-the device once and keeps the copy while that params object lives (``device_params``); weights
-are treated as read-only from then on. ``swiglu`` copies host weights on every call: pass device
-arrays to avoid it.
+device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
+the device each time, device arrays are used as they are. MoE weights are large and reused every
+step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
+device. The intermediate buffers (routed ids and weights, the hidden states) are allocated per
+call unless a ``scratch`` from ``moe_scratch`` / ``dense_scratch`` is given: with ``out`` and
+``scratch`` and device inputs nothing is allocated or copied. ``bytes_moved`` and ``flops`` give
+each operation's cost model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import numpy as np
 from numba import cuda, float32, int32, uint8
 
+from ddtree import moe as reference
 from ddtree.config import ModelConfig
 from ddtree.moe import MoEParams
-from kernels.device import (
+from kernels.blocks import (
+    MAX_TPB,
+    block_argmax,
     blocks,
-    check_float32,
-    is_device_array,
-    poisoned,
+    check_threads,
+    comes_first,
     pow2_threads,
     row_threads,
+)
+from kernels.device import (
+    check_float32,
+    check_out,
+    deliver,
+    filled,
+    host_or_device,
+    is_device_array,
+    output,
+    poisoned,
     to_device,
-    to_host_if,
 )
 
-MAX_THREADS = 128       # router block size (a power of two: tree reductions); static scratch size
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
-THREADS = 128           # most threads per block of the expert kernels
+F32, I64 = 4, 8
 
 
-
-
-
-
-
-
-def _check_shape(name: str, x, expected: tuple, legend: str) -> None:
-    if tuple(x.shape) != expected:
-        raise ValueError(f"{name} must be {legend} = {expected}, got shape {tuple(x.shape)}")
-
-
-# --8<-- [start:sigmoid]
+# --8<-- [start:sigmoid_scalar]
 @cuda.jit(device=True)
-def sigmoid(z):
-    """1 / (1 + exp(-z)) without overflow: exp is only taken of a non-positive number."""
+def sigmoid_scalar(z):
+    """1 / (1 + exp(-z)) of one float32 without overflow: exp is only taken of a non-positive number
+    (``ddtree.moe.sigmoid`` is the array version)."""
     if z >= float32(0.0):
         return float32(1.0) / (float32(1.0) + math.exp(-z))
     e = math.exp(z)
     return e / (float32(1.0) + e)
-# --8<-- [end:sigmoid]
+# --8<-- [end:sigmoid_scalar]
 
 
-# --8<-- [start:block_argmax]
+# --8<-- [start:pick_free]
 @cuda.jit(device=True)
-def block_argmax(values, free, count, best_value, best_index):
+def _pick_free(values, free, count, best_values, best_indices):
     """The index i < count with free[i] != 0 and the largest values[i]; exact ties -> lowest i.
 
-    Every thread of the block gets the answer (-1 if nothing is free). Thread t first scans
-    i = t, t + blockDim.x, ... in increasing order (a strict > keeps the first of equal values),
-    then a shared-memory tree merges the per-thread winners, preferring the lower index on ties.
-    ``best_value``/``best_index`` are blockDim.x scratch slots; blockDim.x is a power of two.
+    Every thread gets the answer (-1 if nothing is free). Thread t first scans i = t, t + TPB, ...
+    in np.argmax's order (``comes_first``), then ``block_argmax`` merges the per-thread winners.
+    ``best_values``/``best_indices`` are TPB scratch slots.
     """
     tid = cuda.threadIdx.x
     mine_value = float32(0.0)
-    mine_index = int32(-1)                   # -1: this thread has seen no free entry
+    mine_index = -1                          # -1: this thread has seen no free entry
     for i in range(tid, count, cuda.blockDim.x):
-        if free[i] != 0 and (mine_index < 0 or values[i] > mine_value):
+        if free[i] != 0 and comes_first(values[i], i, mine_value, mine_index):
             mine_value = values[i]
             mine_index = i
-    best_value[tid] = mine_value
-    best_index[tid] = mine_index
-    cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
-    while stride > 0:
-        if tid < stride:
-            other = best_index[tid + stride]
-            here = best_index[tid]
-            if other >= 0 and (here < 0 or best_value[tid + stride] > best_value[tid]
-                               or (best_value[tid + stride] == best_value[tid] and other < here)):
-                best_value[tid] = best_value[tid + stride]
-                best_index[tid] = other
-        cuda.syncthreads()
-        stride //= 2
-    winner = best_index[0]
+    best_values[tid] = mine_value
+    best_indices[tid] = mine_index
+    block_argmax(best_values, best_indices)
+    winner = best_indices[0]
     cuda.syncthreads()                       # everyone has read the winner before scratch is reused
     return winner
-# --8<-- [end:block_argmax]
+# --8<-- [end:pick_free]
 
 
 # --8<-- [start:route_kernel]
+@cuda.jit(device=True)
+def _scores(x, gate, bias, token, score, choice, free):
+    """1. Thread e (strided over E): score[e] = sigmoid(x_t . gate[e]), a float32 loop over D;
+    choice[e] = score[e] + bias[e] (the bias only chooses); every expert starts free."""
+    for e in range(cuda.threadIdx.x, gate.shape[0], cuda.blockDim.x):
+        logit = float32(0.0)
+        for d in range(gate.shape[1]):
+            logit += x[token, d] * gate[e, d]
+        score[e] = sigmoid_scalar(logit)
+        choice[e] = score[e] + bias[e]
+        free[e] = 1
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _top_two_sum(choice, first_expert, end):
+    """The sum of the two largest choice[first_expert:end] (a group has at least two experts)."""
+    first = choice[first_expert]
+    second = choice[first_expert + 1]
+    if second > first:
+        first, second = second, first
+    for e in range(first_expert + 2, end):
+        if choice[e] > first:
+            second = first
+            first = choice[e]
+        elif choice[e] > second:
+            second = choice[e]
+    return second + first
+
+
+@cuda.jit(device=True)
+def _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_free, best_values,
+                 best_indices):
+    """2. Thread g scores group g by its two best choices; topk_group rounds of ``_pick_free``
+    keep the best groups; only the kept groups' experts stay free."""
+    tid = cuda.threadIdx.x
+    size = experts // n_group
+    for g in range(tid, n_group, cuda.blockDim.x):
+        group_score[g] = _top_two_sum(choice, g * size, (g + 1) * size)
+        group_free[g] = 1
+    cuda.syncthreads()
+    for _ in range(topk_group):
+        g = _pick_free(group_score, group_free, n_group, best_values, best_indices)
+        if tid == 0:
+            group_free[g] = 0                                 # kept: no longer free to pick
+        cuda.syncthreads()
+    for e in range(tid, experts, cuda.blockDim.x):
+        free[e] = 1 - group_free[e // size]                   # experts of kept groups only
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _weigh(score, ids, token, norm_topk_prob, scaling, weights):
+    """4. (one thread) Each pick weighs its unbiased score, normalised to sum 1 if asked, scaled."""
+    total = float32(0.0)
+    for j in range(ids.shape[1]):
+        total += score[ids[token, j]]
+    for j in range(ids.shape[1]):
+        w = score[ids[token, j]]
+        if norm_topk_prob:
+            w = w / (total + float32(1e-20))
+        weights[token, j] = w * scaling
+
+
 @cuda.jit
 def route_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
     """One block routes one token: ids[t, :] (k) and weights[t, :] (k).
 
-    1. Thread e (strided over E) computes score[e] = sigmoid(x_t . gate[e]) with a float32 loop
-       over D, and choice[e] = score[e] + bias[e] (the bias only chooses).
-    2. With G > 1 groups, thread g scores group g by the sum of its two best choices; topk_group
-       rounds of ``block_argmax`` over the groups keep the best ones; other groups' experts are
-       no longer free.
-    3. k rounds of ``block_argmax`` over the free experts pick ids in descending choice order
-       (exact ties -> lower index, as numpy's stable argsort).
-    4. Thread 0 weighs each pick by its unbiased score, normalised and scaled.
+    1. ``_scores``: sigmoid gate scores and biased choices. 2. With G > 1 groups,
+    ``_keep_groups``. 3. k rounds of ``_pick_free`` over the free experts pick ids in descending
+    choice order (exact ties -> lower index, as numpy's stable argsort). 4. ``_weigh``.
 
     Shared memory: score, choice (E floats each), free (E bytes), group score / kept (G each),
-    and blockDim.x (value, index) argmax scratch slots. Cost: the block reads gate (E*D floats)
-    once per token, each thread walking whole gate rows (neighbouring threads D floats apart);
-    selection is k + topk_group block reductions of log2(blockDim.x) barriers each.
+    and TPB (value, index) argmax scratch slots. Cost: the block reads gate (E*D floats) once
+    per token, each thread walking whole gate rows (neighbouring threads D floats apart);
+    selection is k + topk_group block reductions of log2(TPB) barriers each.
     """
     token = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
     experts = gate.shape[0]
-    hidden = gate.shape[1]
-    top_k = ids.shape[1]
-
     score = cuda.shared.array(MAX_EXPERTS, dtype=float32)       # [E] sigmoid(gate x), unbiased
     choice = cuda.shared.array(MAX_EXPERTS, dtype=float32)      # [E] score + bias, picks only
     free = cuda.shared.array(MAX_EXPERTS, dtype=uint8)          # [E] 1 = may still be picked
     group_score = cuda.shared.array(MAX_GROUPS, dtype=float32)  # [G] sum of the top-2 choices
     group_free = cuda.shared.array(MAX_GROUPS, dtype=uint8)     # [G] 1 = not kept yet
-    best_value = cuda.shared.array(MAX_THREADS, dtype=float32)  # argmax scratch
-    best_index = cuda.shared.array(MAX_THREADS, dtype=int32)    # argmax scratch
+    best_values = cuda.shared.array(MAX_TPB, dtype=float32)     # argmax scratch
+    best_indices = cuda.shared.array(MAX_TPB, dtype=int32)      # argmax scratch
 
-    # 1. scores
-    for e in range(tid, experts, threads):
-        logit = float32(0.0)
-        for d in range(hidden):
-            logit += x[token, d] * gate[e, d]
-        score[e] = sigmoid(logit)
-        choice[e] = score[e] + bias[e]
-        free[e] = 1
-    cuda.syncthreads()
-
-    # 2. group-limited routing: keep the topk_group groups with the best top-2 sums
+    _scores(x, gate, bias, token, score, choice, free)
     if n_group > 1:
-        size = experts // n_group
-        for g in range(tid, n_group, threads):
-            first = choice[g * size]                              # the best two of the group
-            second = choice[g * size + 1]
-            if second > first:
-                first, second = second, first
-            for e in range(g * size + 2, (g + 1) * size):
-                if choice[e] > first:
-                    second = first
-                    first = choice[e]
-                elif choice[e] > second:
-                    second = choice[e]
-            group_score[g] = second + first
-            group_free[g] = 1
-        cuda.syncthreads()
-        for _ in range(topk_group):
-            g = block_argmax(group_score, group_free, n_group, best_value, best_index)
-            if tid == 0:
-                group_free[g] = 0                                 # kept: no longer free to pick
-            cuda.syncthreads()
-        for e in range(tid, experts, threads):
-            free[e] = 1 - group_free[e // size]                   # experts of kept groups only
-        cuda.syncthreads()
-
-    # 3. top-k in descending choice order
-    for j in range(top_k):
-        e = block_argmax(choice, free, experts, best_value, best_index)
-        if tid == 0:
+        _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_free,
+                     best_values, best_indices)
+    for j in range(ids.shape[1]):                               # 3. top-k, descending choice
+        e = _pick_free(choice, free, experts, best_values, best_indices)
+        if cuda.threadIdx.x == 0:
             ids[token, j] = e
             free[e] = 0
         cuda.syncthreads()
-
-    # 4. weights: unbiased scores, normalised, scaled
-    if tid == 0:
-        total = float32(0.0)
-        for j in range(top_k):
-            total += score[ids[token, j]]
-        for j in range(top_k):
-            w = score[ids[token, j]]
-            if norm_topk_prob:
-                w = w / (total + float32(1e-20))
-            weights[token, j] = w * scaling
+    if cuda.threadIdx.x == 0:
+        _weigh(score, ids, token, norm_topk_prob, scaling, weights)
 # --8<-- [end:route_kernel]
 
 
@@ -220,7 +225,7 @@ def expert_hidden_kernel(x, gate_proj, up_proj, ids, hidden):
     for d in range(x.shape[1]):
         g += gate_proj[expert, f, d] * x[token, d]
         u += up_proj[expert, f, d] * x[token, d]
-    hidden[token, slot, f] = g * sigmoid(g) * u
+    hidden[token, slot, f] = g * sigmoid_scalar(g) * u
 # --8<-- [end:expert_hidden_kernel]
 
 
@@ -248,98 +253,146 @@ def expert_down_kernel(hidden, down_proj, ids, weights, accumulate, out):
 # --8<-- [end:expert_down_kernel]
 
 
-def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, out, accumulate):
+class DenseScratch(typing.NamedTuple):
+    """Device buffers of a dense SwiGLU over T rows: one always-chosen "expert" and its hidden state."""
+    ids: object         # [T, 1] int64, all 0
+    weights: object     # [T, 1] float32, all 1
+    hidden: object      # [T, 1, F] float32
+
+
+class MoEScratch(typing.NamedTuple):
+    """Device buffers of one MoE layer over T tokens."""
+    ids: object                     # [T, k] int64 routed experts
+    weights: object                 # [T, k] float32 their weights
+    hidden: object                  # [T, k, F] float32
+    shared: DenseScratch | None     # the shared expert's, None without one
+
+
+def dense_scratch(rows: int, features: int, stream=None) -> DenseScratch:
+    """New buffers for a dense SwiGLU of ``features`` (F or Fs) over ``rows`` rows."""
+    return DenseScratch(ids=filled((rows, 1), 0, np.int64, stream),
+                        weights=filled((rows, 1), 1, np.float32, stream),
+                        hidden=poisoned((rows, 1, features), stream=stream))
+
+
+def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) -> MoEScratch:
+    """New buffers for ``moe`` over ``rows`` tokens (allocate once, pass as ``scratch``)."""
+    top_k, features = config.num_experts_per_tok, params.gate_proj.shape[1]
+    shared = params.shared_gate_proj
+    return MoEScratch(ids=poisoned((rows, top_k), np.int64, stream),
+                      weights=poisoned((rows, top_k), stream=stream),
+                      hidden=poisoned((rows, top_k, features), stream=stream),
+                      shared=None if shared is None else dense_scratch(rows, shared.shape[0], stream))
+
+
+def _launch_route(x, gate, bias, config: ModelConfig, threads, ids, weights, stream) -> None:
+    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ids, weights (T, k)."""
+    threads = threads or pow2_threads(config.n_routed_experts)
+    route_kernel[x.shape[0], threads, stream](
+        x, gate, bias, config.n_group, config.topk_group, config.norm_topk_prob,
+        np.float32(config.routed_scaling_factor), ids, weights)
+
+
+def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, hidden, out, accumulate, stream) -> None:
     """Both expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F), ids (T, k)."""
     rows, slots = ids.shape
-    features = gate_proj.shape[1]
-    width = out.shape[1]
-    hidden = poisoned((rows, slots, features))                                # [T, k, F]
+    features, width = gate_proj.shape[1], out.shape[1]
     threads = row_threads(features)
-    expert_hidden_kernel[(blocks(features, threads), rows * slots), threads](
+    expert_hidden_kernel[(blocks(features, threads), rows * slots), threads, stream](
         x, gate_proj, up_proj, ids, hidden)
     threads = row_threads(width)
-    expert_down_kernel[(blocks(width, threads), rows), threads](
+    expert_down_kernel[(blocks(width, threads), rows), threads, stream](
         hidden, down_proj, ids, weights, accumulate, out)
 
 
-def _dense_slots(rows: int):
-    """ids (T, 1) = 0 and weights (T, 1) = 1: a dense SwiGLU as one always-chosen expert."""
-    return (cuda.to_device(np.zeros((rows, 1), np.int64)),
-            cuda.to_device(np.ones((rows, 1), np.float32)))
+def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, accumulate, stream) -> None:
+    """A dense SwiGLU on device arrays as one always-chosen expert: (F, D) weights viewed as (1, F, D)."""
+    features, width = gate_proj.shape
+    _launch_experts(x, gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
+                    down_proj.reshape(1, width, features), scratch.ids, scratch.weights, scratch.hidden,
+                    out, accumulate, stream)
 
 
-def _check_swiglu(x, gate_proj, up_proj, down_proj) -> None:
-    if len(x.shape) != 2:
-        raise ValueError(f"x must be (T, D), got shape {tuple(x.shape)}")
-    width = x.shape[1]
-    if len(gate_proj.shape) != 2 or gate_proj.shape[1] != width:
-        raise ValueError(f"gate_proj must be (F, D) with D = {width}, got shape {tuple(gate_proj.shape)}")
-    features = gate_proj.shape[0]
-    _check_shape("up_proj", up_proj, (features, width), "(F, D)")
-    _check_shape("down_proj", down_proj, (width, features), "(D, F)")
-    check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
-
-
-def _check_router(x, gate, bias, config: ModelConfig) -> None:
-    if len(x.shape) != 2:
-        raise ValueError(f"x must be (T, D), got shape {tuple(x.shape)}")
-    experts = config.n_routed_experts
-    _check_shape("gate", gate, (experts, x.shape[1]), "(n_routed_experts, D)")
-    _check_shape("bias", bias, (experts,), "(n_routed_experts,)")
-    if experts > MAX_EXPERTS or config.n_group > MAX_GROUPS:
+def _check_router_limits(config: ModelConfig, threads) -> None:
+    if config.n_routed_experts > MAX_EXPERTS or config.n_group > MAX_GROUPS:
         raise ValueError(f"the router kernel holds at most {MAX_EXPERTS} experts and {MAX_GROUPS} "
-                         f"groups, got {experts} and {config.n_group}")
+                         f"groups, got {config.n_routed_experts} and {config.n_group}")
+    if threads is not None:
+        check_threads(threads, MAX_TPB)
+
+
+def _check_scratch(scratch, name: str, **expected) -> None:
+    """Each field of ``scratch`` a device array of the given (shape, dtype)."""
+    for field, (shape, dtype) in expected.items():
+        buffer = getattr(scratch, field)
+        if not is_device_array(buffer):
+            raise ValueError(f"{name}.{field} must be a device array, got {type(buffer).__name__}")
+        check_out(buffer, shape, dtype, f"{name}.{field}")
+
+
+def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None):
+    """The reference's shapes, the router kernel's limits and block size, float32 on the device,
+    ``out`` = (ids (T, k) int64, weights (T, k) float32). Returns x, gate, bias."""
+    x, gate, bias = (host_or_device(a, np.float32) for a in (x, gate, bias))
+    reference.check_route(x, gate, bias, config)
+    _check_router_limits(config, threads)
     check_float32(x=x, gate=gate, bias=bias)
-
-
-def _route_on_device(x, gate, bias, config: ModelConfig, threads: int | None):
-    """Device arrays in, device (ids, weights) out."""
-    rows = x.shape[0]
-    top_k = config.num_experts_per_tok
-    ids = poisoned((rows, top_k), np.int64)                                   # [T, k]
-    weights = poisoned((rows, top_k))                                         # [T, k]
-    if threads is None:
-        threads = pow2_threads(config.n_routed_experts, MAX_THREADS)
-    if rows:
-        route_kernel[rows, threads](
-            x, gate, bias, config.n_group, config.topk_group, config.norm_topk_prob,
-            np.float32(config.routed_scaling_factor), ids, weights)
-    return ids, weights
+    if out is not None:
+        shape = (x.shape[0], config.num_experts_per_tok)
+        check_out(out[0], shape, np.int64, "out[0] (ids)")
+        check_out(out[1], shape, np.float32, "out[1] (weights)")
+    return x, gate, bias
 
 
 # --8<-- [start:route]
-def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None):
+def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32).
 
     ``threads`` (32, 64 or 128) forces the router's block size; by default the smallest power of
-    two that covers E, at most 128.
+    two that covers E, at most 128. ``out``: a pair (ids, weights) to write into; ``stream``:
+    where the kernel is launched (None: the default stream).
     """
-    _check_router(x, gate, bias, config)
-    if threads is not None and threads not in (32, 64, 128):
-        raise ValueError(f"threads must be None or one of (32, 64, 128), got {threads!r}")
-    ids, weights = _route_on_device(to_device(x, np.float32), to_device(gate, np.float32),
-                                    to_device(bias, np.float32), config, threads)
-    if any(is_device_array(a) for a in (x, gate, bias)):
-        return ids, weights
-    return ids.copy_to_host(), weights.copy_to_host()
+    x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out)
+    out_ids, out_weights = out or (None, None)
+    shape = (x.shape[0], config.num_experts_per_tok)
+    ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
+    if x.shape[0]:
+        _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
+                      config, threads, ids, weights, stream)
+    return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)
 # --8<-- [end:route]
 
 
+def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None):
+    """The reference's shapes, float32 on the device, ``out`` (T, D), ``scratch`` (a
+    ``dense_scratch``). Returns the four arrays as numpy or device arrays."""
+    x, gate_proj, up_proj, down_proj = (host_or_device(a, np.float32)
+                                        for a in (x, gate_proj, up_proj, down_proj))
+    reference.check_swiglu(x, gate_proj, up_proj, down_proj)
+    check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+    check_out(out, x.shape)
+    if scratch is not None:
+        rows = x.shape[0]
+        _check_scratch(scratch, "scratch", ids=((rows, 1), np.int64), weights=((rows, 1), np.float32),
+                       hidden=((rows, 1, gate_proj.shape[0]), np.float32))
+    return x, gate_proj, up_proj, down_proj
+
+
 # --8<-- [start:swiglu]
-def swiglu(x, gate_proj, up_proj, down_proj):
-    """down(silu(gate x) * up x): x (T, D), gate/up (F, D), down (D, F) -> (T, D)."""
-    _check_swiglu(x, gate_proj, up_proj, down_proj)
-    rows, width = x.shape
-    features = gate_proj.shape[0]
-    out = poisoned((rows, width))                                             # [T, D]
+def swiglu(x, gate_proj, up_proj, down_proj, *, out=None, stream=None, scratch: DenseScratch | None = None):
+    """down(silu(gate x) * up x): x (T, D), gate/up (F, D), down (D, F) -> (T, D).
+
+    ``scratch`` (from ``dense_scratch``) holds the intermediate buffers; new ones by default.
+    """
+    x, gate_proj, up_proj, down_proj = check_swiglu(x, gate_proj, up_proj, down_proj,
+                                                    out=out, scratch=scratch)
+    (rows, width), features = x.shape, gate_proj.shape[0]
+    d_out = output(out, (rows, width), stream=stream)                         # [T, D]
     if rows and width:
-        ids, weights = _dense_slots(rows)
-        _launch_experts(to_device(x, np.float32),
-                        to_device(gate_proj, np.float32).reshape(1, features, width),
-                        to_device(up_proj, np.float32).reshape(1, features, width),
-                        to_device(down_proj, np.float32).reshape(1, width, features),
-                        ids, weights, out, False)
-    return to_host_if(out, x, gate_proj, up_proj, down_proj)
+        _launch_dense(to_device(x, np.float32), to_device(gate_proj, np.float32),
+                      to_device(up_proj, np.float32), to_device(down_proj, np.float32),
+                      scratch or dense_scratch(rows, features, stream), d_out, False, stream)
+    return deliver(d_out, out, x, gate_proj, up_proj, down_proj)
 # --8<-- [end:swiglu]
 
 
@@ -357,55 +410,150 @@ def device_params(params: MoEParams) -> MoEParams:
 # --8<-- [end:device_params]
 
 
-def _check_moe(x, params: MoEParams, config: ModelConfig) -> None:
-    _check_router(x, params.gate, params.bias, config)
-    experts, width = params.gate.shape
-    if len(params.gate_proj.shape) != 3 or tuple(params.gate_proj.shape[::2]) != (experts, width):
-        raise ValueError(f"params.gate_proj must be (E, F, D) = ({experts}, F, {width}), "
-                         f"got shape {tuple(params.gate_proj.shape)}")
-    features = params.gate_proj.shape[1]
-    _check_shape("params.up_proj", params.up_proj, (experts, features, width), "(E, F, D)")
-    _check_shape("params.down_proj", params.down_proj, (experts, width, features), "(E, D, F)")
-    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
-    if any(a is None for a in shared) and not all(a is None for a in shared):
-        raise ValueError("params.shared_gate_proj, shared_up_proj and shared_down_proj must be "
-                         "all arrays or all None")
-    if shared[0] is not None:
-        try:
-            _check_swiglu(x, *shared)
-        except ValueError as error:
-            raise ValueError(f"shared expert: {error}") from None
-    check_float32(gate_proj=params.gate_proj, up_proj=params.up_proj, down_proj=params.down_proj)
+def _arrays(params: MoEParams) -> dict:
+    """The arrays of ``params`` by field name (a missing shared expert left out)."""
+    return {field.name: getattr(params, field.name) for field in dataclasses.fields(params)
+            if getattr(params, field.name) is not None}
+
+
+def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None):
+    """The reference's shapes, the router kernel's limits, float32 on the device, ``out`` (T, D),
+    ``scratch`` (a ``moe_scratch``). Returns x as numpy or a device array."""
+    x = host_or_device(x, np.float32)
+    reference.check_moe(x, params, config)
+    _check_router_limits(config, None)
+    check_float32(x=x, **_arrays(params))
+    check_out(out, x.shape)
+    if scratch is not None:
+        rows, top_k, features = x.shape[0], config.num_experts_per_tok, params.gate_proj.shape[1]
+        _check_scratch(scratch, "scratch", ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
+                       hidden=((rows, top_k, features), np.float32))
+        if (scratch.shared is None) != (params.shared_gate_proj is None):
+            raise ValueError("scratch.shared must be a dense_scratch exactly when params has a shared expert")
+        if scratch.shared is not None:
+            _check_scratch(scratch.shared, "scratch.shared", ids=((rows, 1), np.int64),
+                           weights=((rows, 1), np.float32),
+                           hidden=((rows, 1, params.shared_gate_proj.shape[0]), np.float32))
+    return x
 
 
 # --8<-- [start:moe]
-def moe(x, params: MoEParams, config: ModelConfig):
+def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
+        scratch: MoEScratch | None = None):
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
     experts in slot order. Host ``params`` are copied to the device on each call; pass
-    ``device_params(params)`` to keep them there.
+    ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
+    intermediate buffers; new ones by default.
     """
-    _check_moe(x, params, config)
+    x = check_moe(x, params, config, out=out, scratch=scratch)
     rows, width = x.shape
-    out = poisoned((rows, width))                                             # [T, D]
+    d_out = output(out, (rows, width), stream=stream)                         # [T, D]
     if rows and width:
-        weights_on_device = device_params(params)
-        x_on_device = to_device(x, np.float32)
-        ids, weights = _route_on_device(x_on_device, weights_on_device.gate, weights_on_device.bias,
-                                        config, None)                         # [T, k], [T, k]
-        accumulate = False
-        if weights_on_device.shared_gate_proj is not None:
-            features = weights_on_device.shared_gate_proj.shape[0]
-            one_id, one_weight = _dense_slots(rows)
-            _launch_experts(x_on_device,
-                            weights_on_device.shared_gate_proj.reshape(1, features, width),
-                            weights_on_device.shared_up_proj.reshape(1, features, width),
-                            weights_on_device.shared_down_proj.reshape(1, width, features),
-                            one_id, one_weight, out, False)
-            accumulate = True
-        _launch_experts(x_on_device, weights_on_device.gate_proj, weights_on_device.up_proj,
-                        weights_on_device.down_proj, ids, weights, out, accumulate)
-    arrays = [getattr(params, field.name) for field in dataclasses.fields(params)]
-    return to_host_if(out, x, *[a for a in arrays if a is not None])
+        weights, d_x = device_params(params), to_device(x, np.float32)
+        scratch = scratch or moe_scratch(rows, weights, config, stream)
+        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.ids, scratch.weights, stream)
+        shared = weights.shared_gate_proj is not None
+        if shared:
+            _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
+                          scratch.shared, d_out, False, stream)
+        _launch_experts(d_x, weights.gate_proj, weights.up_proj, weights.down_proj, scratch.ids,
+                        scratch.weights, scratch.hidden, d_out, shared, stream)     # added to the shared
+    return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]
+
+
+def _route_cost(*, T: int, D: int, E: int, k: int) -> tuple[int, int]:
+    # x (T, D), gate (E, D), bias (E,) read once; ids (int64) and weights written; the gate GEMV
+    return F32 * (T * D + E * D + E) + T * k * (I64 + F32), 2 * T * E * D
+
+
+def _swiglu_cost(*, T: int, D: int, F: int) -> tuple[int, int]:
+    # x (T, D) and the three (F, D) matrices read once, y (T, D) written once; three GEMVs
+    return F32 * (2 * T * D + 3 * F * D), 2 * T * 3 * F * D
+
+
+def _moe_cost(*, T: int, D: int, E: int, F: int, Fs: int, k: int, used: int) -> tuple[int, int]:
+    # x read and y written, the router's gate and bias, the ``used`` routed experts the tokens
+    # chose and the shared expert read once; the router, the shared expert, k experts per token
+    return (F32 * (2 * T * D + E * D + E + 3 * used * F * D + 3 * Fs * D),
+            2 * T * E * D + 2 * T * 3 * Fs * D + 2 * T * k * 3 * F * D)
+
+
+_COSTS = {"route": _route_cost, "swiglu": _swiglu_cost, "moe": _moe_cost}
+
+
+def bytes_moved(operation: str = "moe", **dims: int) -> int:
+    """Fewest bytes an operation moves through device memory (inputs read once, outputs written
+    once; float32 4 B, int64 8 B). Dimensions by the glossary: "route" (T, D, E, k), "swiglu"
+    (T, D, F), "moe" (T, D, E, F, Fs, k, used: the distinct routed experts the tokens chose)."""
+    return _COSTS[operation](**dims)[0]
+
+
+def flops(operation: str = "moe", **dims: int) -> int:
+    """Floating-point operations (a multiply-add counts 2; sigmoids not counted), dimensions as in
+    ``bytes_moved``."""
+    return _COSTS[operation](**dims)[1]
+
+
+def _route_case(sizes):
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    config, rows = sizes.config, sizes.route_tokens
+    hidden, experts, top_k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
+    dims = {"T": rows, "D": hidden, "E": experts, "k": top_k}
+    return Case("moe_route", f"router: sigmoid scores, top-{top_k} of {experts} experts, {rows} tokens",
+                f"x ({rows}, {hidden}) gate ({experts}, {hidden})",
+                setup=lambda seed: (uniform((rows, hidden), seed),
+                                    uniform((experts, hidden), seed + 1, 1 / math.sqrt(hidden)),
+                                    uniform((experts,), seed + 2, 0.01), config),
+                call=lambda inputs: route(*inputs),
+                bytes=bytes_moved("route", **dims), flops=flops("route", **dims))
+
+
+def _reduced_moe_case(sizes):
+    """The MoE layer with fewer routed experts (the real expert and shared sizes, the same top-k)."""
+    import zlib
+
+    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+
+    full = sizes.config
+    config = dataclasses.replace(full, n_routed_experts=sizes.moe_experts)
+    rows, experts = sizes.moe_tokens, sizes.moe_experts
+    hidden, features = full.hidden_size, full.moe_intermediate_size
+    shared = full.n_shared_experts * features                                  # Fs
+    rng = np.random.default_rng(zlib.crc32(b"moe_reduced"))
+    x = rng.uniform(-1, 1, (rows, hidden)).astype(np.float32)                 # [T, D] host copies:
+    gate = rng.uniform(-1, 1, (experts, hidden)).astype(np.float32) / np.float32(math.sqrt(hidden))
+    bias = rng.uniform(-0.01, 0.01, experts).astype(np.float32)               # routing on the host
+    used = np.unique(reference.route(x, gate, bias, config)[0]).size          # counts experts read
+
+    def setup(seed):
+        params = MoEParams(
+            gate=cuda.to_device(gate), bias=cuda.to_device(bias),
+            gate_proj=uniform((experts, features, hidden), seed, 1 / math.sqrt(hidden)),
+            up_proj=uniform((experts, features, hidden), seed + 1, 1 / math.sqrt(hidden)),
+            down_proj=uniform((experts, hidden, features), seed + 2, 1 / math.sqrt(features)),
+            shared_gate_proj=uniform((shared, hidden), seed + 3, 1 / math.sqrt(hidden)),
+            shared_up_proj=uniform((shared, hidden), seed + 4, 1 / math.sqrt(hidden)),
+            shared_down_proj=uniform((hidden, shared), seed + 5, 1 / math.sqrt(shared)))
+        return cuda.to_device(x), params, config
+
+    weights_gb = (experts * 3 * features * hidden + 3 * shared * hidden) * F32 / 1e9
+    dims = {"T": rows, "D": hidden, "E": experts, "F": features, "Fs": shared,
+            "k": full.num_experts_per_tok}
+    return Case("moe_reduced", f"MoE layer, {rows} tokens, {experts} experts instead of "
+                f"{full.n_routed_experts} (weights {weights_gb:.1f} GB), top-{full.num_experts_per_tok} "
+                "+ shared expert", f"x ({rows}, {hidden}) experts ({experts}, {features}, {hidden})",
+                setup=setup, call=lambda inputs: moe(*inputs),
+                bytes=bytes_moved("moe", **dims, used=used), flops=flops("moe", **dims, used=used),
+                note=f"bytes: the {used} experts chosen read once")
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: the router alone, a reduced MoE layer."""
+    return [_route_case(sizes), _reduced_moe_case(sizes)]
+
+
+MAX_THREADS = MAX_TPB  # TRANSITIONAL: kernels/model.py's old name, until it uses kernels.blocks.MAX_TPB

@@ -18,8 +18,8 @@ import pytest
 from ddtree import moe as ref
 from ddtree.config import ModelConfig, preset
 from kernels import moe as gpu
-from kernels.device import is_device_array, to_device
-from tests.helpers import assert_close, assert_exact
+from kernels.device import cuda, is_device_array, to_device
+from tests.helpers import assert_close, assert_exact, no_transfers
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -256,6 +256,47 @@ def test_swiglu_device_arrays_stay_on_the_device():
     out = gpu.swiglu(to_device(x), to_device(gate_proj), to_device(up_proj), to_device(down_proj))
     assert is_device_array(out)
     assert_close(out.copy_to_host(), ref.swiglu(x, gate_proj, up_proj, down_proj), rtol=RTOL, atol=ATOL)
+
+
+def test_out_and_scratch_on_the_device_allocate_and_copy_nothing():
+    config = config_with(moe_intermediate_size=11)
+    params = gpu.device_params(random_params(config, 19, seed=4))
+    host_x = np.random.default_rng(5).standard_normal((3, 19)).astype(np.float32)
+    x, stream = to_device(host_x), cuda.default_stream()
+    ids, weights = to_device(np.zeros((3, 3), np.int64)), to_device(np.zeros((3, 3), np.float32))
+    layer_out, dense_out = to_device(np.zeros((3, 19), np.float32)), to_device(np.zeros((3, 19), np.float32))
+    scratch = gpu.moe_scratch(3, params, config)
+    dense = gpu.dense_scratch(3, params.shared_gate_proj.shape[0])
+    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+    with no_transfers():
+        routed = gpu.route(x, params.gate, params.bias, config, out=(ids, weights), stream=stream)
+        assert gpu.moe(x, params, config, out=layer_out, stream=stream, scratch=scratch) is layer_out
+        assert gpu.swiglu(x, *shared, out=dense_out, stream=stream, scratch=dense) is dense_out
+    assert routed[0] is ids and routed[1] is weights
+    host_params = ref.MoEParams(**{name: None if a is None else a.copy_to_host()
+                                   for name, a in vars(params).items()})
+    expected_ids, expected_weights = ref.route(host_x, host_params.gate, host_params.bias, config)
+    assert_exact(ids.copy_to_host(), expected_ids)
+    assert_close(weights.copy_to_host(), expected_weights, rtol=RTOL, atol=1e-7)
+    assert_close(layer_out.copy_to_host(), ref.moe(host_x, host_params, config), rtol=RTOL, atol=ATOL)
+    expected = ref.swiglu(host_x, *(a.copy_to_host() for a in shared))
+    assert_close(dense_out.copy_to_host(), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_bad_scratch_and_out_are_named():
+    config = config_with(moe_intermediate_size=4)
+    params = random_params(config, 8, seed=0)
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"scratch.hidden must be float32 of shape \(2, 3, 4\)"):
+        gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(
+            hidden=to_device(np.zeros((2, 3, 5), np.float32))))
+    with pytest.raises(ValueError, match="scratch.shared must be a dense_scratch"):
+        gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(shared=None))
+    with pytest.raises(ValueError, match="scratch.ids must be a device array"):
+        gpu.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj,
+                   scratch=gpu.DenseScratch(np.zeros((2, 1), np.int64), None, None))
+    with pytest.raises(ValueError, match=r"out\[1\] \(weights\) must be float32"):
+        gpu.route(x, params.gate, params.bias, config, out=(np.zeros((2, 3), np.int64), np.zeros((2, 3))))
 
 
 def test_bad_inputs_are_named():
