@@ -24,29 +24,13 @@ from treeplot import draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.accept as gpu
-from ddtree import golden
 from ddtree.accept import accept
-from ddtree.config import preset
 from ddtree.decode import generate_ddtree
 from ddtree.drafters import make_drafter
-from ddtree.model import Transformer
-from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
 STEM = "09_accept"
 BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
-
-
-def record_accept(model, rounds: list):
-    """Wrap model.ops.accept so that every round's (tree, posterior) is kept."""
-    inner = model.ops.accept
-
-    def recording(tree, posterior):
-        rounds.append((tree, np.asarray(posterior).copy()))
-        return inner(tree, posterior)
-
-    model.ops.accept = recording
-    return inner
 
 
 def print_walk(tree, posterior) -> None:
@@ -59,63 +43,69 @@ def print_walk(tree, posterior) -> None:
         match = kids[tree.tokens[kids] == choice]
         verdict = f"#{match[0]} carries it (rank {int(tree.ranks[match[0]])}): accept" if match.size \
             else f"no child carries it: stop, bonus = {choice}"
-        print(f"  at #{node} ({int(tree.tokens[node])}): the target says {choice}; "
-              f"children [{offered}] -> {verdict}")
+        print(f"  at #{node} ({int(tree.tokens[node])}): the target says {choice}; children {offered}")
+        print(f"    -> {verdict}")
         if not match.size:
             return
         node = int(match[0])
 
 
-def main() -> None:
-    """Record every round of a noisy-oracle generation, walk one round, check the numba accept."""
-    config = preset("tiny")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    bundle = golden.load_bundle("tiny")
-    prompt, ar_tokens = bundle["prompt"], bundle["tokens"]
-    drafter = make_drafter("noisy", model, prompt, NEW_TOKENS)
+def record_rounds(setup):
+    """A noisy-oracle generation; every round's (tree, posterior) as ops.accept received them."""
+    drafter = make_drafter("noisy", setup.model, setup.prompt, NEW_TOKENS)
+    with chapter.record_ops(setup.model, "accept") as calls:
+        tokens, trace = generate_ddtree(setup.model, setup.prompt, NEW_TOKENS, drafter,
+                                        block_size=BLOCK_SIZE, budget=BUDGET)
+    assert np.array_equal(tokens, setup.ar_tokens), "DDTree must emit the AR tokens"
+    print(f"noisy oracle, block {BLOCK_SIZE}, budget {BUDGET}: {len(calls)} rounds, "
+          f"DDTree == AR: {np.array_equal(tokens, setup.ar_tokens)}")
+    print(f"  committed per round {[r.committed for r in trace.rounds]}")
+    return [call.args for call in calls], trace
 
-    rounds = []
-    record_accept(model, rounds)
-    tokens, trace = generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK_SIZE, budget=BUDGET)
-    assert np.array_equal(tokens, ar_tokens), "DDTree must emit the AR tokens"
-    print(f"noisy oracle, block {BLOCK_SIZE}, budget {BUDGET}: {len(rounds)} rounds, committed per round "
-          f"{[r.committed for r in trace.rounds]}, DDTree == AR: {np.array_equal(tokens, ar_tokens)}")
 
-    # the round to show: its accepted path leaves the top-1 chain (some accepted rank > 0), longest first
+def most_interesting(rounds) -> int:
+    """The round to show: its accepted path leaves the top-1 chain (some rank > 0), longest first."""
     def interest(index):
         tree, posterior = rounds[index]
         accepted, _ = accept(tree, posterior)
         return (bool(np.any(tree.ranks[accepted[1:]] > 0)), accepted.size)
 
     shown = max(range(len(rounds)), key=interest)
+    assert interest(shown)[0], "no round's accepted path leaves the top-1 chain"
+    return shown
+
+
+def walk_report(setup, rounds, trace, shown: int) -> None:
     tree, posterior = rounds[shown]
     accepted, bonus = accept(tree, posterior)
-    assert np.any(tree.ranks[accepted[1:]] > 0), "no round's accepted path leaves the top-1 chain"
     record = trace.rounds[shown]
     done = sum(r.committed for r in trace.rounds[:shown])
-    print()
+    committed = [int(t) for t in tree.tokens[accepted[1:]]] + [bonus]
     with chapter.section("walk"):
         print(f"round {shown}: root {int(tree.tokens[0])} at position {record.start}, "
               f"{tree.size - 1} drafted nodes")
         print_walk(tree, posterior)
-        committed = [int(t) for t in tree.tokens[accepted[1:]]] + [bonus]
         print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}), "
               f"bonus {bonus}: commits {committed}")
-        print(f"  AR tokens at those positions: {ar_tokens[done:done + len(committed)].tolist()}")
+        print(f"  AR tokens at those positions: {setup.ar_tokens[done:done + len(committed)].tolist()}")
         off_chain = int(np.flatnonzero(tree.ranks[accepted[1:]] > 0)[0]) + 1     # depth of the first rank > 0
         print(f"  a single chain (topk=1) would stop at depth {off_chain}, where the walk takes rank "
-              f"{int(tree.ranks[accepted[off_chain]])}, and commit {off_chain} tokens; the tree commits "
-              f"{len(committed)}")
-    assert committed == ar_tokens[done:done + len(committed)].tolist()
+              f"{int(tree.ranks[accepted[off_chain]])},")
+        print(f"  and commit {off_chain} tokens; the tree commits {len(committed)}")
+    assert committed == setup.ar_tokens[done:done + len(committed)].tolist()
     assert np.array_equal(accepted, record.accepted) and bonus == record.bonus
 
-    fig, ax = plt.subplots(figsize=(10, 0.3 * tree_height(tree) + 1.6))
-    draw_tree(ax, tree, accepted=accepted, bonus=bonus, fontsize=8, start=record.start,
-              title=f"round {shown}: accepted path (orange) and bonus token (green); #n = pop order")
+    fig, ax = plt.subplots(figsize=(8, 0.32 * tree_height(tree) + 1.6))
+    draw_tree(ax, tree, accepted=accepted, bonus=bonus, fontsize=9, start=record.start, top1=True,
+              title=f"round {shown}: accepted path (orange), bonus (green), top-1 chain (purple)")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "path")
 
-    # numba: one tree, then every round in one launch (padded to the widest tree)
+
+def check_kernels(rounds, shown: int) -> None:
+    """numba: one tree, then every round in one launch (padded to the widest tree)."""
+    tree, posterior = rounds[shown]
+    accepted, bonus = accept(tree, posterior)
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
     with chapter.timed("numba accept"):
         got, got_bonus = gpu.accept(tree, posterior)
@@ -133,9 +123,19 @@ def main() -> None:
     expected = [accept(t, p) for t, p in rounds]
     same = all(np.array_equal(batch_accepted[b, :lengths[b]], walk) and bonuses[b] == last
                for b, (walk, last) in enumerate(expected))
-    print(f"  accept_batch: {len(rounds)} trees of width {width} in one launch, lengths {lengths.tolist()}, "
-          f"identical to numpy: {same}")
+    print(f"  accept_batch: {len(rounds)} trees of width {width} in one launch, lengths {lengths.tolist()}")
+    print(f"    identical to numpy: {same}")
     assert same
+
+
+def main() -> None:
+    """Record every round of a noisy-oracle generation, walk one round, check the numba accept."""
+    setup = chapter.golden_model("tiny")
+    rounds, trace = record_rounds(setup)
+    shown = most_interesting(rounds)
+    print()
+    walk_report(setup, rounds, trace, shown)
+    check_kernels(rounds, shown)
 
 
 if __name__ == "__main__":
