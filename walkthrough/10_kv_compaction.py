@@ -25,30 +25,15 @@ from matplotlib.patches import Rectangle
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.kv_cache as gpu
-from ddtree import golden
 from ddtree.config import preset
 from ddtree.decode import generate_ddtree
 from ddtree.drafters import make_drafter
 from ddtree.kv_cache import compact
-from ddtree.model import Transformer
-from ddtree.weights import init_weights
 from kernels.device import SIMULATOR
 
 STEM = "10_kv_compaction"
 BLOCK_SIZE, BUDGET, NEW_TOKENS = 8, 32, 24
 MAX_SHOWN_SLOT = 12          # the figure shows slots start .. start + accepted[-1] + 2
-
-
-def record_compact(model, calls: list):
-    """Wrap model.ops.compact: keep (a copy of the cache before compaction, start, accepted)."""
-    inner = model.ops.compact
-
-    def recording(cache, start, accepted):
-        calls.append((copy.deepcopy(cache), int(start), np.asarray(accepted).copy()))
-        return inner(cache, start, accepted)
-
-    model.ops.compact = recording
-    return inner
 
 
 # --8<-- [start:racy_compact]
@@ -78,11 +63,13 @@ def whose_rows(cache, before, start: int, count: int) -> list[int]:
     return owners
 
 
-def draw_slots(ax, y, start, labels, colors, title):
+def draw_slots(ax, y, labels, colors, title, edges=None):
     for k, (label, color) in enumerate(zip(labels, colors, strict=True)):
-        ax.add_patch(Rectangle((k - 0.45, y - 0.3), 0.9, 0.6, fc=color, ec="#444444", lw=0.6))
-        ax.text(k, y, label, ha="center", va="center", fontsize=7)
-    ax.text(-0.7, y, title, ha="right", va="center", fontsize=8)
+        edge = (edges or {}).get(k, "#444444")
+        ax.add_patch(Rectangle((k - 0.45, y - 0.3), 0.9, 0.6, fc=color, ec=edge,
+                               lw=2.2 if k in (edges or {}) else 0.6))
+        ax.text(k, y, label, ha="center", va="center", fontsize=8)
+    ax.text(-0.7, y, title, ha="right", va="center", fontsize=9)
 
 
 def kimi_compaction_bytes(kept: int) -> None:
@@ -90,101 +77,118 @@ def kimi_compaction_bytes(kept: int) -> None:
     row = kimi.num_hidden_layers * kimi.latent_cache_width * 4         # one token, every layer, fp32
     moved = 2 * 2 * kept * row                                          # 2 launches x (read + write)
     print(f"  Kimi K2.6: one token's cache row = {kimi.num_hidden_layers} layers x "
-          f"{kimi.latent_cache_width} floats x 4 B = {row / 1e3:.0f} KB; compacting m = {kept} rows moves "
-          f"{moved / 1e6:.2f} MB ({moved / 4.8e12 * 1e6:.2f} us at 4.8 TB/s) in 2 launches")
+          f"{kimi.latent_cache_width} floats x 4 B = {row / 1e3:.0f} KB")
+    print(f"  compacting m = {kept} rows moves {moved / 1e6:.2f} MB ({moved / 4.8e12 * 1e6:.2f} us at "
+          f"4.8 TB/s) in 2 launches")
 
 
-def main() -> None:
-    """Find a round whose parallel in-place copy races, replay it, check the numba compaction."""
-    config = preset("tiny")
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED))
-    prompt = golden.default_prompt("tiny")
-    ar_tokens = golden.load_bundle("tiny")["tokens"]
+def compactions(setup, drafter_name: str, seed: int = 0):
+    """One generation; the recorded compact calls: (cache before, start, accepted) per round."""
+    drafter = make_drafter(drafter_name, setup.model, setup.prompt, NEW_TOKENS, seed=seed)
+    with chapter.record_ops(setup.model, "compact") as calls:
+        tokens, trace = generate_ddtree(setup.model, setup.prompt, NEW_TOKENS, drafter,
+                                        block_size=BLOCK_SIZE, budget=BUDGET)
+    assert np.array_equal(tokens, setup.ar_tokens)
+    fast = sum(np.array_equal(call.args[2], np.arange(call.args[2].size)) for call in calls)
+    print(f"{drafter_name} seed {seed}: fast path (nothing to move) in {fast} of {len(calls)} rounds; "
+          f"accepted per round:")
+    print("  " + " ".join(str(call.args[2].tolist()) for call in calls))
+    return [call.args for call in calls], trace
 
-    # a real round whose parallel copy would race (and whose window fits the figure)
-    rounds_seen, rounds_racy = 0, 0
+
+def find_race(setup):
+    """The first round, over noisy seeds 0, 1, ..., whose parallel in-place copy could race (and
+    whose window fits the figure); also counts racy rounds among all rounds searched."""
+    seen = racy = 0
     for seed in range(8):
-        calls = []
-        inner = record_compact(model, calls)
-        drafter = make_drafter("noisy", model, prompt, NEW_TOKENS, seed=seed)
-        tokens, trace = generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK_SIZE,
-                                        budget=BUDGET)
-        model.ops.compact = inner
-        assert np.array_equal(tokens, ar_tokens)
-        fast = sum(np.array_equal(a, np.arange(a.size)) for _, _, a in calls)
-        print(f"noisy seed {seed}: accepted per round {[a.tolist() for _, _, a in calls]}; "
-              f"fast path (nothing to move) in {fast} of {len(calls)} rounds")
-        rounds_seen += len(calls)
-        rounds_racy += sum(bool(hazards(a)) for _, _, a in calls)
+        calls, trace = compactions(setup, "noisy", seed)
+        seen += len(calls)
+        racy += sum(bool(hazards(accepted)) for _, _, accepted in calls)
         racing = [r for r, (_, _, a) in enumerate(calls) if hazards(a) and a[-1] < MAX_SHOWN_SLOT]
         if racing:
-            break
-    assert racing, "no round with a hazard found"
-    print(f"rounds whose parallel in-place copy could race, noisy seeds 0..{seed}: "
-          f"{rounds_racy} of {rounds_seen}")
-    oracle_calls = []
-    inner = record_compact(model, oracle_calls)
-    generate_ddtree(model, prompt, NEW_TOKENS, make_drafter("oracle", model, prompt, NEW_TOKENS),
-                    block_size=BLOCK_SIZE, budget=BUDGET)
-    model.ops.compact = inner
-    fast = sum(np.array_equal(a, np.arange(a.size)) for _, _, a in oracle_calls)
-    print(f"oracle: accepted per round {[a.tolist() for _, _, a in oracle_calls]}; fast path in {fast} of "
-          f"{len(oracle_calls)} rounds (its top-1 chain pops first: nodes 1..L)")
-    shown = racing[0]
-    before, start, accepted = calls[shown]
-    kept = accepted.size
-    good = copy.deepcopy(before)
+            print(f"rounds whose parallel in-place copy could race, noisy seeds 0..{seed}: {racy} of {seen}")
+            return seed, racing[0], calls[racing[0]], trace
+    raise AssertionError("no round with a hazard found")
+
+
+def replay_race(seed, shown, call):
+    """Compact one round sequentially and under the last-first schedule; whose rows end where."""
+    before, start, accepted = call
+    good, bad = copy.deepcopy(before), copy.deepcopy(before)
     compact(good, start, accepted)
-    bad = copy.deepcopy(before)
     racy_compact(bad, start, accepted)
-    good_rows = whose_rows(good, before, start, kept)
-    bad_rows = whose_rows(bad, before, start, kept)
-    print()
+    good_rows = whose_rows(good, before, start, accepted.size)
+    bad_rows = whose_rows(bad, before, start, accepted.size)
     with chapter.section("race"):
         print(f"seed {seed}, round {shown}: tree rows at slots {start}..{before.length - 1}, "
-              f"accepted {accepted.tolist()} -> slots {start}..{start + kept - 1}")
+              f"accepted {accepted.tolist()} -> slots {start}..{start + accepted.size - 1}")
         for j in hazards(accepted):
             print(f"  hazard: thread {j} reads slot {start + accepted[j]}, which thread {accepted[j]} "
                   f"overwrites with slot {start + accepted[accepted[j]]}")
         print(f"  sequential in place (j = 0, 1, ...): slots hold the rows of nodes {good_rows}")
         print(f"  parallel in place, threads last-first: slots hold the rows of nodes {bad_rows}  <- wrong")
     assert good_rows == accepted.tolist() and bad_rows != accepted.tolist()
+    return good, good_rows, bad_rows
 
-    # the figure: the window of slots that matters
-    width = int(accepted[-1]) + 3
+
+def plot_race(seed, shown, call, verify_tokens, good_rows, bad_rows) -> None:
+    """Three rows of slots: after verify, after the sequential copy, after the last-first copy.
+
+    Red fill: a slot that ends with the wrong row. Red outline: the source row that a later thread
+    overwrote before the thread that needed it had read it.
+    """
+    _, start, accepted = call
+    kept, width = accepted.size, int(accepted[-1]) + 3
+    lost = {int(accepted[j]) for j in hazards(accepted)}                   # sources overwritten first
     orange, grey, red, green = "#fdae6b", "#f0f0f0", "#fb6a4a", "#a1d99b"
-    fig, ax = plt.subplots(figsize=(12, 3.6))
-    verify_tokens = trace.rounds[shown].tokens                                   # [N] node order
+    fig, ax = plt.subplots(figsize=(9, 3.9))
     labels = [f"{start + i}\n#{i} {int(verify_tokens[i])}" for i in range(width)]
-    draw_slots(ax, 2, start, labels, [orange if i in accepted else grey for i in range(width)],
-               "after verify\n(tree rows, node order)")
+    draw_slots(ax, 2, labels, [orange if i in accepted else grey for i in range(width)],
+               "after verify\n(tree rows,\nnode order)", edges={i: "#cb181d" for i in lost})
     labels = [f"{start + j}\n#{good_rows[j]}" if j < kept else f"{start + j}\nfree" for j in range(width)]
-    draw_slots(ax, 0.6, start, labels, [green if j < kept else "white" for j in range(width)],
-               "after compaction\n(sequential, in place)")
+    draw_slots(ax, 0.6, labels, [green if j < kept else "white" for j in range(width)],
+               "sequential,\nin place")
     labels = [f"{start + j}\n#{bad_rows[j]}" if j < kept else f"{start + j}\nfree" for j in range(width)]
     colors = [("white" if j >= kept else green if bad_rows[j] == accepted[j] else red) for j in range(width)]
-    draw_slots(ax, -0.8, start, labels, colors, "parallel in place,\nthreads last-first")
+    draw_slots(ax, -0.8, labels, colors, "parallel,\nlast-first")
     for j, a in enumerate(accepted):
         ax.annotate("", (j, 0.92), xytext=(a, 1.68),
                     arrowprops=dict(arrowstyle="->", color="#e6550d" if a != j else "#999999", lw=1.2))
-    ax.set_xlim(-4.2, width)
+    ax.set_xlim(-3.4, width)
     ax.set_ylim(-1.3, 2.5)
     ax.axis("off")
     ax.set_title(f"Round {shown} (noisy seed {seed}): slot start + j <- slot start + accepted[j], "
-                 f"accepted = {accepted.tolist()}; red = a row overwritten before it was read", fontsize=9)
+                 f"accepted = {accepted.tolist()}\nred outline: a row overwritten before it was read; "
+                 "red fill: the slot that got a wrong row", fontsize=9)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "slots")
 
-    # numba: gather into scratch, then write back (two launches); the same cache afterwards
+
+def check_kernel(call, good) -> None:
+    """numba: gather into scratch, then write back (two launches); the same cache afterwards."""
+    before, start, accepted = call
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
     on_gpu = copy.deepcopy(before)
     with chapter.timed("numba compact"):
         gpu.compact(on_gpu, start, accepted)
     same = (on_gpu.length == good.length and np.array_equal(on_gpu.latent, good.latent, equal_nan=True)
             and np.array_equal(on_gpu.rope, good.rope, equal_nan=True))
-    print(f"  compact (cache {before.latent.shape} latent + {before.rope.shape} rope, m = {kept}): "
-          f"identical to numpy, length {on_gpu.length}: {same}")
+    print(f"  compact (cache {before.latent.shape} latent + {before.rope.shape} rope, m = {accepted.size}):")
+    print(f"    identical to numpy, length {on_gpu.length}: {same}")
     assert same
+
+
+def main() -> None:
+    """Find a round whose parallel in-place copy races, replay it, check the numba compaction."""
+    setup = chapter.golden_model("tiny")
+    seed, shown, call, trace = find_race(setup)
+    oracle_calls, _ = compactions(setup, "oracle")
+    assert all(np.array_equal(a, np.arange(a.size)) for _, _, a in oracle_calls), \
+        "the oracle's top-1 chain pops first (nodes 1..L): nothing to move"
+    print()
+    good, good_rows, bad_rows = replay_race(seed, shown, call)
+    plot_race(seed, shown, call, trace.rounds[shown].tokens, good_rows, bad_rows)
+    check_kernel(call, good)
     kimi_compaction_bytes(BLOCK_SIZE)
 
 
