@@ -1,22 +1,25 @@
 """The draft tree on the GPU: one thread block builds one request's tree; the visibility mask.
 
 Legend: Bq requests, L depths, K candidates per depth, B node budget (root not counted),
-W = B + 1 padded tree width, N tree nodes (root included).
+W = B + 1 padded tree width, N tree nodes (root included), TPB threads per block.
 
 Kernels:
-- ``_build_trees_kernel``: one block per request. The live frontier (at most B + 1 candidates)
+- ``build_trees_kernel``: one block per request. The live frontier (at most B + 1 candidates)
   and the nodes popped so far sit in shared memory; every pop is a block-wide argmax over the
-  frontier (a strided scan per thread, then a shared-memory tree reduction).
-- ``_visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
+  frontier (``_best_candidate``: a strided scan per thread, then a shared-memory tree reduction)
+  followed by one thread's bookkeeping (``_pop``).
+- ``visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
 
 The result is bit-identical to ``ddtree.tree.build_tree``: the same float32 weights, summed root
 to leaf (a sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule
 (equal weights: the lexicographically smallest rank tuple pops first, a prefix before its
-extensions). Both follow from comparing candidates with one strict total order, so the argmax
-does not depend on how the reduction pairs them up.
+extensions). Both follow from comparing candidates with one strict total order (``_pops_before``),
+so the argmax does not depend on how the reduction pairs them up. That order is not np.argmax's,
+so the builder has its own reduction rather than ``kernels.blocks.block_argmax``.
 
 Shared memory bounds the budget: ``MAX_BUDGET`` = 1024 nodes need 7 tables of 1025 entries
-(4 bytes each, ~29 KB per block, under the 48 KB of static shared memory).
+(4 bytes each, ~29 KB per block, under the 48 KB of static shared memory). ``bytes_moved`` and
+``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import typing
 import numpy as np
 from numba import cuda, float32, int32  # the kernels package chose GPU or simulator already
 
-from ddtree.tree import DraftTree, check_budget, check_candidates, check_parents, check_token
-from kernels.device import is_device_array, poisoned, to_device
+from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
+from ddtree.tree import check_parents as check_host_parents
+from kernels.blocks import MAX_TPB, blocks, check_threads, pow2_threads
+from kernels.device import check_out, deliver, is_device_array, output, to_device
 
 MAX_BUDGET = 1024
 _SLOTS = MAX_BUDGET + 1          # nodes (root + B) and live frontier entries (at most B + 1)
-_MAX_THREADS = 128               # threads per block of the builder (a power of two)
 _NEG_INF = np.float32(-np.inf)
+VIS_TILE = 16                    # visibility: 16 x 16 threads per block over (i, j)
+F32, I64 = 4, 8
 
 
 # --8<-- [start:pops_before]
@@ -72,100 +78,86 @@ def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_ra
 
 
 # --8<-- [start:build_trees_kernel]
-@cuda.jit
-def _build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
-                        tokens, parents, depths, ranks, logprobs, sizes):
-    """One block per request; blockDim.x is a power of two <= _MAX_THREADS.
+@cuda.jit(device=True)
+def _start_tree(top_logprobs, request, budget, node_parent, node_rank, node_depth, node_weight,
+                cand_parent, cand_rank, cand_weight, state):
+    """(one thread) The root is node 0 (weight 0); the frontier starts with (depth 1, rank 0)."""
+    node_parent[0] = -1
+    node_rank[0] = -1
+    node_depth[0] = 0
+    node_weight[0] = float32(0.0)
+    state[0] = 0
+    state[1] = 0
+    if budget > 0 and top_logprobs.shape[1] > 0:
+        cand_parent[0] = 0
+        cand_rank[0] = 0
+        cand_weight[0] = node_weight[0] + top_logprobs[request, 0, 0]
+        state[0] = 1
 
-    Shared memory: the node table (parent, rank, depth, weight per popped node, root = 0), the
-    live frontier (parent, rank, weight per candidate; its depth is the parent's + 1), one
-    frontier slot per thread for the reduction, and [live count, popped count].
-    One pop: every thread finds the best of its strided share of the frontier, a tree
-    reduction finds the block's best, thread 0 appends it to the node table, moves the last
-    frontier entry into its slot and appends its next sibling and first child.
-    Outputs (Bq, W): nodes in pop order, then padding (token 0, parent -1, depth 0, rank -1,
-    log-prob -inf); sizes (Bq,) = n + 1.
-    """
-    request = cuda.blockIdx.x
+
+@cuda.jit(device=True)
+def _best_candidate(live, best, cand_weight, cand_parent, cand_rank, node_parent, node_rank, node_depth):
+    """The frontier slot that pops first, returned to every thread: each thread finds the best of
+    its strided share (slots tid, tid + TPB, ...), then a tree reduction over ``best`` (TPB slots,
+    -1 = none) keeps the one that ``_pops_before`` the other."""
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    depth_max = top_logprobs.shape[1]
-    k = top_logprobs.shape[2]
-    node_parent = cuda.shared.array(_SLOTS, int32)
-    node_rank = cuda.shared.array(_SLOTS, int32)
-    node_depth = cuda.shared.array(_SLOTS, int32)
-    node_weight = cuda.shared.array(_SLOTS, float32)
-    cand_parent = cuda.shared.array(_SLOTS, int32)
-    cand_rank = cuda.shared.array(_SLOTS, int32)
-    cand_weight = cuda.shared.array(_SLOTS, float32)
-    best = cuda.shared.array(_MAX_THREADS, int32)
-    state = cuda.shared.array(2, int32)          # [live frontier entries, popped nodes]
-
-    if tid == 0:
-        node_parent[0] = -1
-        node_rank[0] = -1
-        node_depth[0] = 0
-        node_weight[0] = float32(0.0)
-        state[0] = 0
-        state[1] = 0
-        if budget > 0 and depth_max > 0:         # the heap starts with (depth 1, rank 0)
-            cand_parent[0] = 0
-            cand_rank[0] = 0
-            cand_weight[0] = node_weight[0] + top_logprobs[request, 0, 0]
-            state[0] = 1
-
-    for step in range(budget):
-        cuda.syncthreads()
-        live = state[0]
-        if live == 0:                            # the heap is empty (same value in every thread)
-            break
-        mine = -1                                # 1. best of this thread's share
-        for slot in range(tid, live, threads):
-            if mine < 0 or _pops_before(slot, mine, cand_weight, cand_parent, cand_rank,
-                                        node_parent, node_rank, node_depth):
-                mine = slot
-        best[tid] = mine
-        cuda.syncthreads()
-        stride = threads // 2                    # 2. tree reduction over the threads
-        while stride > 0:
-            if tid < stride:
-                other = best[tid + stride]
-                if other >= 0 and (best[tid] < 0 or _pops_before(
-                        other, best[tid], cand_weight, cand_parent, cand_rank,
-                        node_parent, node_rank, node_depth)):
-                    best[tid] = other
-            cuda.syncthreads()
-            stride //= 2
-        if tid == 0:                             # 3. pop it: node number step + 1
-            slot = best[0]
-            node = step + 1
-            parent = cand_parent[slot]
-            rank = cand_rank[slot]
-            depth = node_depth[parent] + 1
-            node_parent[node] = parent
-            node_rank[node] = rank
-            node_depth[node] = depth
-            node_weight[node] = cand_weight[slot]
-            state[1] = node
-            live -= 1                            # the last entry fills the popped slot
-            cand_parent[slot] = cand_parent[live]
-            cand_rank[slot] = cand_rank[live]
-            cand_weight[slot] = cand_weight[live]
-            if rank + 1 < k:                     # next sibling: parent's weight + its log-prob
-                cand_parent[live] = parent
-                cand_rank[live] = rank + 1
-                cand_weight[live] = node_weight[parent] + top_logprobs[request, depth - 1, rank + 1]
-                live += 1
-            if depth < depth_max:                # first child
-                cand_parent[live] = node
-                cand_rank[live] = 0
-                cand_weight[live] = node_weight[node] + top_logprobs[request, depth, 0]
-                live += 1
-            state[0] = live
-
+    mine = -1
+    for slot in range(tid, live, cuda.blockDim.x):
+        if mine < 0 or _pops_before(slot, mine, cand_weight, cand_parent, cand_rank,
+                                    node_parent, node_rank, node_depth):
+            mine = slot
+    best[tid] = mine
     cuda.syncthreads()
-    size = state[1] + 1
-    for i in range(tid, tokens.shape[1], threads):
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            other = best[tid + stride]
+            if other >= 0 and (best[tid] < 0 or _pops_before(
+                    other, best[tid], cand_weight, cand_parent, cand_rank,
+                    node_parent, node_rank, node_depth)):
+                best[tid] = other
+        cuda.syncthreads()
+        stride //= 2
+    return best[0]
+
+
+@cuda.jit(device=True)
+def _pop(slot, node, top_logprobs, request, node_parent, node_rank, node_depth, node_weight,
+         cand_parent, cand_rank, cand_weight, state):
+    """(one thread) Frontier slot ``slot`` becomes node ``node``; the last frontier entry fills the
+    slot; the node's next sibling (parent's weight + its log-prob) and first child join the frontier."""
+    live = state[0]
+    parent = cand_parent[slot]
+    rank = cand_rank[slot]
+    depth = node_depth[parent] + 1
+    node_parent[node] = parent
+    node_rank[node] = rank
+    node_depth[node] = depth
+    node_weight[node] = cand_weight[slot]
+    state[1] = node
+    live -= 1
+    cand_parent[slot] = cand_parent[live]
+    cand_rank[slot] = cand_rank[live]
+    cand_weight[slot] = cand_weight[live]
+    if rank + 1 < top_logprobs.shape[2]:                  # next sibling
+        cand_parent[live] = parent
+        cand_rank[live] = rank + 1
+        cand_weight[live] = node_weight[parent] + top_logprobs[request, depth - 1, rank + 1]
+        live += 1
+    if depth < top_logprobs.shape[1]:                     # first child
+        cand_parent[live] = node
+        cand_rank[live] = 0
+        cand_weight[live] = node_weight[node] + top_logprobs[request, depth, 0]
+        live += 1
+    state[0] = live
+
+
+@cuda.jit(device=True)
+def _write_tree(request, root_tokens, top_ids, size, node_parent, node_rank, node_depth, node_weight,
+                tokens, parents, depths, ranks, logprobs):
+    """Row ``request`` of the outputs (W): the ``size`` nodes in pop order, then padding (token 0,
+    parent -1, depth 0, rank -1, log-prob -inf); threads stride over the columns."""
+    for i in range(cuda.threadIdx.x, tokens.shape[1], cuda.blockDim.x):
         if i < size:
             parents[request, i] = node_parent[i]
             depths[request, i] = node_depth[i]
@@ -181,6 +173,48 @@ def _build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
             depths[request, i] = 0
             ranks[request, i] = -1
             logprobs[request, i] = _NEG_INF
+
+
+@cuda.jit
+def build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
+                       tokens, parents, depths, ranks, logprobs, sizes):
+    """One block per request; TPB a power of two <= MAX_TPB.
+
+    Shared memory: the node table (parent, rank, depth, weight per popped node, root = 0), the
+    live frontier (parent, rank, weight per candidate; its depth is the parent's + 1), one
+    frontier slot per thread for the reduction, and [live count, popped count]. One pop:
+    ``_best_candidate`` finds the block's best, thread 0 ``_pop``s it. Outputs (Bq, W):
+    ``_write_tree``; sizes (Bq,) = n + 1.
+    """
+    request = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    node_parent = cuda.shared.array(_SLOTS, int32)
+    node_rank = cuda.shared.array(_SLOTS, int32)
+    node_depth = cuda.shared.array(_SLOTS, int32)
+    node_weight = cuda.shared.array(_SLOTS, float32)
+    cand_parent = cuda.shared.array(_SLOTS, int32)
+    cand_rank = cuda.shared.array(_SLOTS, int32)
+    cand_weight = cuda.shared.array(_SLOTS, float32)
+    best = cuda.shared.array(MAX_TPB, int32)
+    state = cuda.shared.array(2, int32)          # [live frontier entries, popped nodes]
+
+    if tid == 0:
+        _start_tree(top_logprobs, request, budget, node_parent, node_rank, node_depth, node_weight,
+                    cand_parent, cand_rank, cand_weight, state)
+    for step in range(budget):
+        cuda.syncthreads()
+        live = state[0]
+        if live == 0:                            # the heap is empty (same value in every thread)
+            break
+        slot = _best_candidate(live, best, cand_weight, cand_parent, cand_rank,
+                               node_parent, node_rank, node_depth)
+        if tid == 0:                             # node number step + 1
+            _pop(slot, step + 1, top_logprobs, request, node_parent, node_rank, node_depth,
+                 node_weight, cand_parent, cand_rank, cand_weight, state)
+    cuda.syncthreads()
+    size = state[1] + 1
+    _write_tree(request, root_tokens, top_ids, size, node_parent, node_rank, node_depth, node_weight,
+                tokens, parents, depths, ranks, logprobs)
     if tid == 0:
         sizes[request] = size
 # --8<-- [end:build_trees_kernel]
@@ -198,16 +232,16 @@ class TreeBatch(typing.NamedTuple):
 
 # --8<-- [start:builder_threads]
 def builder_threads(budget: int) -> int:
-    """A power of two in [32, 128], about one frontier entry per thread."""
-    threads = 32
-    while threads < min(budget + 1, _MAX_THREADS):
-        threads *= 2
-    return threads
+    """TPB of the builder: a power of two in [32, 128], about one frontier entry (at most B + 1)
+    per thread."""
+    return pow2_threads(budget + 1)
 # --8<-- [end:builder_threads]
 
 
-def _check_batch(root_tokens, top_logprobs, top_ids, budget):
-    """Validate; host arrays get the full value checks of ddtree.tree, device arrays shape and dtype."""
+def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None):
+    """Host arrays get the full value checks of ddtree.tree, device arrays shape and dtype; then
+    the launch's: budget <= MAX_BUDGET, block size, ``out`` (a TreeBatch of width W = B + 1).
+    Returns root_tokens, top_logprobs, top_ids and budget (an int)."""
     budget = check_budget(budget)
     if budget > MAX_BUDGET:
         raise ValueError(f"budget must be <= {MAX_BUDGET} (the GPU builder keeps the frontier and "
@@ -223,43 +257,50 @@ def _check_batch(root_tokens, top_logprobs, top_ids, budget):
         top_logprobs, top_ids = check_candidates(top_logprobs, top_ids)
         if top_logprobs.ndim != 3:
             raise ValueError(f"top_logprobs must be (Bq, L, K), got shape {top_logprobs.shape}")
+    requests = top_logprobs.shape[0]
     if is_device_array(root_tokens):
-        if root_tokens.shape != top_logprobs.shape[:1] or root_tokens.dtype != np.int64:
-            raise ValueError(f"device root_tokens must be int64 of shape {top_logprobs.shape[:1]}, "
+        if root_tokens.shape != (requests,) or root_tokens.dtype != np.int64:
+            raise ValueError(f"device root_tokens must be int64 of shape ({requests},), "
                              f"got {root_tokens.dtype} {root_tokens.shape}")
     else:
         root_tokens = np.asarray(root_tokens)
-        if root_tokens.shape != top_logprobs.shape[:1] or not np.issubdtype(root_tokens.dtype, np.integer) \
+        if root_tokens.shape != (requests,) or not np.issubdtype(root_tokens.dtype, np.integer) \
                 or (root_tokens.size and root_tokens.min() < 0):
-            raise ValueError(f"root_tokens must be {top_logprobs.shape[:1]} non-negative integer token "
+            raise ValueError(f"root_tokens must be ({requests},) non-negative integer token "
                              f"ids, got {root_tokens.dtype} {root_tokens.shape}")
-    if top_logprobs.shape[0] < 1:
+    if requests < 1:
         raise ValueError("build_trees needs at least one request (Bq >= 1)")
+    if threads is not None:
+        check_threads(threads, MAX_TPB)
+    if out is not None:
+        shape = (requests, max(budget, 0) + 1)                                # [Bq, W]
+        for name in TreeBatch._fields:
+            dtype = np.float32 if name == "logprobs" else np.int64
+            check_out(getattr(out, name), shape[:1] if name == "sizes" else shape, dtype, f"out.{name}")
     return root_tokens, top_logprobs, top_ids, budget
 
 
-def _launch_build(root_tokens, top_logprobs, top_ids, budget, out: TreeBatch, threads=None) -> TreeBatch:
-    """Launch on validated inputs into ``out``; ``threads`` (a power of two <= 128) for tests."""
-    threads = builder_threads(budget) if threads is None else threads
-    _build_trees_kernel[top_logprobs.shape[0], threads](
+# --8<-- [start:build_trees_device]
+def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threads: int | None = None,
+                       out: TreeBatch | None = None, stream=None) -> TreeBatch:
+    """Build Bq trees at once: root_tokens (Bq,), top_logprobs and top_ids (Bq, L, K).
+
+    Returns a TreeBatch of device arrays of width W = max(budget, 0) + 1, no host copies, or
+    writes into ``out`` (a TreeBatch of device arrays of those shapes). ``budget`` is shared by
+    all requests and at most ``MAX_BUDGET``; ``threads`` forces the block size (a power of two
+    <= 128); ``stream`` is where the kernel is launched (None: the default stream).
+    """
+    root_tokens, top_logprobs, top_ids, budget = check_build_trees(
+        root_tokens, top_logprobs, top_ids, budget, threads=threads, out=out)
+    shape = (top_logprobs.shape[0], max(budget, 0) + 1)                     # [Bq, W]
+    out = out or TreeBatch(*(output(None, shape[:1] if name == "sizes" else shape,
+                                    np.float32 if name == "logprobs" else np.int64, stream)
+                             for name in TreeBatch._fields))              # -1 / NaN until written
+    threads = threads or builder_threads(budget)
+    build_trees_kernel[shape[0], threads, stream](
         to_device(root_tokens, np.int64), to_device(top_logprobs, np.float32),
         to_device(top_ids, np.int64), budget, *out)
     return out
-
-
-# --8<-- [start:build_trees_device]
-def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int) -> TreeBatch:
-    """Build Bq trees at once: root_tokens (Bq,), top_logprobs and top_ids (Bq, L, K).
-
-    Returns a TreeBatch of device arrays of width W = max(budget, 0) + 1, no host copies.
-    ``budget`` is shared by all requests and at most ``MAX_BUDGET``.
-    """
-    root_tokens, top_logprobs, top_ids, budget = _check_batch(root_tokens, top_logprobs, top_ids, budget)
-    shape = (top_logprobs.shape[0], max(budget, 0) + 1)                     # [Bq, W]
-    out = TreeBatch(tokens=poisoned(shape, np.int64), parents=poisoned(shape, np.int64),
-                    depths=poisoned(shape, np.int64), ranks=poisoned(shape, np.int64),
-                    logprobs=poisoned(shape, np.float32), sizes=poisoned(shape[:1], np.int64))
-    return _launch_build(root_tokens, top_logprobs, top_ids, budget, out)
 # --8<-- [end:build_trees_device]
 
 
@@ -294,7 +335,7 @@ def build_tree(root_token: int, top_logprobs, top_ids, budget: int) -> DraftTree
 
 # --8<-- [start:visibility_kernel]
 @cuda.jit
-def _visibility_kernel(parents, vis):
+def visibility_kernel(parents, vis):
     """One thread per (request, i, j): vis[request, i, j] = is j on the path root..i?
 
     x indexes columns j (neighbouring threads write neighbouring bytes), y rows i, z requests.
@@ -313,30 +354,96 @@ def _visibility_kernel(parents, vis):
 # --8<-- [end:visibility_kernel]
 
 
-_VIS_TILE = 16
-
-
-def _launch_visibility(parents, vis):
-    tiles = (parents.shape[1] + _VIS_TILE - 1) // _VIS_TILE
-    _visibility_kernel[(tiles, tiles, parents.shape[0]), (_VIS_TILE, _VIS_TILE)](parents, vis)
-    return vis
-
-
-# --8<-- [start:visibility]
-def visibility(parents):
-    """Ancestor-only mask: parents (N,) -> (N, N) bool, or (Bq, N) -> (Bq, N, N).
-
-    Host in, host out; device in, device out. -1 past the root marks a padding row.
-    """
+def check_parents(parents, *, out=None):
+    """Host parents get ``ddtree.tree.check_parents``; device parents must be a non-empty (N,) or
+    (Bq, N) int64 array (values unchecked: that would need a copy). ``out``: (..., N, N) bool."""
     if is_device_array(parents):
         if parents.ndim not in (1, 2) or parents.dtype != np.int64 or parents.size < 1:
             raise ValueError(f"device parents must be a non-empty (N,) or (Bq, N) int64 array, "
                              f"got {parents.dtype} {parents.shape}")
-        batch = parents if parents.ndim == 2 else parents.reshape((1, parents.shape[0]))
-        vis = _launch_visibility(batch, poisoned((*batch.shape, batch.shape[1]), np.bool_))
-        return vis if parents.ndim == 2 else vis.reshape(vis.shape[1:])
-    parents = check_parents(parents)
-    batch = parents.reshape((-1, parents.shape[-1]))
-    vis = _launch_visibility(to_device(batch), poisoned((*batch.shape, batch.shape[1]), np.bool_))
-    return vis.copy_to_host().reshape((*parents.shape, parents.shape[-1]))
+    else:
+        parents = check_host_parents(parents)
+    check_out(out, (*parents.shape, parents.shape[parents.ndim - 1]), np.bool_)
+    return parents
+
+
+# --8<-- [start:visibility]
+def visibility(parents, *, out=None, stream=None):
+    """Ancestor-only mask: parents (N,) -> (N, N) bool, or (Bq, N) -> (Bq, N, N).
+
+    Host in, host out; device in, device out. -1 past the root marks a padding row. ``out``
+    receives the mask; ``stream`` is where the kernel is launched (None: the default stream).
+    """
+    parents = check_parents(parents, out=out)
+    width = parents.shape[parents.ndim - 1]                                 # N
+    d_vis = output(out, (*parents.shape, width), np.bool_, stream)          # [(Bq,) N, N]
+    d_parents = to_device(parents)
+    batch = d_parents if d_parents.ndim == 2 else d_parents.reshape((1, width))   # [Bq, N]
+    tiles = blocks(width, VIS_TILE)
+    visibility_kernel[(tiles, tiles, batch.shape[0]), (VIS_TILE, VIS_TILE), stream](
+        batch, d_vis if d_vis.ndim == 3 else d_vis.reshape((1, width, width)))
+    return deliver(d_vis, out, parents)
 # --8<-- [end:visibility]
+
+
+def _build_cost(*, Bq: int, L: int, K: int, B: int) -> tuple[int, int]:
+    # the roots and the candidates (float32 log-probs, int64 ids) read once; five (Bq, W) trees
+    # (four int64 fields, float32 log-probs) and the sizes written once; comparisons only
+    width = B + 1
+    return I64 * Bq + (F32 + I64) * Bq * L * K + (4 * I64 + F32) * Bq * width + I64 * Bq, 0
+
+
+def _visibility_cost(*, Bq: int, W: int) -> tuple[int, int]:
+    # the parents (int64) read once, the (Bq, W, W) bool mask written once
+    return I64 * Bq * W + Bq * W * W, 0
+
+
+_COSTS = {"build_trees": _build_cost, "visibility": _visibility_cost}
+
+
+def bytes_moved(operation: str = "build_trees", **dims: int) -> int:
+    """Fewest bytes an operation moves through device memory (inputs read once, outputs written
+    once). Dimensions by the glossary: "build_trees" (Bq, L, K, B), "visibility" (Bq, W)."""
+    return _COSTS[operation](**dims)[0]
+
+
+def flops(operation: str = "build_trees", **dims: int) -> int:
+    """Floating-point operations: none counted (the builder adds one float32 per pushed candidate,
+    its work is comparisons)."""
+    return _COSTS[operation](**dims)[1]
+
+
+def _build_case(role: str, sizes, budget: int):
+    import zlib
+
+    import ddtree.tree
+    from kernels.bench.case import Case, drafter_candidates  # here: the bench package imports this module
+
+    requests, depths, vocab = sizes.requests, sizes.depths, sizes.config.vocab_size
+    rng = np.random.default_rng(zlib.crc32(f"tree_build_{role}".encode()))
+    logprobs, ids = drafter_candidates(rng, requests, depths, budget, vocab)   # K = budget
+    roots = rng.integers(0, vocab, requests).astype(np.int64)                 # [Bq]
+
+    def heap():                                # the numpy reference, one request at a time
+        return [ddtree.tree.build_tree(int(roots[b]), logprobs[b], ids[b], budget) for b in range(requests)]
+
+    dims = {"Bq": requests, "L": depths, "K": budget, "B": budget}
+    return Case(f"tree_build_{role}", f"best-first draft trees, {requests} requests, budget {budget}",
+                f"Bq={requests} L={depths} K={budget}",
+                setup=lambda seed: (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids),
+                                    budget),
+                call=lambda inputs: build_trees_device(*inputs),
+                bytes=bytes_moved("build_trees", **dims), flops=flops("build_trees", **dims),
+                note="6 poisoned outputs", baseline=heap,
+                baseline_name=f"ddtree.tree.build_tree x {requests}")
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets,
+    against the numpy reference's heap on the CPU."""
+    small, medium, large = sizes.budgets
+    return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
+            _build_case("large", sizes, large)]
+
+
+_build_trees_kernel = build_trees_kernel  # TRANSITIONAL: kernels/model.py's old name

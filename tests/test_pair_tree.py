@@ -16,7 +16,7 @@ from numba import cuda
 from ddtree import tree as reference
 from kernels import tree as kernel
 from kernels.device import is_device_array
-from tests.helpers import assert_exact
+from tests.helpers import assert_exact, no_transfers
 from tests.test_tree import (
     BAD_INPUTS,
     ancestor_mask,
@@ -103,7 +103,7 @@ def test_strided_frontier_scan():
     out = kernel.TreeBatch(*(cuda.device_array((1, 46), np.int64) for _ in range(4)),
                            logprobs=cuda.device_array((1, 46), np.float32),
                            sizes=cuda.device_array(1, np.int64))
-    out = kernel._launch_build(np.array([3]), top_logprobs[None], top_ids[None], 45, out, threads=32)
+    out = kernel.build_trees_device(np.array([3]), top_logprobs[None], top_ids[None], 45, threads=32, out=out)
     assert_same_tree(kernel.trees_from_batch(out)[0], expected)
 
 
@@ -116,7 +116,7 @@ def test_every_output_element_is_written():
     out = kernel.TreeBatch(*(cuda.to_device(np.full(shape, 7777, np.int64)) for _ in range(4)),
                            logprobs=cuda.to_device(np.full(shape, np.nan, np.float32)),
                            sizes=cuda.to_device(np.full(2, 7777, np.int64)))
-    out = kernel._launch_build(np.array([1, 2]), lp, ids, budget, out)
+    assert kernel.build_trees_device(np.array([1, 2]), lp, ids, budget, out=out) is out
     host = {name: array.copy_to_host() for name, array in out._asdict().items()}
     for name, array in host.items():
         assert not np.any(array == 7777) and not np.isnan(array).any(), f"{name} has unwritten elements"
@@ -149,6 +149,27 @@ def test_device_inputs_give_device_outputs():
     with pytest.raises(ValueError, match="float32/int64"):
         kernel.build_trees_device(np.array([4]), cuda.to_device(lp[:1].astype(np.float64)),
                                   cuda.to_device(ids[:1]), 6)
+
+
+def test_device_inputs_and_out_allocate_and_copy_nothing():
+    rng = np.random.default_rng(21)
+    cases = [make_candidates(rng, 3, 4) for _ in range(2)]
+    lp, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases])
+    inputs = (cuda.to_device(np.array([4, 5])), cuda.to_device(lp), cuda.to_device(ids))
+    shape = (2, 8)                                                            # [Bq, W], budget 7
+    out = kernel.TreeBatch(*(cuda.to_device(np.zeros(shape, np.int64)) for _ in range(4)),
+                           logprobs=cuda.to_device(np.zeros(shape, np.float32)),
+                           sizes=cuda.to_device(np.zeros(2, np.int64)))
+    vis = cuda.to_device(np.zeros((2, 8, 8), bool))
+    with no_transfers():
+        assert kernel.build_trees_device(*inputs, 7, out=out, stream=cuda.default_stream()) is out
+        assert kernel.visibility(out.parents, out=vis, stream=cuda.default_stream()) is vis
+    trees = kernel.trees_from_batch(out)
+    for b in range(2):
+        assert_same_tree(trees[b], reference.build_tree(4 + b, lp[b], ids[b], 7))
+    assert_exact(vis.copy_to_host(), reference.visibility(out.parents.copy_to_host()))
+    with pytest.raises(ValueError, match=r"out.sizes must be int64 of shape \(2,\)"):
+        kernel.build_trees_device(*inputs, 7, out=out._replace(sizes=cuda.to_device(np.zeros(3, np.int64))))
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
@@ -196,7 +217,7 @@ def test_visibility_batch_device_and_every_element_written():
     assert_exact(kernel.visibility(cuda.to_device(batch[1])).copy_to_host(), expected[1])
     for fill in (True, False):                    # both prefills give the same mask: all written
         out = cuda.to_device(np.full((2, 9, 9), fill))
-        assert_exact(kernel._launch_visibility(cuda.to_device(batch), out).copy_to_host(), expected)
+        assert_exact(kernel.visibility(cuda.to_device(batch), out=out).copy_to_host(), expected)
     with pytest.raises(ValueError, match="parents"):
         kernel.visibility(np.array([-1, 1]))
 
