@@ -1,13 +1,15 @@
 """Greedy acceptance on the GPU: the numba.cuda twin of ``ddtree/accept.py``.
 
-Legend: Bq requests, N padded tree width (nodes, root included), m accepted nodes.
+Legend: Bq requests, W padded tree width (nodes, root included, then padding), m accepted nodes,
+TPB threads per block.
 
-One kernel, ``_accept_kernel``: one block per request, one thread per node (strided). Instead
+One kernel, ``accept_kernel``: one block per request, one thread per node (strided). Instead
 of walking down from the root one step at a time (a barrier per step), every thread checks its
 own node: node i is on the walk iff every edge of its path matches, ``tokens[c] ==
 posterior[parents[c]]`` for each node c on the path root..i (at most L steps up). Siblings carry
 distinct tokens, so at most one child of a node matches and the matching nodes form one chain
 root..deepest; the node at depth j is ``accepted[j]``. No barrier per step, one per phase.
+``bytes_moved`` and ``flops`` give the cost model.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from numba import cuda, int32
 
 from ddtree.accept import check_posterior
 from ddtree.tree import DraftTree, check_parents
-from kernels.device import is_device_array, poisoned, to_device, to_host_if
+from kernels.blocks import pow2_threads
+from kernels.device import check_out, deliver, is_device_array, output, to_device
 
-_MAX_THREADS = 128
+I64 = 8
 
 
 # --8<-- [start:accept_kernel]
 @cuda.jit
-def _accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
-    """One block per request; thread t checks nodes t, t + blockDim, ... below sizes[request].
+def accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
+    """One block per request; thread t checks nodes t, t + TPB, ... below sizes[request].
 
     Shared memory: one counter, the number of accepted nodes m. Phase 1 fills accepted[request]
     with -1; phase 2 writes accepted[request, depth(i)] = i for every node i on the walk;
@@ -63,15 +66,9 @@ def _accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
 # --8<-- [end:accept_kernel]
 
 
-def _accept_threads(width: int) -> int:
-    threads = 32
-    while threads < min(width, _MAX_THREADS):
-        threads *= 2
-    return threads
-
-
-def check_batch(tokens, parents, sizes, posterior):
-    """Validate a batch; host arrays also get the tree checks (parents, distinct sibling tokens)."""
+def check_accept_batch(tokens, parents, sizes, posterior, *, out=None):
+    """Validate a batch; host arrays also get the tree checks (parents, distinct sibling tokens).
+    ``out``: (accepted (Bq, W), lengths (Bq,), bonus (Bq,)), int64."""
     on_device = [is_device_array(a) for a in (tokens, parents, sizes, posterior)]
     if any(on_device) and not all(on_device):
         raise ValueError("tokens, parents, sizes and posterior must all be host or all device arrays")
@@ -80,12 +77,16 @@ def check_batch(tokens, parents, sizes, posterior):
     shape = tokens.shape
     for name, array in (("tokens", tokens), ("parents", parents), ("posterior", posterior)):
         if len(array.shape) != 2 or array.shape != shape or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{name} must be a (Bq, N) integer array like tokens {shape}, "
+            raise ValueError(f"{name} must be a (Bq, W) integer array like tokens {shape}, "
                              f"got {array.dtype} {array.shape}")
     if sizes.shape != shape[:1] or not np.issubdtype(sizes.dtype, np.integer):
         raise ValueError(f"sizes must be {shape[:1]} integers, got {sizes.dtype} {sizes.shape}")
     if shape[0] < 1 or shape[1] < 1:
         raise ValueError(f"accept_batch needs at least one request and one node, got shape {shape}")
+    if out is not None:
+        for name, array, expected in zip(("accepted", "lengths", "bonus"), out, (shape, shape[:1], shape[:1]),
+                                         strict=True):
+            check_out(array, expected, np.int64, f"out ({name})")
     if all(on_device):                           # value checks would need host copies
         if any(a.dtype != np.int64 for a in (tokens, parents, sizes, posterior)):
             raise ValueError("device tokens, parents, sizes and posterior must be int64")
@@ -103,21 +104,22 @@ def check_batch(tokens, parents, sizes, posterior):
 
 
 # --8<-- [start:accept_batch]
-def accept_batch(tokens, parents, sizes, posterior):
-    """Bq trees at once: tokens, parents, posterior (Bq, N) padded, sizes (Bq,).
+def accept_batch(tokens, parents, sizes, posterior, *, out=None, stream=None):
+    """Bq trees at once: tokens, parents, posterior (Bq, W) padded, sizes (Bq,).
 
-    Returns (accepted (Bq, N) int64 padded with -1, lengths (Bq,) = m, bonus (Bq,) tokens).
-    Host in, host out; device in, device out.
+    Returns (accepted (Bq, W) int64 padded with -1, lengths (Bq,) = m, bonus (Bq,) tokens), or
+    writes them into ``out`` (three int64 arrays of those shapes). Host in, host out; device in,
+    device out. ``stream`` is where the kernel is launched (None: the default stream).
     """
-    tokens, parents, sizes, posterior = check_batch(tokens, parents, sizes, posterior)
+    tokens, parents, sizes, posterior = check_accept_batch(tokens, parents, sizes, posterior, out=out)
     count, width = tokens.shape
-    accepted = poisoned((count, width), np.int64)                             # [Bq, N]
-    lengths = poisoned((count,), np.int64)                                    # [Bq]
-    bonus = poisoned((count,), np.int64)                                      # [Bq]
-    _accept_kernel[count, _accept_threads(width)](
+    outs = out or (None, None, None)
+    results = [output(given, shape, np.int64, stream)                        # -1 until written
+               for given, shape in zip(outs, ((count, width), (count,), (count,)), strict=True)]
+    accept_kernel[count, pow2_threads(width), stream](
         to_device(tokens, np.int64), to_device(parents, np.int64), to_device(sizes, np.int64),
-        to_device(posterior, np.int64), accepted, lengths, bonus)
-    return (to_host_if(accepted, tokens), to_host_if(lengths, tokens), to_host_if(bonus, tokens))
+        to_device(posterior, np.int64), *results)
+    return tuple(deliver(result, given, tokens) for result, given in zip(results, outs, strict=True))
 # --8<-- [end:accept_batch]
 
 
@@ -134,3 +136,46 @@ def accept(tree: DraftTree, posterior_tokens):
                                             np.array([tree.size], np.int64), posterior[None])
     return accepted[0, :lengths[0]].copy(), int(bonus[0])
 # --8<-- [end:accept]
+
+
+def bytes_moved(*, Bq: int, W: int) -> int:
+    """Fewest bytes ``accept_batch`` moves: tokens, parents, posterior (Bq, W) and sizes (Bq,) read
+    once, accepted (Bq, W), lengths and bonus (Bq,) written once; all int64."""
+    return I64 * (3 * Bq * W + Bq) + I64 * (Bq * W + 2 * Bq)
+
+
+def flops(*, Bq: int, W: int) -> int:
+    """Floating-point operations: none (acceptance compares token ids)."""
+    return 0
+
+
+def bench_cases(sizes):
+    """This module's case of ``python -m kernels.bench``: Bq trees whose deepest path is accepted."""
+    import zlib
+
+    from ddtree.tree import build_tree
+    from kernels.bench.case import Case, accepted_path, drafter_candidates  # the bench imports this module
+
+    requests, budget, vocab = sizes.requests, sizes.accept_budget, sizes.config.vocab_size
+    width = budget + 1
+    rng = np.random.default_rng(zlib.crc32(b"accept_batch"))
+    logprobs, ids = drafter_candidates(rng, requests, sizes.depths, budget, vocab)
+    tokens = np.zeros((requests, width), np.int64)                            # [Bq, W] padding 0
+    parents = np.full((requests, width), -1, np.int64)                        # [Bq, W] padding -1
+    tree_sizes = np.zeros(requests, np.int64)
+    posterior = rng.integers(0, vocab, (requests, width)).astype(np.int64)    # [Bq, W] target's picks
+    for b in range(requests):
+        tree = build_tree(0, logprobs[b], ids[b], budget)
+        tokens[b, :tree.size], parents[b, :tree.size], tree_sizes[b] = tree.tokens, tree.parents, tree.size
+        path = accepted_path(tree, 1 + int(tree.depths.max()))                # a deepest walk ...
+        posterior[b, path[:-1]] = tree.tokens[path[1:]]                       # ... is what the target picks
+    return [Case("accept_batch", f"greedy acceptance of {requests} trees of {width} nodes "
+                 "(deepest path accepted)", f"Bq={requests} W={width}",
+                 setup=lambda seed: tuple(cuda.to_device(a)
+                                          for a in (tokens, parents, tree_sizes, posterior)),
+                 call=lambda inputs: accept_batch(*inputs),
+                 bytes=bytes_moved(Bq=requests, W=width), flops=flops(Bq=requests, W=width),
+                 note="3 poisoned outputs")]
+
+
+_accept_kernel = accept_kernel  # TRANSITIONAL: kernels/model.py's old name, until it uses the public one

@@ -12,7 +12,7 @@ from ddtree.tree import DraftTree, build_tree, top_candidates
 from kernels import accept as kernel
 from kernels import tree as kernel_tree
 from kernels.device import is_device_array
-from tests.helpers import assert_exact
+from tests.helpers import assert_exact, no_transfers
 from tests.test_tree import make_candidates
 
 VOCAB = 97
@@ -163,7 +163,7 @@ def test_accept_batch_writes_every_element():
     shapes = (tokens.shape, sizes.shape, sizes.shape)                        # accepted, lengths, bonus
     outs = [cuda.to_device(np.full(shape, 7777, np.int64)) for shape in shapes]
     inputs = [cuda.to_device(a) for a in (tokens, parents, sizes, posterior)]
-    kernel._accept_kernel[tokens.shape[0], 32](*inputs, *outs)
+    kernel.accept_kernel[tokens.shape[0], 32](*inputs, *outs)
     for out in outs:
         assert not np.any(out.copy_to_host() == 7777)
     expected = kernel.accept_batch(tokens, parents, sizes, posterior)
@@ -181,6 +181,21 @@ def test_accept_batch_device_in_device_out():
     tree, post = trees[0], posteriors[0]
     accepted, bonus = kernel.accept(tree, cuda.to_device(post))
     assert_exact(accepted, reference.accept(tree, post)[0])
+
+
+def test_accept_batch_into_out_buffers_allocates_and_copies_nothing():
+    trees, posteriors = batch_case(25)
+    batch = padded_batch(trees, posteriors)
+    inputs = [cuda.to_device(a) for a in batch]
+    shapes = (batch[0].shape, batch[2].shape, batch[2].shape)                 # accepted, lengths, bonus
+    outs = tuple(cuda.to_device(np.zeros(shape, np.int64)) for shape in shapes)
+    with no_transfers():
+        results = kernel.accept_batch(*inputs, out=outs, stream=cuda.default_stream())
+    assert all(result is out for result, out in zip(results, outs, strict=True))
+    for out, expected in zip(outs, kernel.accept_batch(*batch), strict=True):
+        assert_exact(out.copy_to_host(), expected)
+    with pytest.raises(ValueError, match=r"out \(lengths\) must be int64"):
+        kernel.accept_batch(*inputs, out=(outs[0], outs[0], outs[2]))
 
 
 def test_accept_batch_bad_inputs():
