@@ -96,7 +96,8 @@ def test_device_cache_is_compacted_in_place_and_deterministic(host_copies):
         device_cache.latent, device_cache.rope = cuda.to_device(cache.latent), cuda.to_device(cache.rope)
         latent = device_cache.latent
         host_copies.clear()
-        kernel.compact(device_cache, 3, cuda.to_device(np.array([0, 1, 4, 6, 10])))
+        kernel.compact(device_cache, 3, cuda.to_device(np.array([0, 1, 4, 6, 10])),
+                       stream=cuda.default_stream())
         assert host_copies == [5], "only the accepted indices come to the host, never the cache"
         assert device_cache.latent is latent and is_device_array(device_cache.rope)
         assert_same_cache(device_cache, expected)
