@@ -154,7 +154,11 @@ def bench_cases(sizes):
     import zlib
 
     from ddtree.tree import build_tree
-    from kernels.bench.case import Case, accepted_path, drafter_candidates  # the bench imports this module
+    from kernels.bench.case import (  # lazily: kernels.bench imports this module
+        Case,
+        accepted_path,
+        drafter_candidates,
+    )
 
     requests, budget, vocab = sizes.requests, sizes.accept_budget, sizes.config.vocab_size
     width = budget + 1

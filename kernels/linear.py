@@ -316,7 +316,7 @@ def flops(operation: str = "linear", **dims: int) -> int:
 
 
 def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, version: str):
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     dims = {"T": rows, "Din": depth, "Dout": outputs}
     return Case(name, what, f"x ({rows}, {depth}) W ({outputs}, {depth})",
@@ -328,7 +328,7 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, argmax."""
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
     hidden, rows, vocab = config.hidden_size, sizes.argmax_rows, config.vocab_size

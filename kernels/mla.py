@@ -341,7 +341,7 @@ def flops(operation: str = "attention_absorb", **dims: int) -> int:
 def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarray):
     """attention_absorb for T rows seeing ``prefix`` cached keys plus ``visible`` (T, T) new ones."""
     from ddtree.rope import softmax_scale
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, visible.shape[0]
     heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
@@ -359,7 +359,7 @@ def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarra
 
 
 def _projection_cases(sizes, role: str, rows: int):
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
     heads, nope, value = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
@@ -386,7 +386,7 @@ def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode and tree-verify attention, the
     absorbed projections for one decode row and for a verified tree."""
     from ddtree.tree import visibility
-    from kernels.bench.case import verified_tree  # here: the bench package imports this module
+    from kernels.bench.case import verified_tree  # lazily: kernels.bench imports this module
 
     tree = verified_tree(sizes)
     short, long = sizes.decode_prefixes

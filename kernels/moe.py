@@ -498,7 +498,7 @@ def flops(operation: str = "moe", **dims: int) -> int:
 
 
 def _route_case(sizes):
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, sizes.route_tokens
     hidden, experts, top_k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
@@ -516,7 +516,7 @@ def _reduced_moe_case(sizes):
     """The MoE layer with fewer routed experts (the real expert and shared sizes, the same top-k)."""
     import zlib
 
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     full = sizes.config
     config = dataclasses.replace(full, n_routed_experts=sizes.moe_experts)

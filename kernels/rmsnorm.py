@@ -104,7 +104,7 @@ def flops(*, T: int, D: int) -> int:
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: the input norm of a verified tree."""
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, sizes.rows
     width = config.hidden_size

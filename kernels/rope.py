@@ -113,7 +113,7 @@ def flops(*, T: int, H: int, dr: int) -> int:
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree."""
-    from kernels.bench.case import Case, uniform  # here: the bench package imports this module
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, sizes.rows
     heads, rope_dim = config.num_attention_heads, config.qk_rope_head_dim

@@ -417,7 +417,7 @@ def _build_case(role: str, sizes, budget: int):
     import zlib
 
     import ddtree.tree
-    from kernels.bench.case import Case, drafter_candidates  # here: the bench package imports this module
+    from kernels.bench.case import Case, drafter_candidates  # lazily: kernels.bench imports this module
 
     requests, depths, vocab = sizes.requests, sizes.depths, sizes.config.vocab_size
     rng = np.random.default_rng(zlib.crc32(f"tree_build_{role}".encode()))

@@ -3,14 +3,22 @@
 In the simulator the times are meaningless; the test only checks that the harness works: every
 case ran, produced a positive time, a byte count and launched kernels, and the markdown table has
 one row per case. On a GPU the same test also exercises the event timing and the device fill.
-The byte and FLOP formulas are checked at Kimi K2.6 sizes without running anything.
+The byte and FLOP formulas (the kernel modules' cost models) are checked at Kimi K2.6 sizes
+without running anything, and the hardware figures against the committed record.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
-from kernels import bench, device
+from kernels import device
+from kernels.bench import hardware
+from kernels.bench.case import KERNEL_MODULES, full_sizes, make_cases, quick_sizes
+from kernels.bench.cli import main
+from kernels.bench.harness import benchmark
+from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
     "rmsnorm", "rope_q_pe", "linear_gemv_mlp_up", "linear_gemv_lm_head", "linear_gemm", "argmax",
@@ -30,9 +38,9 @@ def table_rows(markdown: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def quick_report():
-    sizes = bench.quick_sizes()
+    sizes = quick_sizes()
     progress = []
-    report = bench.benchmark(sizes, bench.make_cases(sizes), quick=True, log=progress.append)
+    report = benchmark(sizes, make_cases(sizes), quick=True, log=progress.append)
     return report, progress
 
 
@@ -54,21 +62,21 @@ def test_every_case_ran(quick_report):
 
 def test_table_has_one_row_per_case(quick_report):
     report, _ = quick_report
-    markdown = bench.format_report(report, "python -m kernels.bench --quick")
+    markdown = format_report(report, "python -m kernels.bench --quick")
     rows = table_rows(markdown)
     assert [row[0] for row in rows] == CASE_NAMES
-    assert all(len(row) == len(bench.TABLE_HEADER) for row in rows)
+    assert all(len(row) == len(TABLE_HEADER) for row in rows)
     assert all(float(row[2]) > 0 for row in rows)                          # median µs
     assert ("SIMULATOR" in markdown) == device.SIMULATOR
 
 
 def test_case_names_do_not_depend_on_sizes():
-    assert [case.name for case in bench.make_cases(bench.full_sizes())] == CASE_NAMES
+    assert [case.name for case in make_cases(full_sizes())] == CASE_NAMES
 
 
 def test_bytes_and_flops_at_kimi_sizes():
     # hand-counted: float32 = 4 B, int64 = 8 B, inputs read once, outputs written once
-    cases = {case.name: case for case in bench.make_cases(bench.full_sizes())}
+    cases = {case.name: case for case in make_cases(full_sizes())}
     assert cases["rmsnorm"].bytes == 4 * (2 * 64 * 7168 + 7168)
     assert cases["linear_gemv_lm_head"].bytes == 4 * (7168 + 163840 * 7168 + 163840)   # 4.7 GB
     assert cases["linear_gemv_mlp_up"].bytes == 4 * (7168 + 18432 * 7168 + 18432)      # 528 MB
@@ -85,7 +93,7 @@ def test_bytes_and_flops_at_kimi_sizes():
 
 def test_main_writes_the_report(tmp_path, capsys):
     out = tmp_path / "bench.md"
-    assert bench.main(["--quick", "--cases", "rmsnorm,absorb_query_*", "--out", str(out)]) == 0
+    assert main(["--quick", "--cases", "rmsnorm,absorb_query_*", "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     assert [row[0] for row in table_rows(text)] == ["rmsnorm", "absorb_query_decode", "absorb_query_verify"]
     for key in ("- date (UTC): ", "- GPU: ", "- versions: numba ",
@@ -95,7 +103,7 @@ def test_main_writes_the_report(tmp_path, capsys):
 
 
 def test_unknown_case_is_refused(capsys):
-    assert bench.main(["--quick", "--cases", "rmsnorm,no_such_case"]) == 2
+    assert main(["--quick", "--cases", "rmsnorm,no_such_case"]) == 2
     assert "no_such_case" in capsys.readouterr().err
 
 
@@ -103,5 +111,33 @@ def test_unknown_case_is_refused(capsys):
 def test_out_is_refused_in_the_simulator_without_quick(tmp_path):
     out = tmp_path / "bench.md"
     with pytest.raises(SystemExit):
-        bench.main(["--out", str(out)])
+        main(["--out", str(out)])
     assert not out.exists()
+
+
+def test_every_kernel_module_exports_its_cost_model_and_cases():
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"kernels.{name}")
+        for attribute in ("bytes_moved", "flops", "bench_cases"):
+            assert callable(getattr(module, attribute, None)), f"kernels.{name}.{attribute}"
+
+
+def test_hardware_figures_come_from_the_record():
+    record = hardware.RESULTS.read_text(encoding="utf-8")
+    figures = hardware.figures()
+    assert set(figures) == {"copy_bandwidth", "launch_seconds", "host_launch_seconds", "fp32_flops"}
+    for name, figure in figures.items():
+        assert figure.value > 0, name
+        assert hardware.RESULTS.name in figure.source, name
+        assert figure.source.split("line ")[1].strip("'") in record, name      # a line of the record
+    assert hardware.copy_bandwidth() == figures["copy_bandwidth"].value
+    assert 1e12 < hardware.copy_bandwidth() < 1e13 and 1e-6 < hardware.launch_seconds() < 1e-4
+    assert 1e13 < hardware.fp32_flops() < 1e14 and figures["fp32_flops"].note      # how it was obtained
+
+
+def test_the_report_states_the_recorded_fp32_rate_as_the_record_does(quick_report):
+    report, _ = quick_report
+    fp32_line = next(line for line in format_report(report, "x").splitlines() if "fp32 peak" in line)
+    recorded = next(line for line in hardware.RESULTS.read_text(encoding="utf-8").splitlines()
+                    if "fp32 peak" in line)
+    assert fp32_line.split("; ridge")[0] == recorded.split("; ridge")[0]

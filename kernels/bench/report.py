@@ -1,0 +1,77 @@
+"""The benchmark's markdown report: where it ran, the ceilings, one table row per case."""
+
+from __future__ import annotations
+
+from kernels.bench import hardware
+from kernels.bench.harness import Report, Result
+
+
+def _number(value: float) -> str:
+    """Three significant digits, no exponent below a million."""
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def table_row(result: Result, report: Report) -> list[str]:
+    case = result.case
+    rate = case.bytes / result.seconds                                          # bytes per second
+    fp32 = hardware.fp32_flops()
+    compute_bound = case.flops / case.bytes > fp32 / report.copy_bandwidth
+    notes = [case.what] + ([case.note] if case.note else [])
+    if compute_bound:
+        notes.append(f"compute-bound: {100 * case.flops / result.seconds / fp32:.1f}% of fp32 peak")
+    if result.baseline_seconds is not None:
+        notes.append(f"CPU {case.baseline_name}: {_number(result.baseline_seconds * 1e6)} us "
+                     f"= {result.baseline_seconds / result.seconds:.3g}x the GPU time")
+    launches = "?" if result.launches is None else result.launches
+    notes.append(f"launches {launches}, n={result.repeats}"
+                 + (f", {result.sets} input sets" if result.sets > 1 else ""))
+    return [case.name, case.shape, _number(result.seconds * 1e6), _number(rate / 1e9),
+            "-" if compute_bound else _number(100 * rate / report.copy_bandwidth),
+            _number(case.flops / result.seconds / 1e9) if case.flops else "-", "; ".join(notes)]
+
+
+TABLE_HEADER = ["case", "shape", "median µs", "GB/s", "% of copy BW", "GFLOP/s", "note"]
+
+
+def simulator_warning() -> str:
+    return ("**CUDA SIMULATOR: every time below is Python wall-clock of simulated threads and "
+            "means NOTHING about GPU performance.**")
+
+
+def format_report(report: Report, command: str) -> str:
+    """The whole report as markdown: header, ceilings, the table, how to read it."""
+    fp32 = hardware.figures()["fp32_flops"]                     # recorded, not measured by this run
+    lines = ["## Benchmarks: `python -m kernels.bench`", ""]      # a section of a docs page
+    if report.simulator:
+        lines += [simulator_warning(), ""]
+    lines += [f"- {key}: {value}" for key, value in report.header]
+    lines += [f"- command: `{command}`", f"- shapes: {'--quick (tiny)' if report.quick else 'Kimi K2.6'}",
+              "", "### Ceilings (measured in this run)", "",
+              f"- device-to-device copy of {_size(report.copy_bytes)}: "
+              f"{_number(report.copy_bandwidth / 1e9)} GB/s (read + write counted), "
+              f"{_number(report.copy_seconds * 1e6)} µs per copy",
+              f"- empty kernel launch: {_number(report.launch_seconds * 1e6)} µs between events; "
+              f"{_number(report.host_launch_seconds * 1e6)} µs of host time per launch back to back",
+              f"- fp32 peak used for compute-bound cases: {fp32.value / 1e12:.0f} TFLOP/s (not measured "
+              f"here: {fp32.note}); ridge {fp32.value / report.copy_bandwidth:.1f} FLOP/B",
+              "", "### Cases", ""]
+    rows = [TABLE_HEADER, ["---"] * len(TABLE_HEADER)] + [table_row(r, report) for r in report.results]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    lines += ["", "Times are per call of the public function with device arrays (output allocation, "
+              "NaN poison fill and small host->device copies included), median of n calls between "
+              "CUDA events after a warm-up. GB/s = fewest bytes (inputs read once, outputs written "
+              "once) / time. See the docstring of kernels/bench/__init__.py for the method."]
+    if report.simulator:
+        lines += ["", simulator_warning()]
+    return "\n".join(lines) + "\n"
