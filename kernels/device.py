@@ -143,9 +143,6 @@ def check_float32(**arrays) -> None:
             raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
 
 
-# TRANSITIONAL (removed once every kernel module uses kernels.blocks and deliver)
-from kernels.blocks import check_threads, pow2_threads, row_threads  # noqa: E402, F401
 
-
-def to_host_if(result, *inputs):
-    return deliver(result, None, *inputs)
+# TRANSITIONAL: kernels/model.py imports the pickers from here; their home is kernels.blocks
+from kernels.blocks import pow2_threads, row_threads  # noqa: E402, F401
