@@ -555,5 +555,3 @@ def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: the router alone, a reduced MoE layer."""
     return [_route_case(sizes), _reduced_moe_case(sizes)]
 
-
-MAX_THREADS = MAX_TPB  # TRANSITIONAL: kernels/model.py's old name, until it uses kernels.blocks.MAX_TPB
