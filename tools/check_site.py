@@ -399,8 +399,9 @@ def check_tabs(browser: Chromium) -> list[str]:
     return problems
 
 
-def event_problems(events: list[dict], url: str) -> list[str]:
-    """HTTP status of the page and its files, console errors and uncaught exceptions."""
+def event_problems(events: list[dict], url: str, document: bool = True) -> list[str]:
+    """HTTP status of the page (when ``document``: events from its load) and of its files, console
+    errors and uncaught exceptions."""
     problems = []
     document_status = None
     for event in events:
@@ -420,7 +421,9 @@ def event_problems(events: list[dict], url: str) -> list[str]:
             problems.append(f"uncaught exception: {str(text)[:200]}")
         elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
             problems.append(f"console error: {params['entry']['text'][:200]}")
-    if document_status != 200:
+    if document and document_status is None:
+        problems.insert(0, "page did not load (no HTTP response)")
+    elif document and document_status != 200:
         problems.insert(0, f"page answered HTTP {document_status}")
     return problems
 
@@ -468,7 +471,7 @@ def check_page(browser: Chromium, url: str, screenshot: Path | None = None) -> l
     problems += browser.evaluate(INSPECT_JS)
     problems += check_tabs(browser)
     time.sleep(0.1)
-    problems += event_problems(browser.drain_events(), url)[1:]  # late messages (no second document)
+    problems += event_problems(browser.drain_events(), url, document=False)  # late messages
     problems += [f"request left the machine: {u}" for u in browser.escaped[escaped_before:]]
     return problems
 
