@@ -65,7 +65,8 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
 
     accepted: node indices of the accepted walk (starting at 0), drawn in orange.
     pop_order: label each node with its pop index (the heap's order; root = 0) above the box.
-    bonus: the round's bonus token, drawn as a green dashed node after the accepted path.
+    bonus: the round's bonus token, a green box half a column right of the last accepted node
+        (the bonus is the target's own token, not a tree node).
     tokens: write the token id in each node (off for very small plots).
     start: if given, the x axis is labelled with positions start + depth instead of depths.
     top1: mark the drafter's top-1 chain with a purple band under its edges.
@@ -103,22 +104,24 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
                         textcoords="offset points", ha="center", va="top",
                         fontsize=fontsize * 0.75, color="#555555", zorder=3)
     columns = int(depths.max()) + 1
-    show_bonus = bonus is not None and accepted is not None and len(accepted) > 0
-    if show_bonus:                                 # its own column, right of the deepest nodes
+    right = columns - 0.4
+    if bonus is not None and accepted is not None and len(accepted) > 0:
+        # half a column right of the last accepted node: no node sits between two columns
         last = int(np.asarray(accepted)[-1])
-        bend = 0.25 if y[last] < y.max() / 2 else -0.25           # curve away from the nearer edge
-        ax.annotate("", (columns, y[last]), xytext=(x[last], y[last]), zorder=2,
-                    arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.3, ls="--",
-                                    shrinkA=6, shrinkB=7, connectionstyle=f"arc3,rad={bend}"))
-        ax.text(columns, y[last], str(int(bonus)) if tokens else "", ha="center", va="center",
-                fontsize=fontsize, zorder=3, color="white", bbox=dict(box, fc=BONUS, ec=BONUS))
+        bx, by = x[last] + 0.5, y[last]
+        ax.annotate("", (bx, by), xytext=(x[last], by), zorder=4,
+                    arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.5, shrinkA=7, shrinkB=8))
+        ax.text(bx, by, str(int(bonus)) if tokens else "", ha="center", va="center",
+                fontsize=fontsize, zorder=5, color="white", bbox=dict(box, fc=BONUS, ec=BONUS))
+        ax.annotate("bonus", (bx, by), xytext=(0, fontsize * 0.95), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=fontsize * 0.75, color=BONUS, zorder=5)
+        right = max(right, bx + 0.4)
 
-    ax.set_xlim(-0.6, columns + (0.6 if show_bonus else -0.4))
+    ax.set_xlim(-0.6, right)
     ax.set_ylim(y.max() + 0.7, -0.9)               # row 0 at the top
     ax.set_yticks([])
-    ax.set_xticks(range(columns + (1 if show_bonus else 0)))
-    labels = [str(d if start is None else start + d) for d in range(columns)]
-    ax.set_xticklabels(labels + (["bonus"] if show_bonus else []))
+    ax.set_xticks(range(columns))
+    ax.set_xticklabels([str(d if start is None else start + d) for d in range(columns)])
     ax.set_xlabel("depth" if start is None else "position (start + depth)", fontsize=fontsize)
     ax.tick_params(labelsize=fontsize * 0.9)
     for side in ("left", "right", "top"):
