@@ -23,23 +23,13 @@ from kernels import device
 from kernels import linear as knl
 
 STEM = "00_linear"
-FLOAT = 4                      # bytes per float32
-H200_BANDWIDTH = 4.8e12        # bytes/s, the H200's HBM3e peak
-FP32_GEMM_RATE = 51e12         # FLOP/s, torch fp32 SGEMM (TF32 off) measured on the project's H200
 
 
 # --8<-- [start:lm_head_cost]
-def linear_cost(rows: int, n_out: int, n_in: int) -> tuple[float, float]:
-    """(bytes, FLOPs) of y (T, N) = x (T, K) @ W.T at float32: W, x and y each cross memory once."""
-    bytes_moved = FLOAT * (n_out * n_in + rows * n_in + rows * n_out)
-    flops = 2.0 * rows * n_out * n_in
-    return bytes_moved, flops
-
-
-def time_floor(rows: int, n_out: int, n_in: int) -> float:
-    """Seconds the layer needs at best: the slower of moving its bytes and doing its FLOPs."""
-    bytes_moved, flops = linear_cost(rows, n_out, n_in)
-    return max(bytes_moved / H200_BANDWIDTH, flops / FP32_GEMM_RATE)
+def lm_head_cost(rows: int, vocab: int, hidden: int) -> tuple[int, int]:
+    """(bytes, FLOPs) of the lm_head over ``rows`` rows: the kernel module's cost model."""
+    dims = dict(T=rows, Din=hidden, Dout=vocab)
+    return knl.bytes_moved("linear", **dims), knl.flops("linear", **dims)
 # --8<-- [end:lm_head_cost]
 
 
@@ -71,26 +61,36 @@ def check_kernels(rng) -> None:
 def lm_head_report() -> None:
     kimi = preset("kimi-k2.6")
     vocab, hidden = kimi.vocab_size, kimi.hidden_size
-    bytes_1, flops_1 = linear_cost(1, vocab, hidden)
-    print(f"Kimi K2.6 lm_head ({vocab} x {hidden}, fp32), one decode row:")
-    print(f"  {bytes_1 / 1e9:.2f} GB, {flops_1 / 1e9:.2f} GFLOP, {flops_1 / bytes_1:.2f} FLOP/byte "
-          f"-> at least {bytes_1 / H200_BANDWIDTH * 1e3:.3f} ms at 4.8 TB/s")
-    for rows in (1, 65):
-        print(f"  {rows:3d} rows: time floor {time_floor(rows, vocab, hidden) * 1e3:.3f} ms")
-    crossover = next(t for t in range(1, 4096) if
-                     linear_cost(t, vocab, hidden)[1] / FP32_GEMM_RATE >
-                     linear_cost(t, vocab, hidden)[0] / H200_BANDWIDTH)
-    print(f"  compute-bound (fp32, 51 TFLOP/s) from {crossover} rows on")
+    hw = chapter.h200()
+
+    def floor(rows):
+        return chapter.time_floor(*lm_head_cost(rows, vocab, hidden))
+
+    def compute_bound(rows):
+        moved, flops = lm_head_cost(rows, vocab, hidden)
+        return flops / hw.fp32 > moved / hw.bandwidth
+
+    crossover = next(t for t in range(1, 4096) if compute_bound(t))
+    with chapter.section("lm_head"):
+        chapter.print_h200()
+        print(f"Kimi K2.6 lm_head ({vocab} x {hidden}, fp32):")
+        print(f"  {'rows':>4} {'GB':>6} {'GFLOP':>7} {'FLOP/B':>7} {'floor ms':>9}")
+        for rows in (1, 65):
+            moved, flops = lm_head_cost(rows, vocab, hidden)
+            print(f"  {rows:>4} {moved / 1e9:>6.2f} {flops / 1e9:>7.2f} {flops / moved:>7.2f} "
+                  f"{floor(rows) * 1e3:>9.3f}")
+        print(f"  65 rows cost {floor(65) / floor(1):.1f}x one row; compute-bound from {crossover} rows on")
     plot_roofline(vocab, hidden, crossover)
 
 
 def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
+    hw = chapter.h200()
     rows = np.unique(np.logspace(0, 9, 200, base=2).astype(int))
-    memory = np.array([linear_cost(t, vocab, hidden)[0] / H200_BANDWIDTH for t in rows]) * 1e3
-    compute = np.array([linear_cost(t, vocab, hidden)[1] / FP32_GEMM_RATE for t in rows]) * 1e3
+    memory = np.array([lm_head_cost(t, vocab, hidden)[0] / hw.bandwidth for t in rows]) * 1e3
+    compute = np.array([lm_head_cost(t, vocab, hidden)[1] / hw.fp32 for t in rows]) * 1e3
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    ax.loglog(rows, memory, label="bytes / 4.8 TB/s (read W once)", color="tab:blue")
-    ax.loglog(rows, compute, label="FLOPs / 51 TFLOP/s (fp32)", color="tab:orange")
+    ax.loglog(rows, memory, label=f"bytes / {hw.bandwidth / 1e12:.2f} TB/s (read W once)", color="tab:blue")
+    ax.loglog(rows, compute, label=f"FLOPs / {hw.fp32 / 1e12:.0f} TFLOP/s (fp32)", color="tab:orange")
     ax.loglog(rows, np.maximum(memory, compute), color="black", lw=2.5, alpha=0.35, label="time floor")
     for t, name in ((1, "decode row"), (65, "64-node tree + root")):
         ax.axvline(t, color="gray", ls=":", lw=1)
@@ -98,7 +98,7 @@ def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
     ax.axvline(crossover, color="tab:red", ls="--", lw=1, label=f"crossover: {crossover} rows")
     ax.set_xlabel("rows T sharing one pass over W")
     ax.set_ylabel("ms per forward (lower bound)")
-    ax.set_title(f"Kimi K2.6 lm_head {vocab} x {hidden}, fp32")
+    ax.set_title(f"Kimi K2.6 lm_head {vocab} x {hidden}, fp32, H200 figures")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="lower right")
     fig.tight_layout()

@@ -4,7 +4,7 @@
 
 Each row's sum of squares is a reduction: the numba.cuda kernel gives a row to one block, lets
 every thread accumulate a strided slice of the row in float32, then halves the number of partial
-sums in shared memory (B/2, B/4, ..., 1) with a barrier after every step. This chapter replays
+sums in shared memory (TPB/2, TPB/4, ..., 1) with a barrier after every step. This chapter replays
 that reduction order in numpy for one row of 8 "threads" (the figure), checks the kernel against
 the numpy reference on irregular shapes and block sizes, and counts the bytes the layer moves at
 Kimi K2.6's hidden size.
@@ -25,16 +25,14 @@ from kernels import device
 from kernels import rmsnorm as knl
 
 STEM = "01_rmsnorm"
-FLOAT = 4
-H200_BANDWIDTH = 4.8e12        # bytes/s
 
 
 # --8<-- [start:tree_reduction]
 def tree_reduction(row: np.ndarray, threads: int) -> list[np.ndarray]:
     """The kernel's summation order, replayed in numpy: the partial sums after every step.
 
-    Step 0: thread i sums x[d]^2 for d = i, i + B, i + 2B, ... (float32).
-    Step s: threads i < stride add partial[i + stride]; stride = B/2, B/4, ..., 1.
+    Step 0: thread i sums x[d]^2 for d = i, i + TPB, i + 2 TPB, ... (float32).
+    Step s: threads i < stride add partial[i + stride]; stride = TPB/2, TPB/4, ..., 1.
     """
     partial = np.zeros(threads, np.float32)
     for d in range(row.size):
@@ -47,13 +45,6 @@ def tree_reduction(row: np.ndarray, threads: int) -> list[np.ndarray]:
         stride //= 2
     return levels
 # --8<-- [end:tree_reduction]
-
-
-# --8<-- [start:rmsnorm_bytes]
-def rmsnorm_bytes(rows: int, width: int) -> int:
-    """Bytes from/to DRAM: x read once (the second pass hits the cache), y written, weight read."""
-    return FLOAT * (2 * rows * width + width)
-# --8<-- [end:rmsnorm_bytes]
 
 
 def check_kernel(rng) -> None:
@@ -95,17 +86,21 @@ def plot_reduction(rng) -> None:
     ax.set_xlim(-0.7, 11.3)
     ax.set_ylim(-len(levels) + 0.4, 0.6)
     ax.axis("off")
-    ax.set_title("Shared-memory tree reduction of one row's sum of squares (B = 8 threads)")
+    ax.set_title("Shared-memory tree reduction of one row's sum of squares (TPB = 8 threads)")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "tree_reduction")
 
 
 def bytes_report() -> None:
     hidden = preset("kimi-k2.6").hidden_size
-    for rows in (1, 65, 8192):
-        moved = rmsnorm_bytes(rows, hidden)
-        print(f"Kimi K2.6 rmsnorm, {rows:5d} rows x {hidden}: {moved / 1e6:8.3f} MB "
-              f"-> {moved / H200_BANDWIDTH * 1e6:7.2f} us at 4.8 TB/s")
+    with chapter.section("bytes"):
+        chapter.print_h200()
+        print("Kimi K2.6 rmsnorm, fp32 (kernels.rmsnorm.bytes_moved):")
+        for rows, what in ((1, "decode"), (65, "64-node tree + root"), (8192, "prefill chunk")):
+            moved = knl.bytes_moved(T=rows, D=hidden)
+            floor = chapter.time_floor(moved)
+            print(f"  {rows:>5} x {hidden}: {moved / 1e6:8.3f} MB -> {floor * 1e6:7.2f} us at the copy "
+                  f"bandwidth ({what})")
 
 
 if __name__ == "__main__":

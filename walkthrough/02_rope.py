@@ -148,6 +148,19 @@ def tree_positions_demo(rng) -> None:
     print(f"  Kimi K2.6 key at positions {far.tolist()}: max |numpy - numba| = {diff:.1e}")
 
 
+def bytes_report() -> None:
+    """A Kimi decode row's rotation (query heads and the shared key) against one launch."""
+    kimi = preset("kimi-k2.6")
+    heads, dim = kimi.num_attention_heads, kimi.qk_rope_head_dim
+    moved = knl.bytes_moved(T=1, H=heads, dr=dim) + knl.bytes_moved(T=1, H=1, dr=dim)
+    with chapter.section("bytes"):
+        chapter.print_h200()
+        print(f"Kimi K2.6 decode row: q_pe (1, {heads}, {dim}) and k_pe (1, {dim}) rotated, "
+              f"{moved / 1e3:.1f} KB read and written")
+        print(f"  {chapter.time_floor(moved) * 1e6:.3f} us at the copy bandwidth, against "
+              f"{2 * chapter.h200().launch * 1e6:.1f} us of host time for the two launches")
+
+
 if __name__ == "__main__":
     with chapter.report(STEM):
         print(f"kernels run on: {device.where()}")
@@ -156,3 +169,4 @@ if __name__ == "__main__":
         yarn_report()
         plot_yarn()
         tree_positions_demo(rng)
+        bytes_report()

@@ -22,6 +22,11 @@ Two more things every chapter shares:
   ``model.ops.<name>`` is kept as a ``Call`` (copies of the arguments taken before it ran, and its
   result); ``replace=`` swaps operations for others (the numba twins). The model's own operations
   come back when the block ends, also on an exception.
+
+Cost models live beside their kernels (``kernels.<stem>.bytes_moved`` and ``flops``); the H200's
+figures come from the committed benchmark record through ``kernels.bench.hardware``: ``h200()``
+gives the ones the chapters use, ``time_floor`` turns bytes and FLOPs into seconds, and
+``print_h200`` prints them, with their source, into a chapter's report.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import pathlib
 import sys
 import time
+import types
 
 # one BLAS thread: a multithreaded matmul splits its sums differently from run to run, and the
 # reports print float32 differences that must come out the same on every run (before numpy loads)
@@ -218,3 +224,29 @@ def record_ops(model, *names: str, replace: dict | None = None):
         for name, original in saved.items():
             setattr(model.ops, name, original)
 # --8<-- [end:record_ops]
+
+
+# --8<-- [start:h200]
+def h200() -> types.SimpleNamespace:
+    """The H200 figures the chapters' cost models use, from the benchmark record on the GPU page:
+    bandwidth (bytes/s, a measured device-to-device copy), fp32 (FLOP/s, torch SGEMM with TF32
+    off, as the record states) and launch (seconds of host time per numba launch from Python)."""
+    from kernels.bench import hardware  # imports numba: only chapters that cost something pay it
+
+    return types.SimpleNamespace(bandwidth=hardware.copy_bandwidth(), fp32=hardware.fp32_flops(),
+                                 launch=hardware.host_launch_seconds(), record=hardware.RESULTS.name)
+
+
+def time_floor(bytes_moved: float, flops: float = 0.0) -> float:
+    """Seconds at best on the H200: the slower of moving the bytes and doing the FLOPs."""
+    hw = h200()
+    return max(bytes_moved / hw.bandwidth, flops / hw.fp32)
+# --8<-- [end:h200]
+
+
+def print_h200() -> None:
+    """One report line with the H200 figures the chapter's numbers use, and their source."""
+    hw = h200()
+    print(f"H200 ({hw.record}): copy {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} TFLOP/s "
+          f"(ridge {hw.fp32 / hw.bandwidth:.1f} FLOP/B),")
+    print(f"  {hw.launch * 1e6:.1f} us of host time per kernel launch from Python")
