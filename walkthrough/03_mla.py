@@ -32,46 +32,39 @@ from kernels import mla as knl
 
 STEM = "03_mla"
 FLOAT = 4
-H200_BANDWIDTH = 4.8e12        # bytes/s, HBM3e peak
-FP32_RATE = 51e12              # FLOP/s, torch fp32 SGEMM (TF32 off) measured on the project's H200
 TREE_ROWS = 64                 # the tree size of the figure's second case
 
 
 # --8<-- [start:mla_cost]
-def mla_cost(config, rows: int, keys: int, form: str) -> tuple[float, float]:
-    """(FLOPs, bytes) of one layer's attention core for ``rows`` queries over ``keys`` cached tokens.
+def mla_cost(config, rows: int, keys: int, form: str) -> tuple[int, int]:
+    """(bytes, FLOPs) of one layer's attention core for ``rows`` queries over ``keys`` cached keys.
 
     Counted: q_nope -> scores -> softmax-weighted sum -> per-head output (o_proj and the
-    projections that make q, c and k_pe are the same in both forms and left out). Bytes are
-    float32 traffic to DRAM, with each cache row and weight read once for all heads and rows.
-    'naive' is ddtree.mla.attention_naive: it expands k_nope and v for every key and writes them
-    to memory before attending (as eager framework code does).
+    projections that make q, c and k_pe are the same in both forms and left out); every row sees
+    every key. 'absorb' is the three kernels of kernels/mla.py, their cost models summed.
+    'naive' is ddtree.mla.attention_naive, which has no kernel: it expands k_nope and v for
+    every key and writes them to memory before attending (as eager framework code does).
     """
     H, R, dr = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     dn, dv = config.qk_nope_head_dim, config.v_head_dim
     T, S = rows, keys
-    cache = S * (R + dr)                                   # latent + shared rope key per token
-    weights = H * (dn + dv) * R                            # W_UK and W_UV
-    io = T * H * (dn + dr) + T * H * dv                    # queries in, outputs out
     if form == "absorb":
-        flops = 2 * T * H * (dn * R          # q_lat = W_UK^T q_nope
-                             + S * (R + dr)  # scores against [c | k_pe]
-                             + S * R         # o_lat = sum_s p_s c_s
-                             + R * dv)       # o = W_UV o_lat
-        return flops, FLOAT * (cache + weights + io)
+        steps = (("absorb_query", dict(T=T, H=H, dn=dn, R=R)),
+                 ("attention_absorb", dict(T=T, H=H, R=R, dr=dr, S=S, pairs=T * S)),
+                 ("absorb_output", dict(T=T, H=H, dv=dv, R=R)))
+        return (sum(knl.bytes_moved(op, **dims) for op, dims in steps),
+                sum(knl.flops(op, **dims) for op, dims in steps))
     if form == "naive":
+        cache = S * (R + dr)                               # latent + shared rope key per token
+        weights = H * (dn + dv) * R                        # W_UK and W_UV
+        io = T * H * (dn + dr) + T * H * dv                # queries in, outputs out
         expanded = S * H * (dn + dv)                       # k_nope and v for every key
-        flops = 2 * (S * R * H * (dn + dv)  # expansion
-                     + T * H * S * (dn + dr)  # scores
-                     + T * H * S * dv)        # weighted sum of v
-        return flops, FLOAT * (cache + weights + io + 2 * expanded)   # expanded: written, read back
+        flops = 2 * (S * R * H * (dn + dv)                 # expansion
+                     + T * H * S * (dn + dr)               # scores
+                     + T * H * S * dv)                     # weighted sum of v
+        return FLOAT * (cache + weights + io + 2 * expanded), flops   # expanded: written, read back
     raise ValueError(f"form must be 'absorb' or 'naive', got {form!r}")
 # --8<-- [end:mla_cost]
-
-
-def time_floor(flops: float, bytes_moved: float) -> float:
-    """Seconds at best: the slower of the FLOPs at 51 TFLOP/s and the bytes at 4.8 TB/s."""
-    return max(flops / FP32_RATE, bytes_moved / H200_BANDWIDTH)
 
 
 def cache_report() -> None:
@@ -94,21 +87,23 @@ def cost_report() -> None:
     kimi = preset("kimi-k2.6")
     H, R, dr = kimi.num_attention_heads, kimi.kv_lora_rank, kimi.qk_rope_head_dim
     with chapter.section("cost"):
-        print("one layer's attention core at Kimi K2.6 dims, fp32")
-        print("floor = max(FLOPs / 51 TFLOP/s, bytes / 4.8 TB/s)")
+        chapter.print_h200()
+        print("one layer's attention core at Kimi K2.6 dims, fp32; floor = the slower of the bytes")
+        print("at the copy bandwidth and the FLOPs at the fp32 rate")
         print(f"  {'T':>3} {'S':>7}  {'form':<6} {'GFLOP':>8} {'MB':>8} {'floor ms':>9}  FLOP ratio")
         for rows in (1, TREE_ROWS):
             for keys in (4096, 131072):
-                a_flops, a_bytes = mla_cost(kimi, rows, keys, "absorb")
-                n_flops, n_bytes = mla_cost(kimi, rows, keys, "naive")
+                a_bytes, a_flops = mla_cost(kimi, rows, keys, "absorb")
+                n_bytes, n_flops = mla_cost(kimi, rows, keys, "naive")
                 for form, flops, moved in (("absorb", a_flops, a_bytes), ("naive", n_flops, n_bytes)):
                     ratio = f"  {n_flops / a_flops:.1f}x" if form == "naive" else ""
                     print(f"  {rows:>3} {keys:>7}  {form:<6} {flops / 1e9:>8.2f} {moved / 1e6:>8.1f} "
-                          f"{time_floor(flops, moved) * 1e3:>9.3f}{ratio}")
+                          f"{chapter.time_floor(moved, flops) * 1e3:>9.3f}{ratio}")
         per_key_flops, per_key_bytes = 2 * H * (2 * R + dr), FLOAT * (R + dr)
         print(f"absorbed, per cached key: 2H(2R + dr) = {per_key_flops} FLOPs over 4(R + dr) = "
               f"{per_key_bytes} bytes = {per_key_flops / per_key_bytes:.0f} FLOP/byte")
-        print(f"fp32 ridge point: 51 TFLOP/s / 4.8 TB/s = {FP32_RATE / H200_BANDWIDTH:.1f} FLOP/byte")
+        hw = chapter.h200()
+        print(f"against the fp32 ridge point of the first line, {hw.fp32 / hw.bandwidth:.1f} FLOP/byte")
 
 
 def plot_cost() -> None:
@@ -118,13 +113,14 @@ def plot_cost() -> None:
     styles = {("absorb", 1): ("tab:blue", "-"), ("absorb", TREE_ROWS): ("tab:blue", "--"),
               ("naive", 1): ("tab:red", "-"), ("naive", TREE_ROWS): ("tab:red", "--")}
     for (form, rows), (color, ls) in styles.items():
-        cost = np.array([mla_cost(kimi, rows, s, form) for s in keys])          # [len, 2]
-        floor = np.array([time_floor(flops, moved) for flops, moved in cost])
+        cost = np.array([mla_cost(kimi, rows, s, form) for s in keys], dtype=np.float64)   # [len, 2]
+        floor = np.array([chapter.time_floor(moved, flops) for moved, flops in cost])
         label = f"{form}, {'1 decode row' if rows == 1 else f'{rows}-node tree'}"
-        axes[0].loglog(keys, cost[:, 0], color=color, ls=ls, label=label)
-        axes[1].loglog(keys, cost[:, 1], color=color, ls=ls, label=label)
+        axes[0].loglog(keys, cost[:, 1], color=color, ls=ls, label=label)
+        axes[1].loglog(keys, cost[:, 0], color=color, ls=ls, label=label)
         axes[2].loglog(keys, floor * 1e3, color=color, ls=ls, label=label)
-    for ax, title, unit in zip(axes, ("FLOPs", "bytes (fp32)", "time floor: max(FLOPs/51T, bytes/4.8T)"),
+    titles = ("FLOPs", "bytes (fp32)", "time floor on the H200: the slower of the two")
+    for ax, title, unit in zip(axes, titles,
                                ("FLOP per layer", "bytes per layer", "ms per layer"), strict=True):
         ax.set_title(title, fontsize=11)
         ax.set_ylabel(unit)
