@@ -22,6 +22,7 @@ import numpy as np
 
 import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
 from ddtree import moe as ref
+from ddtree.config import preset
 from ddtree.model import Transformer
 from kernels import device
 from kernels import moe as knl
@@ -122,6 +123,23 @@ def kernels_vs_numpy(layers, config) -> None:
           f"(max |y| {np.abs(ref_mixed).max():.2f})")
 
 
+def kimi_bytes() -> None:
+    """What one MoE layer reads at Kimi K2.6: one decode token against a 64-node tree."""
+    kimi = preset("kimi-k2.6")
+    D, E, F, k = kimi.hidden_size, kimi.n_routed_experts, kimi.moe_intermediate_size, kimi.num_experts_per_tok
+    Fs = kimi.n_shared_experts * F
+    expert = 3 * D * F * 4                                               # gate, up, down; fp32
+    with chapter.section("bytes"):
+        chapter.print_h200()
+        print(f"Kimi K2.6 MoE layer, fp32: one expert = 3 x {D} x {F} weights = {expert / 1e6:.0f} MB; "
+              f"router {E} x {D}")
+        for rows, used, what in ((1, k, "1 decode token"), (65, E, "65 tree rows, every expert reached")):
+            moved = knl.bytes_moved("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
+            flops = knl.flops("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
+            print(f"  {what}: {used} routed experts + the shared one, {moved / 1e9:.2f} GB, "
+                  f"floor {chapter.time_floor(moved, flops) * 1e3:.2f} ms")
+
+
 def main() -> None:
     """Record tiny-b's router inputs on the golden tokens, draw the routing, check the kernels."""
     print(f"kernels run on: {device.where()}")
@@ -137,6 +155,7 @@ def main() -> None:
     plot_routing(layers, config)
     plot_load(layers, config)
     kernels_vs_numpy(layers, config)
+    kimi_bytes()
 
 
 if __name__ == "__main__":
