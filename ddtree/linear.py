@@ -1,16 +1,44 @@
 """Linear layers, embedding gather and greedy argmax: the numpy reference.
 
-Legend: T rows, K input features, N output features, V vocabulary.
-Weights are stored (N, K) as in Hugging Face state dicts, so ``y = x @ W.T``.
+Legend (docs/glossary.md): T rows, Din input features, Dout output features, V vocab_size,
+D hidden_size. Weights are stored (Dout, Din) as in Hugging Face state dicts, so ``y = x @ W.T``.
+
+Every dot product in the reference goes through ``dot``, which sums in one order per output
+whatever the number of rows: a row's result never depends on the rows it runs with (batch
+invariance), the property that makes DDTree's tree forward give AR's logits bit for bit.
 """
 
 import numpy as np
 
+# ``linear`` multiplies several rows per numpy call (fewer calls) but holds at most this many
+# products (16 MB) at once, or one row's if the weight alone is larger
+PRODUCTS_PER_CALL = 1 << 22
+
+
+# --8<-- [start:dot]
+def dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sum of ``a * b`` over the last axis (the others broadcast), in float32.
+
+    Each output is numpy's pairwise sum of its products in index order, an order fixed by the
+    length of the last axis alone. ``np.matmul`` would hand the work to BLAS, which picks GEMV for
+    one row and GEMM for more, with different summation orders: one row alone and the same row
+    in a batch would then differ in the last bits.
+    """
+    products = np.multiply(a, b, dtype=np.float32, order="C")   # [..., n] last axis contiguous
+    return np.add.reduce(products, axis=-1)                      # [...]
+# --8<-- [end:dot]
+
 
 # --8<-- [start:linear]
 def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x`` (T, K) times ``weight.T`` (K, N) -> (T, N), float32."""
-    return np.matmul(x, weight.T, dtype=np.float32)             # [T, N]
+    """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32."""
+    x = np.asarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])                                # [T, Din]
+    out = np.empty((flat.shape[0], weight.shape[0]), dtype=np.float32)  # [T, Dout]
+    step = max(1, PRODUCTS_PER_CALL // weight.size)                  # rows per call
+    for first in range(0, flat.shape[0], step):                      # a row's sums ignore the blocks
+        out[first:first + step] = dot(flat[first:first + step, None, :], weight)  # [<=step, Dout]
+    return out.reshape(*x.shape[:-1], weight.shape[0])               # [..., Dout]
 # --8<-- [end:linear]
 
 

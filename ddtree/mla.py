@@ -19,6 +19,8 @@ through ``visible`` (T, T).
 
 import numpy as np
 
+from ddtree.linear import dot
+
 
 def split_kv_b(kv_b_proj: np.ndarray, num_heads: int, nope_dim: int, v_dim: int):
     """``kv_b_proj.weight`` (H*(dn+dv), R) -> W_UK (H, dn, R) and W_UV (H, dv, R)."""
@@ -87,24 +89,29 @@ def causal_visibility(num_rows: int) -> np.ndarray:
 
 
 # --8<-- [start:masked_softmax]
-def masked_softmax(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis of ``scores`` (T, H, S) where ``mask`` (T, S) is True."""
-    scores = np.where(mask[:, None, :], scores, -np.inf)            # [T, H, S]
-    scores = scores - scores.max(axis=-1, keepdims=True)            # the row max is finite
-    weights = np.exp(scores)
-    return (weights / weights.sum(axis=-1, keepdims=True)).astype(np.float32)
+def visible_keys(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:
+    """Cache slots one row attends to, in position order: the prefix, then its visible new rows."""
+    return np.concatenate([np.arange(prefix_len), prefix_len + np.flatnonzero(visible_row)])  # [S_t]
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of ``scores`` (H, S_t): only visible keys were scored, so no
+    mask is needed and a masked key's row is never read (it may even hold NaN)."""
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))   # [H, S_t] the row max is 1
+    return (weights / np.add.reduce(weights, axis=-1, keepdims=True)).astype(np.float32)
 # --8<-- [end:masked_softmax]
 
 
 # --8<-- [start:absorb]
 def absorb_query(q_nope: np.ndarray, w_uk: np.ndarray) -> np.ndarray:
     """q_nope (T, H, dn), W_UK (H, dn, R) -> q_lat (T, H, R)."""
-    return np.einsum("thn,hnr->thr", q_nope, w_uk, dtype=np.float32)  # [T, H, R]
+    w_uk_t = np.ascontiguousarray(np.swapaxes(w_uk, 1, 2))             # [H, R, dn]
+    return dot(q_nope[:, :, None, :], w_uk_t[None])                    # [T, H, R]
 
 
 def absorb_output(o_lat: np.ndarray, w_uv: np.ndarray) -> np.ndarray:
     """o_lat (T, H, R), W_UV (H, dv, R) -> o (T, H, dv)."""
-    return np.einsum("thr,hvr->thv", o_lat, w_uv, dtype=np.float32)   # [T, H, dv]
+    return dot(o_lat[:, :, None, :], w_uv[None])                        # [T, H, dv]
 
 
 def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale):
@@ -112,15 +119,20 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
 
     q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
     hold the prefix in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R).
+    Each row gathers its own visible keys in position order and reduces exactly those, so its
+    result is the same in a tree, in a prefill or alone (batch invariance).
     """
     rows = q_lat.shape[0]
     visible = check_visibility(prefix_len, visible, rows)
-    keys = prefix_len + rows
-    latent, rope = cache_latent[:keys], cache_rope[:keys]               # [S, R], [S, dr]
-    scores = (np.einsum("thr,sr->ths", q_lat, latent, dtype=np.float32)
-              + np.einsum("thd,sd->ths", q_pe, rope, dtype=np.float32)) * np.float32(scale)  # [T, H, S]
-    probs = masked_softmax(scores, key_mask(prefix_len, visible))       # [T, H, S]
-    return np.einsum("ths,sr->thr", probs, latent, dtype=np.float32)    # [T, H, R]
+    o_lat = np.empty(q_lat.shape, dtype=np.float32)                     # [T, H, R]
+    for t in range(rows):
+        keys = visible_keys(prefix_len, visible[t])                     # [S_t]
+        latent, rope = cache_latent[keys], cache_rope[keys]             # [S_t, R], [S_t, dr]
+        scores = (dot(q_lat[t][:, None, :], latent[None])
+                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, S_t]
+        probs = softmax(scores)                                         # [H, S_t]
+        o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
+    return o_lat
 # --8<-- [end:absorb]
 
 
@@ -132,12 +144,15 @@ def attention_naive(q_nope, q_pe, cache_latent, cache_rope, prefix_len, visible,
     """
     rows = q_nope.shape[0]
     visible = check_visibility(prefix_len, visible, rows)
-    keys = prefix_len + rows
-    latent, rope = cache_latent[:keys], cache_rope[:keys]               # [S, R], [S, dr]
-    k_nope = np.einsum("sr,hnr->shn", latent, w_uk, dtype=np.float32)   # [S, H, dn]
-    values = np.einsum("sr,hvr->shv", latent, w_uv, dtype=np.float32)   # [S, H, dv]
-    scores = (np.einsum("thn,shn->ths", q_nope, k_nope, dtype=np.float32)
-              + np.einsum("thd,sd->ths", q_pe, rope, dtype=np.float32)) * np.float32(scale)  # [T, H, S]
-    probs = masked_softmax(scores, key_mask(prefix_len, visible))       # [T, H, S]
-    return np.einsum("ths,shv->thv", probs, values, dtype=np.float32)   # [T, H, dv]
+    o = np.empty((rows, w_uv.shape[0], w_uv.shape[1]), dtype=np.float32)  # [T, H, dv]
+    for t in range(rows):
+        keys = visible_keys(prefix_len, visible[t])                     # [S_t]
+        latent, rope = cache_latent[keys], cache_rope[keys]             # [S_t, R], [S_t, dr]
+        k_nope = dot(w_uk[:, None], latent[None, :, None])              # [H, S_t, dn]
+        values = dot(w_uv[:, None], latent[None, :, None])              # [H, S_t, dv]
+        scores = (dot(q_nope[t][:, None, :], k_nope)
+                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, S_t]
+        probs = softmax(scores)                                         # [H, S_t]
+        o[t] = dot(probs[:, None, :], np.swapaxes(values, 1, 2))        # [H, dv]
+    return o
 # --8<-- [end:naive]

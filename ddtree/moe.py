@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from ddtree.config import ModelConfig
+from ddtree.linear import linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ def topk_lowest_index(values: np.ndarray, k: int) -> np.ndarray:
 # --8<-- [start:route]
 def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, config: ModelConfig):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32)."""
-    scores = sigmoid(np.matmul(x, gate.T, dtype=np.float32))      # [T, E]
+    scores = sigmoid(linear(x, gate))                             # [T, E]
     choice = scores + bias                                        # [T, E] bias only chooses
     tokens, experts = choice.shape
     if config.n_group > 1:
@@ -67,10 +68,10 @@ def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, config: ModelConfig
 # --8<-- [start:swiglu]
 def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray):
     """down(silu(gate x) * up x): x (T, D), gate/up (F, D), down (D, F) -> (T, D)."""
-    g = np.matmul(x, gate_proj.T, dtype=np.float32)               # [T, F]
-    u = np.matmul(x, up_proj.T, dtype=np.float32)                 # [T, F]
+    g = linear(x, gate_proj)                                      # [T, F]
+    u = linear(x, up_proj)                                        # [T, F]
     hidden = g * sigmoid(g) * u                                   # [T, F]
-    return np.matmul(hidden, down_proj.T, dtype=np.float32)       # [T, D]
+    return linear(hidden, down_proj)                              # [T, D]
 # --8<-- [end:swiglu]
 
 
