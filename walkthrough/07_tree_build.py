@@ -74,17 +74,14 @@ def _timed(function, *args) -> float:
 
 
 def builder_cost(depths: int, budget: int, requests: int) -> None:
-    """Bytes the GPU builder moves and barriers it waits on (it is latency bound, not bandwidth bound)."""
-    k = budget
-    read = requests * depths * k * (4 + 8)                  # top_logprobs float32 + top_ids int64
-    width = budget + 1
-    written = requests * (width * (4 * 8 + 4) + 8)          # 4 int64 + 1 float32 per node, size
+    """Bytes the GPU builder moves (kernels.tree's cost model) and barriers it waits on."""
+    moved = gpu.bytes_moved("build_trees", Bq=requests, L=depths, K=budget, B=budget)
     threads = gpu.builder_threads(budget)
-    barriers = budget * (2 + int(np.log2(threads)))         # per pop: 2 + one per reduction level
-    print(f"  L={depths}, K=B={budget}, {requests} requests: reads {read / 1e3:.1f} KB, writes "
-          f"{written / 1e3:.1f} KB ({(read + written) / 4.8e12 * 1e9:.0f} ns at 4.8 TB/s)")
-    print(f"    but {budget} sequential pops x {2 + int(np.log2(threads))} barriers = {barriers} block "
-          f"barriers ({threads} threads)")
+    per_pop = 2 + int(np.log2(threads))                    # loop top, after the scan, one per level
+    print(f"  L={depths}, K=B={budget}, {requests} requests: {moved / 1e3:.1f} KB in and out, "
+          f"{chapter.time_floor(moved) * 1e9:.0f} ns at the copy bandwidth")
+    print(f"    but {budget} sequential pops x {per_pop} barriers = {budget * per_pop} block barriers "
+          f"({threads} threads)")
 
 
 def print_pops(tree: ref.DraftTree, count: int) -> None:
@@ -202,6 +199,7 @@ def main() -> None:
     ties = all_ties()
     check_gpu_builder(setup, logits, trees, ties)
     with chapter.section("builder_cost"):
+        chapter.print_h200()
         print("what the GPU builder moves:")
         builder_cost(15, 64, 32)
         builder_cost(15, 256, 32)
