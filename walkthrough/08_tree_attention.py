@@ -47,12 +47,10 @@ def path_to(tree: ref.DraftTree, node: int) -> list[int]:
 
 
 def mask_bytes(budget: int, requests: int) -> None:
-    """What the visibility kernel moves: parents in (int64), the (N, N) bool mask out, per request."""
-    size = budget + 1
-    read, written = requests * size * 8, requests * size * size
-    print(f"  visibility, {requests} requests x budget {budget}: reads {read} B of parents, writes "
-          f"{written} B of mask")
-    print(f"    {(read + written) / 4.8e12 * 1e9:.1f} ns at 4.8 TB/s: launch-bound")
+    """What the visibility kernel moves (kernels.tree's cost model): parents in, the mask out."""
+    moved = gpu_tree.bytes_moved("visibility", Bq=requests, W=budget + 1)
+    print(f"  visibility, {requests:>2} requests x budget {budget}: {moved:>6} bytes in and out, "
+          f"{chapter.time_floor(moved) * 1e9:.1f} ns")
 
 
 def noisy_tree(setup) -> ref.DraftTree:
@@ -158,6 +156,7 @@ def main() -> None:
     plot_tree_and_mask(tree, start, visible, positions)
     check_kernels(tree, visible, calls[0])                  # layer 0
     with chapter.section("mask_bytes"):
+        chapter.print_h200()
         mask_bytes(64, 1)
         mask_bytes(64, 32)
 

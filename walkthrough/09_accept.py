@@ -128,6 +128,15 @@ def check_kernels(rounds, shown: int) -> None:
     assert same
 
 
+def accept_bytes(nodes: int) -> None:
+    """What accept_batch moves for one request of ``nodes`` tree nodes (kernels.accept's model)."""
+    moved = gpu.bytes_moved(Bq=1, W=nodes)
+    with chapter.section("bytes"):
+        chapter.print_h200()
+        print(f"accept_batch, one request of {nodes} nodes: {moved} bytes in and out, "
+              f"{chapter.time_floor(moved) * 1e9:.1f} ns at the copy bandwidth")
+
+
 def main() -> None:
     """Record every round of a noisy-oracle generation, walk one round, check the numba accept."""
     setup = chapter.golden_model("tiny")
@@ -136,6 +145,7 @@ def main() -> None:
     print()
     walk_report(setup, rounds, trace, shown)
     check_kernels(rounds, shown)
+    accept_bytes(65)
 
 
 if __name__ == "__main__":
