@@ -9,22 +9,29 @@ import types
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
-from ddtree.decode import DEFAULT_BUDGET
-from ddtree.drafters import DRAFTERS, make_drafter
+from ddtree.decode import DEFAULT_BUDGET, check_block_size, check_budget, check_prompt, check_topk
+from ddtree.drafters import DRAFTERS, check_seed, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
 from ddtree.weights import init_weights
 
 BACKENDS = ("numpy", "numba")
 
 
+SIMULATOR_NOTE = ("note: no GPU, so the kernels run in numba's CUDA simulator (every CUDA thread is a "
+                  "Python thread): expect minutes; '--preset micro --tokens 4' is the quickest")
+
+
 def load_backend(name: str) -> types.SimpleNamespace:
     """The model and decoders of ``name``: the numpy reference, or the numba engine (imported only
-    when asked for, so the reference never loads numba)."""
+    when asked for, so the reference never loads numba); ``note`` says where the engine runs."""
+    note = None
     if name == "numba":
-        from kernels import decode, model
+        from kernels import decode, device, model  # the kernels package picks GPU or simulator first
+
+        note = SIMULATOR_NOTE if device.SIMULATOR else None
     else:
         from ddtree import decode, model
-    return types.SimpleNamespace(name=name, Transformer=model.Transformer,
+    return types.SimpleNamespace(name=name, Transformer=model.Transformer, note=note,
                                  generate_ar=decode.generate_ar, generate_ddtree=decode.generate_ddtree)
 
 
@@ -32,18 +39,33 @@ def format_tokens(tokens) -> str:
     return " ".join(str(int(t)) for t in tokens)
 
 
+def check_flags(args, model, prompt) -> None:
+    """Every flag, before anything is decoded; an error names its flag."""
+    limit = model.config.max_position_embeddings
+    checks = [
+        ("--tokens", lambda: check_prompt(model, prompt, args.tokens)),
+        ("--block-size", lambda: check_block_size(args.block_size, limit)),
+        ("--budget", lambda: check_budget(args.budget)),
+        ("--topk", lambda: check_topk(args.topk)),
+        ("--seed", lambda: check_seed(args.seed)),
+    ]
+    if hasattr(model, "check_budget"):                 # a backend with its own limit on trees
+        checks.append(("--budget", lambda: model.check_budget(args.budget)))
+    for flag, check in checks:
+        try:
+            check()
+        except ValueError as error:
+            raise ValueError(f"{flag}: {error}") from None
+
+
 def run_demo(args) -> int:
     config = preset(args.preset)
-    if args.backend == "numba":
-        from kernels import device  # decides GPU or simulator before numba loads
-
-        if device.SIMULATOR:
-            print("note: no GPU, so the kernels run in numba's CUDA simulator (every CUDA thread is a "
-                  "Python thread): expect minutes; '--preset micro --tokens 4' is the quickest",
-                  file=sys.stderr)
     backend = load_backend(args.backend)
+    if backend.note:
+        print(backend.note, file=sys.stderr)
     model = backend.Transformer(config, init_weights(config, WEIGHT_SEED))
     prompt = default_prompt(args.preset)
+    check_flags(args, model, prompt)
     print(f"model: {config.describe()}  (preset {args.preset}, backend {backend.name})")
     print(f"prompt({prompt.size}): {format_tokens(prompt)}")
 

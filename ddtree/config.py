@@ -1,17 +1,42 @@
 """Model configuration with Hugging Face ``DeepseekV3Config`` field names.
 
-Dimension legend used across the package:
-    D  hidden_size            V  vocab_size           H  num_attention_heads
-    dn qk_nope_head_dim       dr qk_rope_head_dim     dv v_head_dim
-    Rq q_lora_rank            Rkv kv_lora_rank        E  n_routed_experts
-    k  num_experts_per_tok    G  n_group              F  moe_intermediate_size
+The dimension names below are used across the package: every module's legend, shape comment
+and docs page uses them with exactly this meaning (docs/glossary.md shows where each appears).
+
+# --8<-- [start:glossary]
+    T   rows of a forward (tokens or tree nodes run together)
+    D   hidden_size                    V   vocab_size
+    H   num_attention_heads            dn  qk_nope_head_dim
+    dr  qk_rope_head_dim               dv  v_head_dim
+    Rq  q_lora_rank                    R   kv_lora_rank
+    I   intermediate_size (dense MLP)  E   n_routed_experts
+    k   num_experts_per_tok            G   n_group
+    F   moe_intermediate_size          Fs  shared-expert width (n_shared_experts * F)
+    Din input features                 Dout output features (a linear layer: weight (Dout, Din))
+    P   prefix rows every new row sees S   P + T keys
+    St  keys row t attends to (P + the new rows it sees, in position order)
+    C   cache capacity (slots)         Ly  layers (num_hidden_layers)
+    L   draft depths (block_size - 1)  K   candidates per depth
+    B   node budget (root not counted) n   drafted nodes (n <= B)
+    N   n + 1 tree nodes (root included)
+    W   padded tree width              Bq  requests in a batch
+    m   accepted nodes (root included) TPB threads per block (a kernel's block size)
+# --8<-- [end:glossary]
+
+Every field is checked when a config is built: integers are integers (numpy's too, never bools),
+booleans are booleans (never strings), and YaRN's fields are finite numbers in range. Values are
+stored as plain Python numbers, so a config compares, hashes and serialises the same however it
+was made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
+
+import numpy as np
 
 _YARN_KEYS = {
     "type",
@@ -53,9 +78,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
-        if self.rope_scaling is not None:
-            # a private copy, so the frozen config cannot be changed through the caller's dict
-            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
 
     # derived sizes ---------------------------------------------------------------
     @property
@@ -86,6 +108,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
         """Build from a dict such as a Hugging Face ``config.json``; unknown keys are ignored."""
+        if not isinstance(values, dict):
+            raise ValueError(f"a config must be a dict (a JSON object), got {type(values).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
@@ -95,25 +119,60 @@ class ModelConfig:
         return cls(**{key: value for key, value in values.items() if key in names})
 
 
+_POSITIVE_INTEGERS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+    "n_group", "topk_group", "max_position_embeddings",
+)
+_NON_NEGATIVE_INTEGERS = ("n_shared_experts", "first_k_dense_replace")
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+
+
+def integer(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= minimum; Python and numpy integers pass, bools and floats do not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return int(value)
+
+
+def finite_number(name: str, value, minimum: float = 0.0, strict: bool = True) -> float:
+    """``value`` as a finite float > minimum (>= with strict=False); bools and strings do not pass."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < minimum or (strict and value == minimum):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
 def _validate(c: ModelConfig) -> None:
-    positive = [
-        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-        "n_group", "topk_group", "max_position_embeddings",
-    ]
-    for name in positive:
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for name in ["n_shared_experts", "first_k_dense_replace"]:
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    if c.q_lora_rank is not None and (not isinstance(c.q_lora_rank, int) or c.q_lora_rank <= 0):
-        raise ValueError(f"q_lora_rank must be None or a positive integer, got {c.q_lora_rank!r}")
+    """Check and normalise every field of ``c`` (plain ints, floats and bools)."""
+    def store(name, value):
+        object.__setattr__(c, name, value)
+
+    for name in _POSITIVE_INTEGERS:
+        store(name, integer(name, getattr(c, name), 1))
+    for name in _NON_NEGATIVE_INTEGERS:
+        store(name, integer(name, getattr(c, name), 0))
+    if c.q_lora_rank is not None:
+        store("q_lora_rank", integer("q_lora_rank", c.q_lora_rank, 1))          # or None
+    for name in _POSITIVE_NUMBERS:
+        store(name, finite_number(name, getattr(c, name)))
+    if not isinstance(c.norm_topk_prob, (bool, np.bool_)):
+        raise ValueError(f"norm_topk_prob must be a bool (true or false), got {c.norm_topk_prob!r}")
+    store("norm_topk_prob", bool(c.norm_topk_prob))
+    if c.rope_theta <= 1:
+        raise ValueError(f"rope_theta must be > 1, got {c.rope_theta}")
     if c.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even (NeoX rotates halves), got {c.qk_rope_head_dim}")
+    _validate_routing(c)
+    if c.rope_scaling is not None:
+        # a private, normalised copy, so the frozen config cannot be changed through the caller's dict
+        store("rope_scaling", _validate_yarn(c.rope_scaling, c.max_position_embeddings))
+
+
+def _validate_routing(c: ModelConfig) -> None:
     if c.n_routed_experts % c.n_group:
         raise ValueError(
             f"n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group})")
@@ -129,19 +188,12 @@ def _validate(c: ModelConfig) -> None:
         raise ValueError(
             f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the {kept} experts held by the "
             f"topk_group={c.topk_group} kept groups")
-    for name in ["rms_norm_eps", "rope_theta", "routed_scaling_factor"]:
-        value = getattr(c, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    if c.rope_theta <= 1:
-        raise ValueError(f"rope_theta must be > 1, got {c.rope_theta}")
-    if c.rope_scaling is not None:
-        _validate_yarn(c.rope_scaling, c.max_position_embeddings)
 
 
-def _validate_yarn(scaling: dict, max_positions: int) -> None:
+def _validate_yarn(scaling, max_positions: int) -> dict:
+    """Check a YaRN ``rope_scaling`` dict; returns a normalised copy."""
     if not isinstance(scaling, dict):
-        raise ValueError(f"rope_scaling must be None or a dict, got {type(scaling).__name__}")
+        raise ValueError(f"rope_scaling must be None or a dict, got {type(scaling).__name__} {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "yarn":
         raise ValueError(f"unknown rope_scaling type {kind!r}: only 'yarn' is supported")
@@ -151,20 +203,28 @@ def _validate_yarn(scaling: dict, max_positions: int) -> None:
     for key in ["factor", "original_max_position_embeddings"]:
         if key not in scaling:
             raise ValueError(f"rope_scaling (yarn) needs {key!r}")
-    if not scaling["factor"] >= 1:
-        raise ValueError(f"rope_scaling.factor must be >= 1, got {scaling['factor']}")
-    original = scaling["original_max_position_embeddings"]
-    if not isinstance(original, int) or original <= 0:
-        raise ValueError("rope_scaling.original_max_position_embeddings must be a positive integer, "
-                         f"got {original!r}")
-    if scaling.get("beta_fast", 32) <= scaling.get("beta_slow", 1):
-        raise ValueError("rope_scaling.beta_fast must be larger than rope_scaling.beta_slow")
+    checked = dict(scaling)
+    checked["factor"] = factor = finite_number("rope_scaling.factor", scaling["factor"], 1.0, strict=False)
+    original = integer("rope_scaling.original_max_position_embeddings",
+                       scaling["original_max_position_embeddings"], 1)
+    checked["original_max_position_embeddings"] = original
+    # the ramp's ends are log(original / (2 pi beta)): both betas positive, beta_fast the larger
+    for key in ("beta_fast", "beta_slow"):
+        if key in scaling:
+            checked[key] = finite_number(f"rope_scaling.{key}", scaling[key])
+    if checked.get("beta_fast", 32.0) <= checked.get("beta_slow", 1.0):
+        raise ValueError("rope_scaling.beta_fast must be larger than rope_scaling.beta_slow, got "
+                         f"{checked.get('beta_fast', 32.0)} <= {checked.get('beta_slow', 1.0)}")
+    for key in ("mscale", "mscale_all_dim"):                   # None (or 0) switches the correction off
+        if scaling.get(key) is not None:
+            checked[key] = finite_number(f"rope_scaling.{key}", scaling[key], strict=False)
     # Hugging Face derives YaRN's factor from max_position_embeddings / original when the latter
     # is given; a config where the two disagree would compute different frequencies there.
-    if not math.isclose(max_positions / original, scaling["factor"], rel_tol=1e-9):
+    if not math.isclose(max_positions / original, factor, rel_tol=1e-9):
         raise ValueError(
-            f"rope_scaling.factor ({scaling['factor']}) must equal max_position_embeddings / "
+            f"rope_scaling.factor ({factor}) must equal max_position_embeddings / "
             f"original_max_position_embeddings ({max_positions} / {original})")
+    return checked
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

@@ -1,23 +1,38 @@
 """Greedy decoding: plain autoregressive (AR), and DDTree speculative decoding.
 
-Both emit exactly the target's greedy tokens; DDTree needs fewer target forwards.
+Legend (docs/glossary.md): V vocab_size, L draft depths (block_size - 1), K candidates per
+depth, B node budget, N tree nodes (root included), m accepted nodes (root included).
+
+Both emit exactly the target's greedy tokens; DDTree needs fewer target forwards. Every option
+is checked before the first forward, and a call that raises leaves ``model.forward_count`` as it
+found it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from ddtree.tree import top_candidates
 
 
+def is_integer(value) -> bool:
+    """Python and numpy integers; not bools."""
+    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, np.integer))
+
+
 def check_prompt(model, prompt, max_new_tokens: int) -> np.ndarray:
     prompt = np.asarray(prompt)
     if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-        raise ValueError(f"prompt must be a non-empty 1-D integer array, got shape {prompt.shape}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 0:
+        raise ValueError(f"prompt must be a non-empty 1-D integer array, got shape {prompt.shape} "
+                         f"dtype {prompt.dtype}")
+    vocab = model.config.vocab_size
+    if prompt.min() < 0 or prompt.max() >= vocab:
+        raise ValueError(f"prompt tokens must lie in [0, vocab_size={vocab}), got min {prompt.min()} "
+                         f"max {prompt.max()}")
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     limit = model.config.max_position_embeddings
     if prompt.size + max_new_tokens > limit:
@@ -26,7 +41,21 @@ def check_prompt(model, prompt, max_new_tokens: int) -> np.ndarray:
     return prompt.astype(np.int64)
 
 
+def keeps_forward_count_on_error(decode):
+    """A decoder whose failed calls leave ``model.forward_count`` as they found it."""
+    @functools.wraps(decode)
+    def counted_on_success(model, *args, **kwargs):
+        forwards = model.forward_count
+        try:
+            return decode(model, *args, **kwargs)
+        except BaseException:
+            model.forward_count = forwards
+            raise
+    return counted_on_success
+
+
 # --8<-- [start:generate_ar]
+@keeps_forward_count_on_error
 def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False):
     """Greedy AR decoding: prefill the prompt, then one decode forward per new token.
 
@@ -56,6 +85,9 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False)
 # DDTree: draft, build the tree, verify it in one forward, accept, compact.
 
 DEFAULT_BUDGET = 32
+# a verify forward over B + 1 rows costs O(B (P + B)) attention work and memory; the published
+# DDTree runs use budgets up to 1024, so a larger one is a typo rather than a plan
+MAX_BUDGET = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,19 +123,59 @@ class DDTreeTrace:
         return np.array([r.accepted.size - 1 for r in self.rounds], dtype=np.int64)
 
 
+def check_block_size(block_size, limit: int) -> int:
+    if not is_integer(block_size) or not 1 <= block_size <= limit:
+        raise ValueError(f"block_size must be an integer >= 1 and <= max_position_embeddings ({limit}), "
+                         f"got {block_size!r}")
+    return int(block_size)
+
+
+def check_budget(budget) -> int:
+    if not is_integer(budget) or not 0 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget must be an integer in [0, MAX_BUDGET={MAX_BUDGET}], got {budget!r}")
+    return int(budget)
+
+
+def check_topk(topk) -> int | None:
+    if topk is not None and (not is_integer(topk) or topk < 1):
+        raise ValueError(f"topk must be None or an integer >= 1, got {topk!r}")
+    return None if topk is None else int(topk)
+
+
+def check_drafter(drafter, vocab: int) -> None:
+    """A drafter proposes (L, V) logits for this model's vocabulary (checked again per round)."""
+    if not callable(getattr(drafter, "propose", None)):
+        raise ValueError(f"drafter must have a propose(context_tokens, block_size) method, "
+                         f"got {type(drafter).__name__}")
+    drafter_vocab = getattr(drafter, "vocab_size", vocab)
+    if drafter_vocab != vocab:
+        raise ValueError(f"drafter vocab_size ({drafter_vocab}) must equal the model's vocab_size ({vocab})")
+
+
 def check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk):
     prompt = check_prompt(model, prompt, max_new_tokens)
-    limit = model.config.max_position_embeddings
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if block_size > limit:
-        raise ValueError(f"block_size ({block_size}) exceeds max_position_embeddings ({limit})")
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise ValueError(f"budget must be an integer, got {budget!r}")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, (int, np.integer))
-                             or topk < 1):
-        raise ValueError(f"topk must be None or an integer >= 1, got {topk!r}")
+    check_block_size(block_size, model.config.max_position_embeddings)
+    check_budget(budget)
+    check_topk(topk)
     return prompt
+
+
+def candidates_per_depth(budget: int, topk: int | None, vocab: int) -> int:
+    """K: ``topk``, or min(B, V) (all a budget of B could pop at one depth), at least 1."""
+    return min(vocab, max(budget, 1) if topk is None else topk)
+
+
+def largest_tree(block_size: int, budget: int, topk: int | None, vocab: int) -> int:
+    """N of the largest tree a round can build: the root + min(B, K + K^2 + ... + K^L) drafted
+    nodes (each node has at most K children, the tree at most L levels)."""
+    per_depth = candidates_per_depth(budget, topk, vocab)
+    drafted, level = 0, 1
+    for _ in range(block_size - 1):
+        level *= per_depth                                   # nodes at this depth
+        drafted += level
+        if drafted >= budget:
+            break
+    return 1 + min(budget, drafted)
 
 
 def check_draft(logits, depths: int, vocab: int) -> np.ndarray:
@@ -122,8 +194,7 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
     start, root = cache.length, int(context[-1])
     depths = block_size - 1
     draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V]
-    k = min(vocab, max(budget, 1) if topk is None else topk)                       # K=min(B, V) loses nothing
-    top_logprobs, top_ids = top_candidates(draft, k)                               # [L, K] each
+    top_logprobs, top_ids = top_candidates(draft, candidates_per_depth(budget, topk, vocab))  # [L, K] each
     tree = ops.build_tree(root, top_logprobs, top_ids, budget)
     cache.reserve(tree.size)                                                       # fail before writing
     visible = ops.visibility(tree.parents)                                         # [n+1, n+1]
@@ -137,6 +208,7 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
 
 
 # --8<-- [start:generate_ddtree]
+@keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
                     budget: int = DEFAULT_BUDGET, topk: int | None = None):
     """Speculative greedy decoding with draft trees. Returns (new tokens, DDTreeTrace).
@@ -147,7 +219,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     commits the accepted drafts plus the bonus token: at most ``block_size`` tokens per forward.
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk)
-    cache = model.new_cache(prompt.size + max_new_tokens + max(budget, 0) + 1)
+    check_drafter(drafter, model.config.vocab_size)
+    # the cache holds the committed context (the root excluded) and one tree at a time
+    tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
+    cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
     trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
     if prompt.size > 1:
         model.forward(cache, prompt[:-1])

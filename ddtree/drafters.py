@@ -1,11 +1,12 @@
 """Drafters: per-depth distributions over the next ``block_size - 1`` tokens.
 
-Legend: L = block_size - 1 depths, V vocab, n = len(context_tokens).
+Legend (docs/glossary.md): L draft depths (block_size - 1), V vocab_size.
 
 Every drafter implements ``propose(context_tokens, block_size)`` -> float32 logits (L, V), where
 ``context_tokens`` is every committed token (prompt + generated) ending with the round's root, so
-row d - 1 is about the token at position n - 1 + d. A drafter only changes speed: the DDTree loop
-emits the target's greedy tokens whatever it proposes.
+row d - 1 is about the token at position len(context_tokens) - 1 + d. A drafter also has a
+``vocab_size``; tokens outside [0, vocab_size) are refused by name. A drafter only changes
+speed: the DDTree loop emits the target's greedy tokens whatever it proposes.
 
 - ``OracleDrafter`` knows the target's greedy continuation (as in the seeds' engine) and ranks it
   first at every depth, the remaining probability on a few seeded distractors.
@@ -24,13 +25,34 @@ import numpy as np
 FLOOR_LOGIT = np.float32(-30.0)
 
 
-def check_block(context_tokens, block_size: int) -> tuple[np.ndarray, int]:
-    context = np.asarray(context_tokens)
-    if context.ndim != 1 or context.size == 0:
-        raise ValueError(f"context_tokens must be a non-empty 1-D sequence, got shape {context.shape}")
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    return context.astype(np.int64), int(block_size) - 1
+def check_positive(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return int(seed)
+
+
+def check_tokens(name: str, tokens, vocab_size: int) -> np.ndarray:
+    """A non-empty 1-D array of token ids in [0, vocab_size), as int64."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{name} must be a non-empty 1-D integer sequence, got shape {tokens.shape} "
+                         f"dtype {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}) of this drafter, "
+                         f"got min {tokens.min()} max {tokens.max()}")
+    return tokens.astype(np.int64)
+
+
+def check_block(context_tokens, block_size: int, vocab_size: int) -> tuple[np.ndarray, int]:
+    """(context as int64, L) for one ``propose`` call."""
+    context = check_tokens("context_tokens", context_tokens, vocab_size)
+    return context, check_positive("block_size", block_size) - 1
 
 
 def _position_rng(seed: int, position: int) -> np.random.Generator:
@@ -47,8 +69,9 @@ class OracleDrafter:
 
     def __init__(self, sequence, vocab_size: int, confidence: float = 0.9, distractors: int = 3,
                  seed: int = 0):
-        self.sequence = np.asarray(sequence, dtype=np.int64)
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = check_positive("vocab_size", vocab_size)
+        self.sequence = check_tokens("sequence", sequence, self.vocab_size)
+        seed = check_seed(seed)
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), got {confidence}")
         if not 0 <= distractors < vocab_size:
@@ -80,7 +103,7 @@ class OracleDrafter:
 
     # --8<-- [start:propose]
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
-        context, depths = check_block(context_tokens, block_size)
+        context, depths = check_block(context_tokens, block_size, self.vocab_size)
         logits = np.full((depths, self.vocab_size), FLOOR_LOGIT, dtype=np.float32)  # [L, V]
         for d in range(1, depths + 1):
             position = context.size - 1 + d
@@ -115,7 +138,7 @@ class NoisyOracleDrafter(OracleDrafter):
         self.runners_up, self.runner_up_mass = runners_up, runner_up_mass
 
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
-        context, depths = check_block(context_tokens, block_size)
+        context, depths = check_block(context_tokens, block_size, self.vocab_size)
         logits = np.full((depths, self.vocab_size), FLOOR_LOGIT, dtype=np.float32)  # [L, V]
         for d in range(1, depths + 1):
             position = context.size - 1 + d
@@ -154,11 +177,11 @@ class NGramDrafter:
     """
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, smoothing: float = 1e-3):
-        if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
-        if smoothing <= 0:
+        self.vocab_size = check_positive("vocab_size", vocab_size)
+        self.max_ngram = check_positive("max_ngram", max_ngram)
+        if not smoothing > 0:
             raise ValueError(f"smoothing must be > 0, got {smoothing}")
-        self.vocab_size, self.max_ngram, self.smoothing = int(vocab_size), max_ngram, smoothing
+        self.smoothing = smoothing
 
     # --8<-- [start:ngram]
     def votes(self, context: np.ndarray, depths: int) -> np.ndarray:
@@ -175,7 +198,7 @@ class NGramDrafter:
         return votes
 
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
-        context, depths = check_block(context_tokens, block_size)
+        context, depths = check_block(context_tokens, block_size, self.vocab_size)
         votes = self.votes(context, depths)                                      # [L, V]
         probs = (votes + self.smoothing) / (votes + self.smoothing).sum(-1, keepdims=True)
         return np.log(probs).astype(np.float32)                                  # [L, V]

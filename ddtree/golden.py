@@ -1,5 +1,7 @@
 """Golden bundles: the prompt, the AR greedy tokens and the logits of every generated step.
 
+Legend (docs/glossary.md): T rows (generated steps), V vocab_size.
+
     python -m ddtree.golden                 # (re)write tests/golden/<preset>.npz
     python -m ddtree.golden --check         # regenerate and compare with the committed bundles
 
@@ -63,8 +65,14 @@ def bundle_path(name: str, directory=GOLDEN_DIR) -> pathlib.Path:
 
 
 def load_bundle(name: str, directory=GOLDEN_DIR) -> dict[str, np.ndarray]:
-    with np.load(bundle_path(name, directory)) as data:
-        return {key: data[key] for key in data.files}
+    path = bundle_path(name, directory)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no golden bundle (write them with python -m ddtree.golden)")
+    try:
+        with np.load(path) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"{path}: not a readable golden bundle ({error})") from None
 
 
 def compare(fresh: dict, stored: dict, rtol: float = 1e-4) -> list[str]:
@@ -86,13 +94,22 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("--dir", default=str(GOLDEN_DIR), help="bundle directory")
     args = parser.parse_args(argv)
+    if args.check and not pathlib.Path(args.dir).is_dir():
+        print(f"error: --dir {args.dir}: no such directory", file=sys.stderr)
+        return 2
     failed = False
     for name in GOLDEN_PRESETS:
+        if args.check:
+            try:
+                stored = load_bundle(name, args.dir)
+            except (FileNotFoundError, ValueError) as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
         bundle = make_bundle(name)
         gap = float(bundle["min_gap"])
         line = f"{name}: {bundle['tokens'].size} tokens, min top-1/top-2 gap {gap:.4f}"
         if args.check:
-            problems = compare(bundle, load_bundle(name, args.dir))
+            problems = compare(bundle, stored)
             failed |= bool(problems)
             print(line, "OK" if not problems else "MISMATCH\n  " + "\n  ".join(problems))
             continue

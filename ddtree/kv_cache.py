@@ -18,8 +18,10 @@ class CacheOverflowError(ValueError):
 
 class LatentKVCache:
     def __init__(self, num_layers: int, capacity: int, latent_dim: int, rope_dim: int):
-        if capacity <= 0:
-            raise ValueError(f"capacity must be a positive integer, got {capacity}")
+        for name, value in (("num_layers", num_layers), ("capacity", capacity),
+                            ("latent_dim", latent_dim), ("rope_dim", rope_dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.latent = np.full((num_layers, capacity, latent_dim), np.nan, dtype=np.float32)  # [Ly, C, R]
         self.rope = np.full((num_layers, capacity, rope_dim), np.nan, dtype=np.float32)      # [Ly, C, dr]
         self.length = 0

@@ -21,6 +21,7 @@ from ddtree.config import ModelConfig
 from ddtree.kv_cache import LatentKVCache
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
+from ddtree.weights import check_weights
 
 # module stem -> public operations the model and the decoders call
 OPERATIONS = {
@@ -111,6 +112,9 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: dict, attention: str = "absorb"):
         if attention not in ("absorb", "naive"):
             raise ValueError(f"attention must be 'absorb' or 'naive', got {attention!r}")
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        check_weights(config, weights)
         self.config = config
         self.ops = numpy_operations()
         self.attention = attention
@@ -124,7 +128,10 @@ class Transformer:
         self.forward_count = 0      # target forwards run so far (prefill included)
 
     def new_cache(self, capacity: int | None = None) -> LatentKVCache:
-        return LatentKVCache.for_config(self.config, capacity or self.config.max_position_embeddings)
+        """An empty cache of ``capacity`` slots (default: max_position_embeddings)."""
+        if capacity is None:
+            capacity = self.config.max_position_embeddings
+        return LatentKVCache.for_config(self.config, capacity)
 
     def check_inputs(self, cache: LatentKVCache, tokens, positions, visible):
         """Validate a forward's inputs before anything is written; returns them normalised."""

@@ -1,12 +1,21 @@
-"""Random weights in Hugging Face DeepSeek-V3 state-dict layout, and checkpoint I/O.
+"""Random weights in Hugging Face DeepSeek-V3 state-dict layout, checks, and checkpoint I/O.
+
+Legend (docs/glossary.md): D hidden_size, V vocab_size, H num_attention_heads, dn/dr/dv head
+dims, Rq q_lora_rank, R kv_lora_rank, I intermediate_size, E n_routed_experts,
+F moe_intermediate_size, Fs shared-expert width, Din/Dout a projection's input/output features.
 
 ``save_pretrained`` writes a directory that ``transformers.DeepseekV3ForCausalLM`` loads:
 ``config.json`` (model_type deepseek_v3, NeoX rope, untied embeddings) and ``model.safetensors``.
+``check_weights`` refuses a state dict that does not match its config (a missing, extra,
+transposed or non-finite tensor) before any of it is used: the numpy model, the numba engine and
+``load_pretrained`` all call it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import pathlib
 
 import numpy as np
@@ -60,8 +69,69 @@ def _swiglu_shapes(hidden: int, inner: int) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (inner, hidden), "up_proj": (inner, hidden), "down_proj": (hidden, inner)}
 
 
+# --8<-- [start:check_weights]
+def check_weights(config: ModelConfig, weights) -> None:
+    """Raise ValueError unless ``weights`` holds exactly the tensors of ``config``, each with its
+    shape, float32, and (numpy arrays) finite; the message names the tensor, its shape and the
+    expected one. Arrays on a device are checked for shape and dtype only (no copy back)."""
+    if not isinstance(weights, dict):
+        raise ValueError(f"weights must be a dict of tensor name -> array, got {type(weights).__name__}")
+    expected = weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ValueError(f"weights are missing {len(missing)} tensor(s) the config needs, e.g. "
+                         f"{missing[0]!r} with shape {expected[missing[0]]}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"weights hold {len(extra)} tensor(s) this config has no place for, e.g. "
+                         f"{extra[0]!r} (weights of a config with other sizes?)")
+    for name, shape in expected.items():
+        value = weights[name]
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise ValueError(f"weight {name!r} must be an array, got {type(value).__name__}")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {shape}")
+        if value.dtype != np.float32:
+            raise ValueError(f"weight {name!r} {shape} has dtype {value.dtype}, expected float32")
+        if isinstance(value, np.ndarray) and not np.isfinite(value).all():
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+            raise ValueError(f"weight {name!r} {shape} holds {int((~np.isfinite(value)).sum())} NaN or "
+                             f"inf value(s), e.g. {value[where]} at {where}")
+# --8<-- [end:check_weights]
+
+
+def weights_nbytes(config: ModelConfig) -> int:
+    """Bytes of ``config``'s weights in float32."""
+    return 4 * sum(math.prod(shape) for shape in weight_shapes(config).values())
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: Linux's MemAvailable, else the physical memory."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_in_memory(config: ModelConfig) -> None:
+    """Refuse, before allocating anything, weights that ``init_weights`` could not hold."""
+    largest = max(math.prod(shape) for shape in weight_shapes(config).values())
+    needed = weights_nbytes(config) + 8 * largest            # + the float64 draw of the largest tensor
+    available = available_memory()
+    if needed > available:
+        raise ValueError(f"init_weights needs {needed / 2**30:.2f} GiB for this config's weights "
+                         f"({weights_nbytes(config) / 2**30:.2f} GiB in float32), but only "
+                         f"{available / 2**30:.2f} GiB of memory is available")
+
+
 def init_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic float32 weights keyed by Hugging Face names."""
+    """Deterministic float32 weights keyed by Hugging Face names (refused if they cannot fit)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    check_fits_in_memory(config)
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
@@ -96,36 +166,67 @@ def hf_config_dict(config: ModelConfig) -> dict:
 def save_pretrained(directory, config: ModelConfig, weights: dict[str, np.ndarray]) -> pathlib.Path:
     from safetensors.numpy import save_file
 
+    check_weights(config, weights)
     directory = pathlib.Path(directory)
-    expected = weight_shapes(config)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]!r}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"weight {name!r} has shape {weights[name].shape}, expected {shape}")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
-    tensors = {name: np.ascontiguousarray(weights[name], dtype=np.float32) for name in expected}
+    tensors = {name: np.ascontiguousarray(weights[name]) for name in weight_shapes(config)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def load_pretrained(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file
-
-    directory = pathlib.Path(directory)
-    values = json.loads((directory / "config.json").read_text())
+def read_config(path: pathlib.Path) -> ModelConfig:
+    """A ``config.json`` (as transformers writes it) -> ModelConfig; errors name the file."""
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file (a checkpoint directory holds config.json "
+                                "and model.safetensors)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(values).__name__}")
     if values.get("model_type") != "deepseek_v3":
-        raise ValueError(f"{directory}: model_type must be 'deepseek_v3', got {values.get('model_type')!r}")
+        raise ValueError(f"{path}: model_type must be 'deepseek_v3', got {values.get('model_type')!r}")
     if values.get("rope_interleave", False):
-        raise ValueError(f"{directory}: rope_interleave=true is not supported (this project uses NeoX rope)")
+        raise ValueError(f"{path}: rope_interleave=true is not supported (this project uses NeoX rope)")
     # transformers 5 writes rope_theta and the scaling together as `rope_parameters`
-    rope = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
+    rope = values.get("rope_scaling") or values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{path}: rope_scaling must be a JSON object or null, got {rope!r}")
+    rope = dict(rope)
     if "rope_theta" in rope:
         values["rope_theta"] = rope.pop("rope_theta")
     kind = rope.pop("rope_type", rope.get("type", "default"))
     values["rope_scaling"] = None if kind == "default" else dict(rope, type=kind)
-    config = ModelConfig.from_dict(values)
-    weights = load_file(str(directory / "model.safetensors"))
-    return config, {name: value.astype(np.float32) for name, value in weights.items()}
+    try:
+        return ModelConfig.from_dict(values)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a ``model.safetensors`` file as float32; errors name the file."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, TypeError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    return {name: value.astype(np.float32) for name, value in tensors.items()}
+
+
+def load_pretrained(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, float32 weights) of a checkpoint directory, both checked; errors name the file."""
+    directory = pathlib.Path(directory)
+    config = read_config(directory / "config.json")
+    path = directory / "model.safetensors"
+    weights = read_tensors(path)
+    try:
+        check_weights(config, weights)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error} (config from {directory / 'config.json'})") from None
+    return config, weights

@@ -4,15 +4,21 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from ddtree import golden
 from ddtree.config import preset
-from ddtree.decode import ddtree_round, generate_ar, generate_ddtree
+from ddtree.decode import (
+    MAX_BUDGET,
+    candidates_per_depth,
+    ddtree_round,
+    generate_ar,
+    generate_ddtree,
+    largest_tree,
+)
 from ddtree.drafters import DRAFTERS, NGramDrafter, OracleDrafter, make_drafter
 from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import Transformer
+from ddtree.tree import build_tree, top_candidates
 from ddtree.weights import init_weights
 from tests.helpers import assert_exact
 
@@ -78,57 +84,10 @@ def test_trees_beat_the_chain_with_the_noisy_oracle():
     assert left_chain
 
 
-class FixedDrafter:
-    """Proposes the same given logits rows whatever the context (hypothesis drives them)."""
-
-    def __init__(self, rows):
-        self.rows = np.asarray(rows, dtype=np.float32)
-
-    def propose(self, context_tokens, block_size):
-        return self.rows[: block_size - 1]
+# arbitrary drafters (and near-tie targets): tests/test_exactness.py
 
 
-def draft_row(vocab):
-    """One drafter row: random, all equal, or peaked on one (usually wrong) token."""
-    def build(spec):
-        kind, value = spec
-        if kind == "random":
-            return np.random.default_rng(value).normal(0, 8, vocab)
-        if kind == "equal":
-            return np.full(vocab, value % 11 - 5.0)
-        row = np.zeros(vocab)
-        row[value % vocab] = 10.0
-        return row
-    return st.tuples(st.sampled_from(["random", "equal", "peaked"]), st.integers(0, 2**31)).map(build)
-
-
-def draft_logits(vocab, depths):
-    return st.lists(draft_row(vocab), min_size=depths, max_size=depths)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rows=draft_logits(96, 6), block_size=st.integers(1, 7), budget=st.integers(-1, 40),
-       topk=st.one_of(st.none(), st.integers(1, 4)))
-def test_any_drafter_output_still_equals_ar(rows, block_size, budget, topk):
-    model = model_for("micro")
-    prompt = golden.default_prompt("micro")
-    expected = generate_ar(model, prompt, 10)
-    tokens, _ = generate_ddtree(model, prompt, 10, FixedDrafter(rows), block_size=block_size,
-                                budget=budget, topk=topk)
-    assert_exact(tokens, expected)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(block_size=0), "block_size must be an integer >= 1"),
-    (dict(block_size=5000), "exceeds max_position_embeddings"),
-    (dict(budget=2.5), "budget must be an integer"),
-    (dict(topk=0), "topk must be None"),
-])
-def test_bad_options_raise(kwargs, message):
-    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
-    options = dict(block_size=8, budget=8) | kwargs
-    with pytest.raises(ValueError, match=message):
-        generate_ddtree(model, bundle["prompt"], 4, NGramDrafter(512), **options)
+# rejected options: tests/test_errors.py (the catalogue of refused inputs)
 
 
 def prefilled(name, capacity):
@@ -179,6 +138,32 @@ def test_out_of_range_root_leaves_the_cache_as_it_was():
     before = (cache.length, cache.latent.copy(), cache.rope.copy())
     context = prompt.copy()
     context[-1] = 512
-    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"context_tokens must lie in \[0, vocab_size=512\)"):
         ddtree_round(model, cache, context, NGramDrafter(512), 4, 8, None)
     assert_cache_unchanged(cache, before)
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 5])
+@pytest.mark.parametrize("topk", [None, 1, 2, 4])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 5])
+def test_the_cache_is_sized_by_the_largest_tree(vocab, topk, block_size):
+    """largest_tree is exact: flat drafts (every candidate equally likely) build trees that reach it."""
+    for budget in range(0, 40, 3):
+        k = candidates_per_depth(budget, topk, vocab)
+        flat = np.zeros((block_size - 1, vocab), np.float32)
+        tree = build_tree(0, *top_candidates(flat, k), budget)
+        assert tree.size == largest_tree(block_size, budget, topk, vocab), (budget, k)
+
+
+def test_a_huge_budget_with_a_narrow_tree_allocates_a_small_cache():
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    sizes = []
+    original = model.new_cache
+    model.new_cache = lambda capacity=None: sizes.append(capacity) or original(capacity)
+    try:
+        tokens, _ = generate_ddtree(model, bundle["prompt"], 4, NGramDrafter(512), block_size=8,
+                                    budget=MAX_BUDGET, topk=1)
+    finally:
+        del model.new_cache
+    assert_exact(tokens, bundle["tokens"][:4])
+    assert sizes == [bundle["prompt"].size + 4 + 8 - 1]                # a 7-node chain, not 4096 rows

@@ -39,7 +39,7 @@ def test_ngram_votes_for_what_followed_the_suffix():
 
 
 def test_block_size_must_be_positive():
-    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
         NGramDrafter(8).propose([1, 2], 0)
 
 
