@@ -28,6 +28,8 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ:
         pass  # numba already decided; respect it
     else:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _gpu_present() else "1"
+        if "numba" in sys.modules:  # numba read the environment when it was imported: again
+            sys.modules["numba"].core.config.reload_config()
 
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
