@@ -21,7 +21,7 @@ not a failure.
 
 Chromium is driven through the DevTools protocol over a pipe (--remote-debugging-pipe: JSON
 messages separated by NUL bytes on file descriptors 3 and 4), so nothing but the browser and the
-standard library is needed. Screenshots of the home page and two chapters are written to
+standard library is needed. Screenshots of the home page and three chapters are written to
 --screenshots (git-ignored). Exit status 0 when every page passes at every width.
 """
 
@@ -51,7 +51,7 @@ SQUEEZED_CELL_PX = 120  # a table cell holding a sentence is at least this wide
 SENTENCE_CHARS = 40  # ... where a sentence is this many characters or more
 COMMAND_TIMEOUT_S = 30
 PAGE_TIMEOUT_S = 20
-SCREENSHOT_PAGES = ("", "03_mla/", "11_ddtree_loop/")  # home page and two chapters
+SCREENSHOT_PAGES = ("", "03_mla/", "11_ddtree_loop/", "generation/")  # home page and three chapters
 SCREENSHOT_MAX_HEIGHT = 2400
 
 
@@ -604,7 +604,7 @@ def main() -> int:
         "--screenshots",
         type=lambda folder: Path(folder) if folder else None,
         default=Path("build/screenshots"),
-        help="folder for screenshots of the home page and two chapters ('' for none)",
+        help="folder for screenshots of the home page and three chapters ('' for none)",
     )
     parser.add_argument("--chromium", default=os.environ.get("CHROMIUM", "/usr/bin/chromium"))
     parser.add_argument("--self-test", action="store_true", help="check that a broken page fails")
