@@ -1,6 +1,6 @@
 """Greedy acceptance: walk the draft tree along the target's own argmax choices.
 
-Legend: N tree nodes (root included), m accepted nodes (root included).
+Legend (docs/glossary.md): N tree nodes (root included), m accepted nodes (root included).
 
 ``posterior[i]`` is the target's argmax after the path root..i. Starting at the root, move to
 the child that carries the target's choice while there is one; siblings carry distinct tokens,

@@ -1,31 +1,48 @@
 """Model configuration with Hugging Face ``DeepseekV3Config`` field names.
 
-The dimension names below are used across the package: every module's legend, shape comment
-and docs page uses them with exactly this meaning (docs/glossary.md shows where each appears).
+Dimension names (the legend used across the package): every module's legend, shape comment and
+docs page uses each name below with exactly this meaning; docs/glossary.md shows the table and
+where each name appears.
 
 # --8<-- [start:glossary]
-    T   rows of a forward (tokens or tree nodes run together)
-    D   hidden_size                    V   vocab_size
-    H   num_attention_heads            dn  qk_nope_head_dim
-    dr  qk_rope_head_dim               dv  v_head_dim
-    Rq  q_lora_rank                    R   kv_lora_rank
-    I   intermediate_size (dense MLP)  E   n_routed_experts
-    k   num_experts_per_tok            G   n_group
-    F   moe_intermediate_size          Fs  shared-expert width (n_shared_experts * F)
-    Din input features                 Dout output features (a linear layer: weight (Dout, Din))
-    P   prefix rows every new row sees S   P + T keys
-    St  keys row t attends to (P + the new rows it sees, in position order)
-    C   cache capacity (slots)         Ly  layers (num_hidden_layers)
-    L   draft depths (block_size - 1)  K   candidates per depth
-    B   node budget (root not counted) n   drafted nodes (n <= B)
-    N   n + 1 tree nodes (root included)
-    W   padded tree width              Bq  requests in a batch
-    m   accepted nodes (root included) TPB threads per block (a kernel's block size)
+| name | meaning |
+|---|---|
+| T | rows of a forward (tokens or tree nodes run together) |
+| D | hidden_size |
+| V | vocab_size |
+| H | num_attention_heads |
+| dn | qk_nope_head_dim |
+| dr | qk_rope_head_dim |
+| dv | v_head_dim |
+| Rq | q_lora_rank |
+| R | kv_lora_rank |
+| I | intermediate_size (the dense MLP) |
+| E | n_routed_experts |
+| k | num_experts_per_tok |
+| G | n_group |
+| F | moe_intermediate_size |
+| Fs | shared-expert width (n_shared_experts * F) |
+| Din | input features of a linear layer (weight (Dout, Din)) |
+| Dout | output features of a linear layer |
+| P | prefix rows every new row sees |
+| S | P + T keys |
+| St | keys row t attends to: P and the new rows it sees, in position order |
+| C | cache capacity (slots) |
+| Ly | layers (num_hidden_layers) |
+| L | draft depths (block_size - 1) |
+| K | candidates per depth |
+| B | node budget (root not counted) |
+| n | drafted nodes (n <= B) |
+| N | n + 1 tree nodes (root included) |
+| W | padded tree width |
+| Bq | requests in a batch |
+| m | accepted nodes (root included) |
+| TPB | threads per block (a kernel's block size) |
 # --8<-- [end:glossary]
 
 Every field is checked when a config is built: integers are integers (numpy's too, never bools),
 booleans are booleans (never strings), and YaRN's fields are finite numbers in range. Values are
-stored as plain Python numbers, so a config compares, hashes and serialises the same however it
+stored as plain Python numbers, so a config compares and serialises the same however it
 was made.
 """
 

@@ -1,6 +1,7 @@
 """The latent KV cache: per layer, the normalised latent and the rotated rope key of each token.
 
-Legend: Ly layers, C capacity (slots), R kv_lora_rank, dr qk_rope_head_dim, m accepted nodes.
+Legend (docs/glossary.md): Ly layers, C cache capacity (slots), R kv_lora_rank,
+dr qk_rope_head_dim, T rows of a forward, m accepted nodes (root included).
 
 A forward over T new tokens first ``reserve``s T slots (nothing changes if they do not fit),
 each layer ``write``s its rows, and ``commit`` makes them part of the cache. A forward that

@@ -1,7 +1,8 @@
 """Multi-head latent attention (MLA), naive and absorbed: the numpy reference.
 
-Legend: T new rows, P fully visible prefix rows, S = P + T keys, H heads,
-dn qk_nope_head_dim, dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank.
+Legend (docs/glossary.md): T rows of the forward (the new rows), P prefix rows every new row
+sees, S = P + T keys, St keys row t attends to, H num_attention_heads, dn qk_nope_head_dim,
+dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank.
 
 The cache holds, per token, the normalised latent c (R) and the rotated rope key k_pe (dr),
 shared by all heads. ``kv_b_proj`` (H*(dn+dv), R) expands c into per-head keys (W_UK) and
@@ -91,13 +92,13 @@ def causal_visibility(num_rows: int) -> np.ndarray:
 # --8<-- [start:masked_softmax]
 def visible_keys(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:
     """Cache slots one row attends to, in position order: the prefix, then its visible new rows."""
-    return np.concatenate([np.arange(prefix_len), prefix_len + np.flatnonzero(visible_row)])  # [S_t]
+    return np.concatenate([np.arange(prefix_len), prefix_len + np.flatnonzero(visible_row)])  # [St]
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis of ``scores`` (H, S_t): only visible keys were scored, so no
+    """Softmax over the last axis of ``scores`` (H, St): only visible keys were scored, so no
     mask is needed and a masked key's row is never read (it may even hold NaN)."""
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))   # [H, S_t] the row max is 1
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))   # [H, St] the row max is 1
     return (weights / np.add.reduce(weights, axis=-1, keepdims=True)).astype(np.float32)
 # --8<-- [end:masked_softmax]
 
@@ -126,11 +127,11 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
     visible = check_visibility(prefix_len, visible, rows)
     o_lat = np.empty(q_lat.shape, dtype=np.float32)                     # [T, H, R]
     for t in range(rows):
-        keys = visible_keys(prefix_len, visible[t])                     # [S_t]
-        latent, rope = cache_latent[keys], cache_rope[keys]             # [S_t, R], [S_t, dr]
+        keys = visible_keys(prefix_len, visible[t])                     # [St]
+        latent, rope = cache_latent[keys], cache_rope[keys]             # [St, R], [St, dr]
         scores = (dot(q_lat[t][:, None, :], latent[None])
-                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, S_t]
-        probs = softmax(scores)                                         # [H, S_t]
+                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, St]
+        probs = softmax(scores)                                         # [H, St]
         o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
     return o_lat
 # --8<-- [end:absorb]
@@ -146,13 +147,13 @@ def attention_naive(q_nope, q_pe, cache_latent, cache_rope, prefix_len, visible,
     visible = check_visibility(prefix_len, visible, rows)
     o = np.empty((rows, w_uv.shape[0], w_uv.shape[1]), dtype=np.float32)  # [T, H, dv]
     for t in range(rows):
-        keys = visible_keys(prefix_len, visible[t])                     # [S_t]
-        latent, rope = cache_latent[keys], cache_rope[keys]             # [S_t, R], [S_t, dr]
-        k_nope = dot(w_uk[:, None], latent[None, :, None])              # [H, S_t, dn]
-        values = dot(w_uv[:, None], latent[None, :, None])              # [H, S_t, dv]
+        keys = visible_keys(prefix_len, visible[t])                     # [St]
+        latent, rope = cache_latent[keys], cache_rope[keys]             # [St, R], [St, dr]
+        k_nope = dot(w_uk[:, None], latent[None, :, None])              # [H, St, dn]
+        values = dot(w_uv[:, None], latent[None, :, None])              # [H, St, dv]
         scores = (dot(q_nope[t][:, None, :], k_nope)
-                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, S_t]
-        probs = softmax(scores)                                         # [H, S_t]
+                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, St]
+        probs = softmax(scores)                                         # [H, St]
         o[t] = dot(probs[:, None, :], np.swapaxes(values, 1, 2))        # [H, dv]
     return o
 # --8<-- [end:naive]

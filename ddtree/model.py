@@ -1,6 +1,7 @@
 """The target model: a DeepSeek-V3 / Kimi-K2 style decoder over a latent KV cache.
 
-Legend: T new tokens, D hidden, V vocab, H heads, dn/dr/dv head dims, R kv_lora_rank, Rq q_lora_rank.
+Legend (docs/glossary.md): T rows of a forward, D hidden_size, V vocab_size, H num_attention_heads,
+dn/dr/dv head dims, R kv_lora_rank, Rq q_lora_rank, I intermediate_size, C cache capacity.
 
 This is the readable reference: every layer is a numpy function called through ``model.ops``
 (a namespace of the layer operations, so a chapter can record or replace one). Its twin on the GPU

@@ -1,7 +1,7 @@
 """Mixture of experts with DeepSeek-V3 routing: the numpy reference.
 
-Legend: T tokens, D hidden, E routed experts, G groups, k experts per token,
-F moe_intermediate_size (the shared expert has n_shared_experts * F).
+Legend (docs/glossary.md): T rows, D hidden_size, E n_routed_experts, G n_group,
+k num_experts_per_tok, F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F).
 
 Routing: sigmoid scores; a correction bias that only chooses (never weighs); with G > 1 groups,
 keep the ``topk_group`` groups whose two best biased scores sum highest; take the top k biased
@@ -85,7 +85,7 @@ def moe(x: np.ndarray, params: MoEParams, config: ModelConfig) -> np.ndarray:
     for expert in np.unique(ids):
         rows, slot = np.nonzero(ids == expert)                    # tokens routed to this expert
         y = swiglu(x[rows], params.gate_proj[expert], params.up_proj[expert],
-                   params.down_proj[expert])                      # [n, D]
+                   params.down_proj[expert])                      # [rows routed here, D]
         out[rows] += weights[rows, slot, None] * y
     return out
 # --8<-- [end:moe]

@@ -1,6 +1,7 @@
 """RMSNorm, the numpy reference.
 
-Legend: T rows (tokens), D features.
+Legend (docs/glossary.md): T rows, D hidden_size (the latent norms normalise Rq or R features the
+same way).
 
     y = x / sqrt(mean(x^2) + eps) * weight
 """

@@ -1,6 +1,7 @@
 """NeoX rotary position embedding with YaRN frequencies: the numpy reference.
 
-Legend: T rows, H heads, dr rotary width (qk_rope_head_dim), dr/2 frequencies.
+Legend (docs/glossary.md): T rows, H num_attention_heads, dr qk_rope_head_dim (dr/2 rotation
+frequencies).
 
 NeoX pairs feature i with feature i + dr/2 (rotate halves). YaRN keeps the high frequencies,
 divides the low ones by ``factor`` and ramps linearly in between; attention logits are then

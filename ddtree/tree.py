@@ -1,7 +1,8 @@
 """The draft tree: top-K candidates per depth, the best-first builder, the visibility mask.
 
-Legend: L depths (block_size - 1), K candidates per depth, V vocab, B node budget (root not
-counted), n drafted nodes (n <= B), N = n + 1 tree nodes with the root.
+Legend (docs/glossary.md): L draft depths (block_size - 1), K candidates per depth, V vocab_size,
+B node budget (root not counted), n drafted nodes (n <= B), N = n + 1 tree nodes (root
+included), Bq requests in a batch.
 
 A candidate is a rank tuple (r1..rd): the token ``top_ids[i-1, r_i]`` at depth i. Its weight is
 the sum of its log-probs ``top_logprobs[i-1, r_i]`` (the log of a product of marginals). The

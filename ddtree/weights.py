@@ -7,8 +7,8 @@ F moe_intermediate_size, Fs shared-expert width, Din/Dout a projection's input/o
 ``save_pretrained`` writes a directory that ``transformers.DeepseekV3ForCausalLM`` loads:
 ``config.json`` (model_type deepseek_v3, NeoX rope, untied embeddings) and ``model.safetensors``.
 ``check_weights`` refuses a state dict that does not match its config (a missing, extra,
-transposed or non-finite tensor) before any of it is used: the numpy model, the numba engine and
-``load_pretrained`` all call it.
+transposed or non-finite tensor) before any of it is used: the numpy model and
+``load_pretrained`` call it, and an engine that takes the same state dict can call it too.
 """
 
 from __future__ import annotations
