@@ -449,7 +449,7 @@ def page_links(browser: Chromium, base: str) -> list[str]:
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+    def log_message(self, format, *args):  # the base class names it format
         pass
 
 
