@@ -1,0 +1,93 @@
+"""Greedy decoding on the device engine: the numba.cuda twin of ``ddtree/decode.py``.
+
+Legend: L draft depths (block_size - 1), V vocab, K candidates per depth, B node budget,
+N tree nodes (root included), m accepted nodes (root included).
+
+The same two decoders, the same checks, the same trace types; what differs is where the work
+happens. AR: the prompt is one forward (``prefill``), then every step replays one captured graph
+that reads the previous token on the device and writes the next one there: the host waits only
+once, at the end, to copy the tokens back. DDTree: per round, the drafter runs on the host (it is
+Python), its (L, V) logits cross the bus once, one graph runs top-K, tree build, the verify
+forward, argmax, accept and compaction, and one copy brings back the round's record (m, the
+bonus, the accepted path and the tree): the round's only synchronisation, since the drafter needs
+the committed tokens before it can draft again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.decode import (
+    DEFAULT_BUDGET,
+    DDTreeTrace,
+    RoundTrace,
+    check_ddtree_options,
+    check_draft,
+    check_prompt,
+)
+
+__all__ = ["DEFAULT_BUDGET", "DDTreeTrace", "RoundTrace", "ddtree_round", "generate_ar", "generate_ddtree"]
+
+
+# --8<-- [start:generate_ar]
+def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False):
+    """Greedy AR decoding on the engine; the same tokens as ``ddtree.decode.generate_ar``.
+
+    With ``return_logits`` every step's logits are copied back too (a synchronisation per step).
+    """
+    prompt = check_prompt(model, prompt, max_new_tokens)
+    if max_new_tokens == 0:
+        return (np.zeros(0, np.int64), np.zeros((0, model.config.vocab_size), np.float32)) \
+            if return_logits else np.zeros(0, np.int64)
+    cache = model.new_cache(prompt.size + max_new_tokens)
+    logits = model.prefill(cache, prompt, emit_token=True, return_logits=return_logits)
+    step_logits = [logits[-1]] if return_logits else []
+    for _ in range(max_new_tokens - 1):
+        model.ar_step(cache)                                        # token in, token out, on the device
+        if return_logits:
+            step_logits.append(model.graphs.download(model.buffers.logits[0]))
+    tokens = model.graphs.download(model.buffers.generated[:max_new_tokens])   # the one wait
+    return (tokens, np.stack(step_logits)) if return_logits else tokens
+# --8<-- [end:generate_ar]
+
+
+# --8<-- [start:ddtree_round]
+def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> RoundTrace:
+    """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length."""
+    vocab = model.config.vocab_size
+    start, root = cache.length, int(context[-1])
+    depths = block_size - 1
+    draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V] host
+    k = min(vocab, max(budget, 1) if topk is None else topk)                       # K=min(B, V) loses nothing
+    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, root, draft, k, budget)
+    return RoundTrace(start, tokens, parents, node_depths, accepted, bonus, int(accepted.size))
+# --8<-- [end:ddtree_round]
+
+
+# --8<-- [start:generate_ddtree]
+def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
+                    budget: int = DEFAULT_BUDGET, topk: int | None = None):
+    """Speculative greedy decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
+
+    The tokens equal ``generate_ar``'s for any drafter, bit for bit: every row of a verify
+    forward is computed exactly as the AR step at its position would compute it.
+    """
+    prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk)
+    model.check_budget(budget)
+    cache = model.new_cache(prompt.size + max_new_tokens)
+    trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
+    if prompt.size > 1:
+        model.prefill(cache, prompt[:-1], emit_token=False)
+        trace.prefill_forwards = 1
+    context = list(prompt)
+    generated: list[int] = []
+    while len(generated) < max_new_tokens:
+        block = min(block_size, max_new_tokens - len(generated))
+        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk)
+        new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
+        context += new
+        generated += new
+        trace.rounds.append(record)
+        trace.verify_forwards += 1
+    return np.array(generated, dtype=np.int64), trace
+# --8<-- [end:generate_ddtree]

@@ -1,0 +1,80 @@
+"""Streams and CUDA graphs for the engine: one place that knows how launches reach the GPU.
+
+A *launch sequence* is a Python method that launches kernels on the stream it is given, reading
+every per-step value (cache length, positions, the tree) from device buffers whose addresses
+never change. ``Graphs.run(key, sequence)`` then either
+
+* replays a CUDA graph captured from that sequence the first time ``key`` was run (graphs on), or
+* calls the sequence again, launching each kernel directly from Python (graphs off, and always in
+  the CUDA simulator, which has no graphs).
+
+Both paths launch the same kernels with the same arguments in the same order, so their results
+are bit-identical. A graph freezes grids, block sizes, pointers and scalar arguments as they were
+at capture: nothing in a sequence may allocate or copy from the host, and nothing that changes
+per step may be a launch argument.
+
+Capture uses ``cuda.core``'s graph builder, which numba-cuda accepts wherever a stream goes
+(``kernel[grid, block, builder](...)``). Capturing compiles nothing: the sequence runs once
+directly first (``warm``), so every kernel signature is compiled before the capture starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from kernels.device import SIMULATOR, cuda
+
+
+class Graphs:
+    """The engine's stream, and its captured graphs by key."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and not SIMULATOR
+        self.captured: dict[Hashable, object] = {}
+        if SIMULATOR:
+            self.stream = 0                       # the simulator's only stream
+            self.copy_stream = 0
+        else:
+            from cuda.core import Device
+
+            device = Device()
+            device.set_current()
+            self.stream = device.create_stream()  # launches and graph replays
+            # the same stream, wrapped for numba's host <-> device copies
+            self.copy_stream = cuda.external_stream(int(self.stream.handle))
+
+    def run(self, key: Hashable, sequence: Callable[[object], None]) -> None:
+        """Launch ``sequence``'s kernels: replay its graph (captured on first use) or launch directly."""
+        if not self.enabled:
+            sequence(self.stream)
+            return
+        graph = self.captured.get(key)
+        if graph is None:
+            sequence(self.stream)                 # compile every kernel outside the capture
+            self.synchronize()
+            builder = self.stream.create_graph_builder()
+            builder.begin_building()
+            sequence(builder)
+            graph = builder.end_building().complete()
+            self.captured[key] = graph
+            return                                # the direct run above did the work once
+        graph.launch(self.stream)
+
+    def synchronize(self) -> None:
+        if not SIMULATOR:
+            self.stream.sync()
+
+    def upload(self, host, device_array) -> None:
+        """Copy a small host array into a fixed device buffer, ordered on the engine's stream."""
+        if SIMULATOR:
+            device_array.copy_to_device(host)
+        else:
+            device_array.copy_to_device(host, stream=self.copy_stream)
+
+    def download(self, device_array):
+        """Copy a device buffer to the host; waits for everything launched before it."""
+        if SIMULATOR:
+            return device_array.copy_to_host()
+        host = device_array.copy_to_host(stream=self.copy_stream)
+        self.copy_stream.synchronize()
+        return host

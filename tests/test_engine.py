@@ -1,0 +1,205 @@
+"""The device-resident engine (kernels/model.py, kernels/decode.py) against the numpy reference.
+
+In the CUDA simulator (CI): the engine on ``micro``, a prompt, a few AR steps and a DDTree round,
+equal to numpy (logits within the whole-model bound, tokens and trees exactly). On the H200
+(``gpu``): the golden bundles for every drafter, block and budget with graphs on and off, graphs
+on == off bit for bit, the cache after every round, and a 2,000-token n-gram generation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from ddtree import decode as reference_decode
+from ddtree import golden
+from ddtree.config import preset
+from ddtree.drafters import make_drafter
+from ddtree.kv_cache import CacheOverflowError
+from ddtree.model import Transformer as ReferenceTransformer
+from ddtree.weights import init_weights
+from kernels import decode as engine_decode
+from kernels.model import Transformer as EngineTransformer
+from kernels.model import bucket_rows, candidate_count
+from tests.helpers import assert_close, assert_exact
+
+# whole-model logits: hundreds of float32 reductions deep, in other orders than numpy's BLAS;
+# 1e-4 of the largest logit is the project's whole-model bound
+MODEL_RTOL = 1e-4
+
+
+def assert_logits_close(actual, expected, name="logits"):
+    scale = float(np.abs(expected).max())
+    assert_close(actual, expected, rtol=MODEL_RTOL, atol=MODEL_RTOL * scale, name=name)
+
+
+@functools.cache
+def reference(name: str) -> ReferenceTransformer:
+    config = preset(name)
+    return ReferenceTransformer(config, init_weights(config, golden.WEIGHT_SEED))
+
+
+@functools.cache
+def engine(name: str, graphs: bool = True, max_tree_nodes: int = 128) -> EngineTransformer:
+    config = preset(name)
+    return EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), graphs=graphs,
+                             max_tree_nodes=max_tree_nodes)
+
+
+def assert_same_round(actual, expected, where=""):
+    for field in ("start", "bonus", "committed"):
+        assert getattr(actual, field) == getattr(expected, field), f"{where}{field}"
+    for field in ("tokens", "parents", "depths", "accepted"):
+        assert_exact(getattr(actual, field), getattr(expected, field), name=f"{where}{field}")
+
+
+# ------------------------------------------------------------------------------------------------
+# in the simulator: micro
+
+
+def test_buckets_and_candidate_counts():
+    assert [bucket_rows(n, 64) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 40, 64, 64]
+    assert candidate_count(3, 2) == 2 + 4 + 8
+    assert candidate_count(0, 5) == 0
+    assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
+
+
+def test_prompt_then_ar_steps_match_numpy():
+    """A prompt (one bucketed forward with padding rows), then AR steps replayed on the device."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")
+    tokens, logits = engine_decode.generate_ar(model, prompt, 3, return_logits=True)
+    expected_tokens, expected_logits = reference_decode.generate_ar(ref, prompt, 3, return_logits=True)
+    assert_exact(tokens, expected_tokens)
+    assert_logits_close(logits, expected_logits)
+    assert model.cache.length == prompt.size + 2
+
+
+def test_ddtree_round_matches_numpy_and_ar():
+    """One branching round and its compaction; the engine's tree, path and cache rows equal numpy's."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")
+    expected = reference_decode.generate_ar(ref, prompt, 4)
+    drafter = make_drafter("noisy", ref, prompt, 4, continuation=expected)
+    ref_cache = ref.new_cache(prompt.size + 16)
+    ref.forward(ref_cache, prompt[:-1])
+    cache = model.new_cache()
+    model.prefill(cache, prompt[:-1], emit_token=False)
+    args = (np.array(prompt), drafter, 4, 6, None)
+    actual = engine_decode.ddtree_round(model, cache, *args)
+    wanted = reference_decode.ddtree_round(ref, ref_cache, *args)
+    assert_same_round(actual, wanted)
+    assert actual.tokens.size > 3 and len(set(actual.parents.tolist())) > 2       # it branched
+    assert cache.length == ref_cache.length
+    host = cache.to_host()
+    rows = slice(0, cache.length)
+    assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5, name="latent")
+    assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name="rope")
+
+
+def test_ddtree_generation_equals_ar():
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")
+    expected = reference_decode.generate_ar(ref, prompt, 3)
+    drafter = make_drafter("oracle", ref, prompt, 3, continuation=expected)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, 3, drafter, block_size=4, budget=3)
+    assert_exact(tokens, expected)
+    assert trace.verify_forwards == 1 and trace.rounds[0].committed == 3
+
+
+def test_engine_refuses_bad_input_before_running():
+    model = engine("micro", max_tree_nodes=8)
+    prompt = golden.default_prompt("micro")
+    count = model.forward_count
+    with pytest.raises(ValueError, match="budget must be <= 7"):
+        engine_decode.generate_ddtree(model, prompt, 2, make_drafter("ngram", model, prompt, 2),
+                                      budget=8)
+    with pytest.raises(ValueError, match="tokens must lie in"):
+        model.logits(np.array([1, model.config.vocab_size]))
+    with pytest.raises(ValueError, match="max_tree_nodes"):
+        EngineTransformer(model.config, init_weights(model.config, 0), max_tree_nodes=6)
+    cache = model.new_cache()
+    with pytest.raises(CacheOverflowError):
+        model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
+    assert cache.length == 0 and model.forward_count == count
+
+
+# ------------------------------------------------------------------------------------------------
+# on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_golden_bundles(name, graphs):
+    """AR and DDTree on the engine reproduce the golden tokens: every drafter, block and budget."""
+    model, bundle = engine(name, graphs), golden.load_bundle(name)
+    prompt, expected = bundle["prompt"], bundle["tokens"]
+    tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
+    assert_exact(tokens, expected)
+    assert_logits_close(logits, bundle["logits"])
+    for drafter_name in ("oracle", "noisy", "ngram"):
+        for block in (2, 4, 8, 16):
+            for budget in (0, 1, 5, 64):
+                drafter = make_drafter(drafter_name, model, prompt, expected.size, continuation=expected)
+                tokens, _ = engine_decode.generate_ddtree(model, prompt, expected.size, drafter,
+                                                          block_size=block, budget=budget)
+                assert_exact(tokens, expected, name=f"DDTree[{drafter_name}, block {block}, budget {budget}]")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_graphs_on_and_off_are_bit_identical(name):
+    prompt = golden.default_prompt(name)
+    on = engine_decode.generate_ar(engine(name, True), prompt, 12, return_logits=True)
+    off = engine_decode.generate_ar(engine(name, False), prompt, 12, return_logits=True)
+    assert np.array_equal(on[0], off[0]) and np.array_equal(on[1], off[1])
+    runs = []
+    for graphs in (True, False):
+        model = engine(name, graphs)
+        drafter = make_drafter("noisy", model, prompt, 12, continuation=on[0])
+        runs.append(engine_decode.generate_ddtree(model, prompt, 12, drafter, block_size=6, budget=20))
+    assert np.array_equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1].rounds, runs[1][1].rounds, strict=True):
+        assert_same_round(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter_name", ["noisy", "ngram"])
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_every_round_matches_numpy(name, drafter_name):
+    """After every round: the same tree, path and cache length as numpy, cache rows within tolerance."""
+    model, ref = engine(name), reference(name)
+    prompt, new = golden.default_prompt(name), 24
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    drafter = make_drafter(drafter_name, ref, prompt, new, continuation=expected)
+    ref_cache = ref.new_cache(prompt.size + new + 70)
+    ref.forward(ref_cache, prompt[:-1])
+    cache = model.new_cache()
+    model.prefill(cache, prompt[:-1], emit_token=False)
+    context = list(prompt)
+    while len(context) - prompt.size < new:
+        block = min(8, new - (len(context) - prompt.size))
+        args = (np.array(context), drafter, block, 32, None)
+        actual = engine_decode.ddtree_round(model, cache, *args)
+        wanted = reference_decode.ddtree_round(ref, ref_cache, *args)
+        assert_same_round(actual, wanted, where=f"round at {wanted.start}: ")
+        assert cache.length == ref_cache.length
+        host, rows = cache.to_host(), slice(0, cache.length)
+        assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5)
+        assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5)
+        context += [int(t) for t in actual.tokens[actual.accepted[1:]]] + [actual.bonus]
+    assert_exact(np.array(context[prompt.size:]), expected)
+
+
+@pytest.mark.gpu
+def test_long_ngram_generation_equals_ar():
+    model = engine("tiny")
+    prompt = golden.default_prompt("tiny")
+    expected = engine_decode.generate_ar(model, prompt, 2000)
+    drafter = make_drafter("ngram", model, prompt, 2000)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, 2000, drafter)
+    assert_exact(tokens, expected)
+    assert trace.verify_forwards < 2000
