@@ -275,6 +275,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
         topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
     ),
+    # a model that weighs something, for the GPU engine only (~17 GB of fp32 weights; never built in
+    # CI): DeepSeek-V2-Lite's per-layer dims with V3's q_lora_rank and V3's sigmoid + bias routing
+    "small": dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=8, num_attention_heads=16, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+        num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=32768,
+    ),
     # Kimi K2.5 / K2.6 text model: shapes only, never materialised as weights
     "kimi-k2.6": dict(
         vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,

@@ -31,6 +31,18 @@ def test_kimi_dimensions():
     assert kimi.latent_cache_width == 576
 
 
+def test_small_is_deepseek_v2_lite_per_layer_with_v3_routing():
+    small = preset("small")
+    assert (small.hidden_size, small.num_attention_heads, small.kv_lora_rank, small.qk_rope_head_dim,
+            small.qk_nope_head_dim, small.v_head_dim) == (2048, 16, 512, 64, 128, 128)
+    assert (small.n_routed_experts, small.num_experts_per_tok, small.n_shared_experts,
+            small.moe_intermediate_size, small.intermediate_size) == (64, 6, 2, 1408, 10944)
+    assert (small.q_lora_rank, small.n_group, small.vocab_size) == (1536, 1, 32000)
+    assert small.num_hidden_layers == 8
+    assert small.first_k_dense_replace == 1 and small.rope_scaling is None
+    assert small.max_position_embeddings == 32768
+
+
 def test_frozen_and_private_rope_dict():
     values = preset("tiny-b").to_dict()
     config = ModelConfig.from_dict(values)
