@@ -145,6 +145,5 @@ def check_float32(**arrays) -> None:
             raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
 
 
-
 # TRANSITIONAL: kernels/model.py imports the pickers from here; their home is kernels.blocks
 from kernels.blocks import pow2_threads, row_threads  # noqa: E402, F401
