@@ -1,0 +1,81 @@
+"""Every exercise on the site runs: the commands of each page's "## Exercises" section, as a reader
+would paste them.
+
+The pages are the single home of the exercises: each has a ``bash`` block with the command to try
+and a folded answer (``??? question``). This test collects the blocks from docs/*.md and runs
+each in bash from the repository root, with ``python`` the interpreter running the tests and the
+kernels in the CUDA simulator. A command that stops working, or a page whose exercises lose their
+command or their answer, fails here instead of on a reader's machine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^(?P<indent>[ ]*)```bash\n(?P<body>.*?)^(?P=indent)```$", re.M | re.S)
+TIMEOUT = 120                      # seconds per command; every one takes a few on two cores
+
+
+def exercise_sections() -> dict[str, str]:
+    """The text of each page's "## Exercises" section (up to the next "## " heading), by page."""
+    sections = {}
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        match = re.search(r"^## Exercises\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+        if match:
+            sections[page.name] = match.group(1)
+    return sections
+
+
+def exercise_commands() -> list[tuple[str, str]]:
+    """(page, command) for every bash block of every exercises section."""
+    return [(page, match.group("body")) for page, section in exercise_sections().items()
+            for match in FENCE.finditer(section)]
+
+
+def run(command: str) -> subprocess.CompletedProcess:
+    """The command in bash from the repository root, ``python`` being this interpreter."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPLBACKEND="Agg",
+               PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run(["bash", "-e", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def test_every_chapter_has_exercises_with_answers():
+    sections = exercise_sections()
+    chapters = sorted(p.name for p in DOCS.glob("[0-9][0-9]_*.md"))
+    missing = [name for name in chapters if name not in sections]
+    assert not missing, f"chapters without an '## Exercises' section: {missing}"
+    for page, section in sections.items():
+        commands = len(FENCE.findall(section))
+        answers = len(re.findall(r'^\?\?\? question "Answer"$', section, re.M))
+        assert 2 <= commands <= 3, f"{page}: {commands} exercise commands, expected two or three"
+        assert answers == commands, f"{page}: {answers} folded answers for {commands} exercises"
+
+
+def test_every_exercise_command_runs():
+    commands = exercise_commands()
+    assert len(commands) >= 24, f"only {len(commands)} exercise commands found"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:   # two cores: half the wall time
+        results = list(pool.map(lambda item: (item, run(item[1])), commands))
+    failed = [f"{page}:\n{command}\n-> exit {result.returncode}\n{(result.stdout + result.stderr)[-1500:]}"
+              for (page, command), result in results if result.returncode != 0]
+    assert not failed, "exercise commands that fail:\n\n" + "\n\n".join(failed)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("```bash\npython -c 'print(1)'\n```\n", ["python -c 'print(1)'\n"]),
+    ("    ```bash\n    echo a\n    echo b\n    ```\n", ["    echo a\n    echo b\n"]),
+    ("```text\nnot a command\n```\n", []),
+])
+def test_the_fence_pattern_finds_bash_blocks_only(command, expected):
+    assert [m.group("body") for m in FENCE.finditer(command)] == expected
