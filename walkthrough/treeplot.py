@@ -59,6 +59,9 @@ def layout(parents: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.asarray(depths, dtype=float), y
 
 
+BOX = dict(boxstyle="round,pad=0.25", lw=0.6)
+
+
 def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, fontsize=8,
               title=None, start=None, top1=False, weights=None):
     """Draw ``tree`` on ``ax``.
@@ -73,12 +76,10 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
     weights: per node, the cumulative log-probability, written under the box.
     """
     parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
-    token_ids = np.asarray(tree.tokens)
     x, y = layout(parents, depths)
     on_path = np.zeros(len(parents), dtype=bool)
     if accepted is not None:
         on_path[np.asarray(accepted, dtype=np.int64)] = True
-
     if top1:
         chain = top1_chain(parents)
         ax.plot(x[chain], y[chain], color=TOP1, lw=fontsize * 1.1, alpha=0.55, zorder=0,
@@ -88,37 +89,46 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
         hot = on_path[node] and on_path[parent]
         ax.plot([x[parent], x[node]], [y[parent], y[node]], color=ACCEPTED if hot else EDGE,
                 lw=2.2 if hot else 0.9, zorder=1)
-    box = dict(boxstyle="round,pad=0.25", lw=0.6)
     for node in range(len(parents)):
-        face = ACCEPTED if on_path[node] else NODE
-        label = str(int(token_ids[node])) if tokens else ""
-        ax.text(x[node], y[node], label, ha="center", va="center", fontsize=fontsize, zorder=3,
-                color="white" if on_path[node] else "black",
-                bbox=dict(box, fc=face, ec="#444444" if node == 0 else "#6baed6"))
-        if pop_order:
-            ax.annotate(f"#{node}", (x[node], y[node]), xytext=(0, fontsize * 0.95),
-                        textcoords="offset points", ha="center", va="bottom",
-                        fontsize=fontsize * 0.75, color="#555555", zorder=3)
-        if weights is not None and node > 0:
-            ax.annotate(f"{float(weights[node]):.2f}", (x[node], y[node]), xytext=(0, -fontsize * 0.95),
-                        textcoords="offset points", ha="center", va="top",
-                        fontsize=fontsize * 0.75, color="#555555", zorder=3)
-    columns = int(depths.max()) + 1
-    right = columns - 0.4
+        _draw_node(ax, x[node], y[node], node, int(tree.tokens[node]) if tokens else None, on_path[node],
+                   fontsize, pop_order, None if weights is None or node == 0 else float(weights[node]))
+    right = int(depths.max()) + 0.6
     if bonus is not None and accepted is not None and len(accepted) > 0:
-        # half a column right of the last accepted node: no node sits between two columns
         last = int(np.asarray(accepted)[-1])
-        bx, by = x[last] + 0.5, y[last]
-        ax.annotate("", (bx, by), xytext=(x[last], by), zorder=4,
-                    arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.5, shrinkA=7, shrinkB=8))
-        ax.text(bx, by, str(int(bonus)) if tokens else "", ha="center", va="center",
-                fontsize=fontsize, zorder=5, color="white", bbox=dict(box, fc=BONUS, ec=BONUS))
-        ax.annotate("bonus", (bx, by), xytext=(0, fontsize * 0.95), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=fontsize * 0.75, color=BONUS, zorder=5)
-        right = max(right, bx + 0.4)
+        right = max(right, _draw_bonus(ax, x[last], y[last], int(bonus) if tokens else None, fontsize))
+    _style_axes(ax, int(depths.max()) + 1, right, y.max(), start, fontsize, title)
+    return ax
 
+
+def _draw_node(ax, x, y, node, token, accepted, fontsize, pop_order, weight):
+    """One node's box (its token), its pop index above and its weight below, when asked for."""
+    ax.text(x, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
+            zorder=3, color="white" if accepted else "black",
+            bbox=dict(BOX, fc=ACCEPTED if accepted else NODE, ec="#444444" if node == 0 else "#6baed6"))
+    small = dict(textcoords="offset points", ha="center", fontsize=fontsize * 0.75, color="#555555", zorder=3)
+    if pop_order:
+        ax.annotate(f"#{node}", (x, y), xytext=(0, fontsize * 0.95), va="bottom", **small)
+    if weight is not None:
+        ax.annotate(f"{weight:.2f}", (x, y), xytext=(0, -fontsize * 0.95), va="top", **small)
+
+
+def _draw_bonus(ax, x, y, token, fontsize) -> float:
+    """The bonus half a column right of the last accepted node (no node sits between two
+    columns), with an arrow from that node; returns the x the axes must reach."""
+    bx = x + 0.5
+    ax.annotate("", (bx, y), xytext=(x, y), zorder=4,
+                arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.5, shrinkA=7, shrinkB=8))
+    ax.text(bx, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
+            zorder=5, color="white", bbox=dict(BOX, fc=BONUS, ec=BONUS))
+    ax.annotate("bonus", (bx, y), xytext=(0, fontsize * 0.95), textcoords="offset points",
+                ha="center", va="bottom", fontsize=fontsize * 0.75, color=BONUS, zorder=5)
+    return bx + 0.4
+
+
+def _style_axes(ax, columns, right, bottom, start, fontsize, title) -> None:
+    """Depth (or position) along x, rows top to bottom, no frame but the x axis."""
     ax.set_xlim(-0.6, right)
-    ax.set_ylim(y.max() + 0.7, -0.9)               # row 0 at the top
+    ax.set_ylim(bottom + 0.7, -0.9)                # row 0 at the top
     ax.set_yticks([])
     ax.set_xticks(range(columns))
     ax.set_xticklabels([str(d if start is None else start + d) for d in range(columns)])
@@ -128,7 +138,6 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
         ax.spines[side].set_visible(False)
     if title:
         ax.set_title(title, fontsize=fontsize + 1)
-    return ax
 
 
 def tree_height(tree) -> float:
