@@ -94,13 +94,13 @@ def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
     ax.loglog(rows, np.maximum(memory, compute), color="black", lw=2.5, alpha=0.35, label="time floor")
     for t, name in ((1, "decode row"), (65, "64-node tree + root")):
         ax.axvline(t, color="gray", ls=":", lw=1)
-        ax.annotate(name, (t, memory[0] * 0.35), rotation=90, fontsize=9, ha="right")
+        ax.annotate(name, (t, compute[0] * 1.4), rotation=90, fontsize=9, ha="right", va="bottom")
     ax.axvline(crossover, color="tab:red", ls="--", lw=1, label=f"crossover: {crossover} rows")
     ax.set_xlabel("rows T sharing one pass over W")
     ax.set_ylabel("ms per forward (lower bound)")
     ax.set_title(f"Kimi K2.6 lm_head {vocab} x {hidden}, fp32, H200 figures")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=9, loc="lower right")
+    ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "lm_head_roofline")
 
