@@ -180,6 +180,3 @@ def bench_cases(sizes):
                  call=lambda inputs: accept_batch(*inputs),
                  bytes=bytes_moved(Bq=requests, W=width), flops=flops(Bq=requests, W=width),
                  note="3 poisoned outputs")]
-
-
-_accept_kernel = accept_kernel  # TRANSITIONAL: kernels/model.py's old name, until it uses the public one

@@ -143,7 +143,3 @@ def check_float32(**arrays) -> None:
     for name, x in arrays.items():
         if is_device_array(x) and x.dtype != np.float32:
             raise ValueError(f"{name} must be float32 on the device, got {x.dtype}")
-
-
-# TRANSITIONAL: kernels/model.py imports the pickers from here; their home is kernels.blocks
-from kernels.blocks import pow2_threads, row_threads  # noqa: E402, F401

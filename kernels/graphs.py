@@ -60,6 +60,24 @@ class Graphs:
             return                                # the direct run above did the work once
         graph.launch(self.stream)
 
+    def run_timed(self, key: Hashable, phases) -> dict[str, float]:
+        """Run named phases [(name, sequence), ...] as ``run`` would, each as its own graph, with a
+        CUDA event between phases; returns each phase's device seconds (waits for the last one).
+
+        The benchmark's view of one round: the same launches as one graph of all phases, plus one
+        graph replay and one event per phase."""
+        if SIMULATOR:
+            raise RuntimeError("phase timing needs a GPU (the simulator has no events)")
+        from cuda.core import EventOptions
+
+        timing = EventOptions(timing_enabled=True)
+        marks = [self.stream.record(options=timing)]
+        for name, sequence in phases:
+            self.run((key, name), sequence)
+            marks.append(self.stream.record(options=timing))
+        marks[-1].sync()
+        return {name: (marks[i + 1] - marks[i]) / 1e3 for i, (name, _) in enumerate(phases)}
+
     def synchronize(self) -> None:
         if not SIMULATOR:
             self.stream.sync()

@@ -1,4 +1,5 @@
-"""KV compaction on the GPU: the numba.cuda twin of ``ddtree.kv_cache.compact``.
+"""The latent KV cache on the GPU: writes and compaction, the numba.cuda twins of
+``LatentKVCache.write`` and ``ddtree.kv_cache.compact``.
 
 Legend: Ly layers, C capacity (slots), R kv_lora_rank, dr qk_rope_head_dim, m accepted nodes,
 TPB threads per block.
@@ -13,17 +14,21 @@ numpy's sequential loop (increasing j) is safe because slot j is only overwritte
 after every step that reads it; GPU threads have no such order, and blocks cannot wait for each
 other inside one launch. So the kernel runs twice: launch 1 gathers the accepted rows into a
 scratch buffer (reads only the cache), launch 2 writes the scratch back (reads only the scratch);
-the launch boundary orders every read before every write. If ``accepted == arange(m)``, every
-row is already in place: nothing is launched.
+the launch boundary orders every read before every write. A row already in place
+(``accepted[j] == j``) is skipped by both launches; if every row is in place, ``compact``
+launches nothing.
 
-One kernel, ``copy_rows_kernel``: one block per (row j, layer), the threads stride over the
-R latent and then the dr rope columns: ``dst[layer, dst_rows[j]] = src[layer, src_rows[j]]``.
-Bytes: 2 launches x m rows x Ly layers x (R + dr) x 4 bytes, each read once and written once
-(``bytes_moved`` counts the fewest: the rows that move, read and written once).
+Kernels:
+- ``compact_kernel``: one block per (row j, layer), the threads stride over the R latent and then
+  the dr rope columns; ``gather``: scratch[layer, j] <- cache[layer, P + accepted[j]], else
+  cache[layer, P + j] <- scratch[layer, j]. P, accepted and m are read from device arrays and the
+  grid may cover more rows than m (blocks past m return): the engine captures it in a CUDA graph
+  sized for its bucket. Bytes: 2 launches x moved rows x Ly layers x (R + dr) x 4 bytes.
+- ``write_rows_kernel``: a forward's new rows into one layer's cache at slots P .. P + T - 1, P
+  read from a device array (the twin of ``LatentKVCache.write``; the engine's graphs hold it).
 
-``compact`` decides the new length on the host and allocates its scratch and row lists per call:
-it takes a ``stream`` but no ``out`` (the cache is compacted in place), and it cannot be captured
-in a CUDA graph as it is.
+``compact`` decides the new length on the host: it takes a ``stream`` but no ``out`` (the cache
+is compacted in place).
 """
 
 from __future__ import annotations
@@ -38,37 +43,67 @@ TPB = 128
 F32, I64 = 4, 8
 
 
-# --8<-- [start:copy_rows_kernel]
+# --8<-- [start:compact_kernel]
 @cuda.jit
-def copy_rows_kernel(src_latent, src_rope, src_rows, dst_latent, dst_rope, dst_rows):
-    """Block (j, layer): copy row src_rows[j] of src to row dst_rows[j] of dst, latent and rope.
+def compact_kernel(cache_latent, cache_rope, start, accepted, count, scratch_latent, scratch_rope, gather):
+    """Block (j, layer): move accepted node j's row between slot P + accepted[0, j] of the cache
+    and row j of the scratch (P = start[0], m = count[0]); rows in place or past m do nothing.
 
     A thread copies columns tid, tid + TPB, ...; no shared memory.
     """
     j = cuda.blockIdx.x
     layer = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    src = src_rows[j]
-    dst = dst_rows[j]
-    for c in range(tid, src_latent.shape[2], threads):
-        dst_latent[layer, dst, c] = src_latent[layer, src, c]
-    for c in range(tid, src_rope.shape[2], threads):
-        dst_rope[layer, dst, c] = src_rope[layer, src, c]
-# --8<-- [end:copy_rows_kernel]
+    if j >= count[0] or accepted[0, j] == j:
+        return
+    source = start[0] + accepted[0, j]
+    target = start[0] + j
+    for c in range(cuda.threadIdx.x, cache_latent.shape[2], cuda.blockDim.x):
+        if gather:
+            scratch_latent[layer, j, c] = cache_latent[layer, source, c]
+        else:
+            cache_latent[layer, target, c] = scratch_latent[layer, j, c]
+    for c in range(cuda.threadIdx.x, cache_rope.shape[2], cuda.blockDim.x):
+        if gather:
+            scratch_rope[layer, j, c] = cache_rope[layer, source, c]
+        else:
+            cache_rope[layer, target, c] = scratch_rope[layer, j, c]
+# --8<-- [end:compact_kernel]
 
 
-def _gather_then_write(latent, rope, start: int, accepted: np.ndarray, stream) -> None:
-    """Two launches on device arrays latent (Ly, S, R) and rope (Ly, S, dr), in place."""
-    layers, kept = latent.shape[0], accepted.size
-    grid = (kept, layers)
-    scratch_latent = poisoned((layers, kept, latent.shape[2]), stream=stream)   # [Ly, m, R]
-    scratch_rope = poisoned((layers, kept, rope.shape[2]), stream=stream)       # [Ly, m, dr]
-    rows = np.arange(kept, dtype=np.int64)                                      # [m] 0..m-1
-    copy_rows_kernel[grid, TPB, stream](latent, rope, to_device(start + accepted),        # 1. gather
-                                        scratch_latent, scratch_rope, to_device(rows))
-    copy_rows_kernel[grid, TPB, stream](scratch_latent, scratch_rope, to_device(rows),    # 2. write back
-                                        latent, rope, to_device(start + rows))
+def launch_compact(cache_latent, cache_rope, start, accepted, count, scratch_latent, scratch_rope,
+                   rows: int, stream=None) -> None:
+    """Both launches on device arrays: cache (Ly, C, R) / (Ly, C, dr), start and count (1,),
+    accepted (1, >= rows), scratch (Ly, >= rows, R) / (Ly, >= rows, dr); ``rows`` blocks per layer."""
+    grid = (rows, cache_latent.shape[0])
+    for gather in (True, False):                                             # 1. gather, 2. write back
+        compact_kernel[grid, TPB, stream](cache_latent, cache_rope, start, accepted, count,
+                                          scratch_latent, scratch_rope, gather)
+
+
+# --8<-- [start:write_rows_kernel]
+@cuda.jit
+def write_rows_kernel(latent, rope, cache_latent, cache_rope, start):
+    """Block t: slot start[0] + t <- (latent[t] (R), rope[t] (dr)); threads stride over columns."""
+    t = cuda.blockIdx.x
+    slot = start[0] + t
+    for c in range(cuda.threadIdx.x, latent.shape[1], cuda.blockDim.x):
+        cache_latent[slot, c] = latent[t, c]
+    for c in range(cuda.threadIdx.x, rope.shape[1], cuda.blockDim.x):
+        cache_rope[slot, c] = rope[t, c]
+# --8<-- [end:write_rows_kernel]
+
+
+def write_rows(latent, rope, cache_latent, cache_rope, start, *, stream=None) -> None:
+    """One layer's new rows into its cache (device arrays): latent (T, R), rope (T, dr) at slots
+    start[0] .. start[0] + T - 1 of cache_latent (C, R) and cache_rope (C, dr). The caller keeps
+    the slots inside the cache (the engine reserves them on the host)."""
+    rows = latent.shape[0]
+    if rope.shape[0] != rows or cache_latent.shape[1] != latent.shape[1] \
+            or cache_rope.shape[1] != rope.shape[1]:
+        raise ValueError(f"latent (T, R) and rope (T, dr) must match the cache's (C, R) and (C, dr), got "
+                         f"{latent.shape}, {rope.shape}, {cache_latent.shape}, {cache_rope.shape}")
+    if rows:
+        write_rows_kernel[rows, 32, stream](latent, rope, cache_latent, cache_rope, start)
 
 
 def check_compact(cache: LatentKVCache, start: int, accepted):
@@ -94,13 +129,16 @@ def compact(cache: LatentKVCache, start: int, accepted, *, stream=None) -> None:
     accepted = check_compact(cache, start, accepted)                          # [m] int64
     kept = accepted.size
     if np.any(accepted != np.arange(kept)):                                   # fast path: nothing to move
-        if is_device_array(cache.latent):
-            _gather_then_write(cache.latent, cache.rope, start, accepted, stream)
-        else:
-            window = slice(start, start + int(accepted[-1]) + 1)              # the tree rows that matter
-            latent = to_device(cache.latent[:, window])                       # [Ly, span, R]
-            rope = to_device(cache.rope[:, window])                           # [Ly, span, dr]
-            _gather_then_write(latent, rope, 0, accepted, stream)
+        on_device = is_device_array(cache.latent)
+        window = slice(start, start + int(accepted[-1]) + 1)                  # the tree rows that matter
+        latent = cache.latent if on_device else to_device(cache.latent[:, window])   # [Ly, C or span, R]
+        rope = cache.rope if on_device else to_device(cache.rope[:, window])         # [Ly, C or span, dr]
+        layers = latent.shape[0]
+        launch_compact(latent, rope, to_device(np.array([start if on_device else 0], np.int64)),
+                       to_device(accepted[None]), to_device(np.array([kept], np.int64)),
+                       poisoned((layers, kept, latent.shape[2]), stream=stream),
+                       poisoned((layers, kept, rope.shape[2]), stream=stream), kept, stream)
+        if not on_device:
             cache.latent[:, start:start + kept] = latent.copy_to_host()[:, :kept]
             cache.rope[:, start:start + kept] = rope.copy_to_host()[:, :kept]
     cache.truncate(start + kept)

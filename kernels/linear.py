@@ -4,14 +4,19 @@ Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden
 TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
 ``y = x @ W.T``.
 
-``linear`` has two kernel versions; ``version=None`` picks by the number of rows:
+``linear`` has three kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
     version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
+    version "rows": one block per output column n for every row, the GEMV's reduction per row;
+                    batch-invariant (what the engine runs: never picked by ``version=None``)
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
 the GEMV instead puts a whole block on each dot product and streams every W row once (the T
-blocks sharing a row run back to back, so the rows after the first find it in L2).
+blocks sharing a row run back to back, so the rows after the first find it in L2). The switch
+between them changes the order of each sum with T, so a row's result depends on how many rows
+run with it. "rows" sums every y[t, n] exactly as "gemv" does (bit for bit) whatever T is: the
+engine's tree rows then equal its AR rows.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
@@ -34,6 +39,7 @@ from numba import cuda, float32, int32
 from ddtree import linear as reference
 from kernels.blocks import block_argmax, block_sum, blocks, check_threads, comes_first, pow2_threads
 from kernels.device import (
+    SIMULATOR,
     as_rows,
     check_float32,
     check_out,
@@ -48,7 +54,11 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv")
+VERSIONS = ("gemm", "gemv", "rows")
+ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
+# "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
+# every block costs Python threads. Each output's sum is the same either way.
+COLUMNS_PER_BLOCK = 8 if SIMULATOR else 1
 F32, I64 = 4, 8
 
 
@@ -115,6 +125,55 @@ def gemv_kernel(threads: int):
 # --8<-- [end:gemv_kernel]
 
 
+# --8<-- [start:rows_kernel]
+@functools.cache
+def rows_kernel(threads: int):
+    """The batch-invariant linear for blocks of ``threads`` threads (a power of two)."""
+
+    @cuda.jit
+    def kernel(x, weight, out):
+        # one block = output column(s) n for every row t (T, Dout); one thread = k = tid, tid + TPB,
+        # ... of each dot product, ROWS_PER_PASS rows at a time (the W row stays in L1 while the
+        # block walks the rows); shared memory: ROWS_PER_PASS x TPB float32 partial sums, one tree
+        # per row: thread partials in k order, then block_sum's tree, as gemv_kernel, for any T
+        partial = cuda.shared.array((ROWS_PER_PASS, threads), float32)
+        acc = cuda.local.array(ROWS_PER_PASS, float32)
+        first = cuda.blockIdx.x * COLUMNS_PER_BLOCK
+        for n in range(first, min(first + COLUMNS_PER_BLOCK, weight.shape[0])):
+            for t0 in range(0, x.shape[0], ROWS_PER_PASS):
+                rows_pass(x, weight, out, n, t0, partial, acc)
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def rows_pass(x, weight, out, n, t0, partial, acc):
+    """y[t0:t0 + ROWS_PER_PASS, n]: thread partials along Din, then one tree per row."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    rows = x.shape[0]
+    for r in range(ROWS_PER_PASS):
+        acc[r] = float32(0.0)
+    for k in range(tid, x.shape[1], threads):
+        w = weight[n, k]
+        for r in range(min(ROWS_PER_PASS, rows - t0)):
+            acc[r] += x[t0 + r, k] * w
+    for r in range(ROWS_PER_PASS):
+        partial[r, tid] = acc[r]
+    cuda.syncthreads()
+    stride = threads // 2                        # block_sum's tree, for ROWS_PER_PASS rows at once
+    while stride > 0:
+        if tid < stride:
+            for r in range(ROWS_PER_PASS):
+                partial[r, tid] += partial[r, tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    if tid < ROWS_PER_PASS and t0 + tid < rows:
+        out[t0 + tid, n] = partial[tid, 0]
+    cuda.syncthreads()                           # the partials are rewritten by the next pass
+# --8<-- [end:rows_kernel]
+
+
 # --8<-- [start:pick_version]
 def pick_version(rows: int) -> str:
     """The ``linear`` version for ``rows`` rows when none is forced: GEMV for a few rows, else GEMM."""
@@ -140,8 +199,9 @@ def check_linear(x, weight, *, version=None, threads=None, out=None):
 def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; ``threads`` is the GEMV
-    block size (default: the smallest power of two covering Din, at most 128). ``out`` receives
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows" is the
+    batch-invariant one; ``threads`` is the GEMV / rows block size (default: the smallest power of
+    two covering Din, at most 128). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
@@ -151,12 +211,15 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
     d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
     if rows > 0 and outputs > 0:
         d_weight, d_y = to_device(weight, np.float32), as_rows(d_out, "out")   # [Dout, Din], [T, Dout]
-        if (version or pick_version(rows)) == "gemm":
+        version = version or pick_version(rows)
+        threads = threads or pow2_threads(depth)
+        if version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
-        else:
-            threads = threads or pow2_threads(depth)
+        elif version == "gemv":
             gemv_kernel(threads)[outputs * rows, threads, stream](d_x, d_weight, d_y)
+        else:
+            rows_kernel(threads)[blocks(outputs, COLUMNS_PER_BLOCK), threads, stream](d_x, d_weight, d_y)
     return deliver(d_out, out, x, weight)
 # --8<-- [end:linear]
 
@@ -347,7 +410,3 @@ def bench_cases(sizes):
              call=lambda inputs: argmax(*inputs),
              bytes=bytes_moved("argmax", T=rows, V=vocab), flops=flops("argmax", T=rows, V=vocab)),
     ]
-
-
-# TRANSITIONAL: kernels/model.py's old names, until it uses the public ones
-_embed_kernel, _argmax_kernel = embed_kernel, argmax_kernel

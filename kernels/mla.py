@@ -3,10 +3,14 @@
 Legend: T new rows, P fully visible prefix rows, S = P + T keys, H heads,
 dn qk_nope_head_dim, dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank, TPB threads per block.
 
-Kernels (one version each):
+Kernels:
 - ``absorb_query_kernel``: q_lat = W_UK^T q_nope, one thread per output element (t, h, r).
 - ``attention_absorb_kernel``: masked softmax attention over the latent cache, one block per
   (row, head), online softmax over key tiles of one key per thread.
+- ``attention_paths_kernel``: the engine's version. Each row attends to the prefix and its own
+  path (``paths``), enumerated in position order, in tiles at fixed positions staged through
+  shared memory; the prefix length comes from a device array. A tree row's result is then
+  bit-identical to the AR row at the same position (batch- and mask-invariant).
 - ``absorb_output_kernel``: o = W_UV o_lat, one thread per output element (t, h, v).
 
 Only the absorbed form is implemented here, on purpose. The numpy module also has
@@ -27,7 +31,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32  # the package __init__ has already chosen GPU or simulator
+from numba import cuda, float32, int32  # the package __init__ has already chosen GPU or simulator
 
 from ddtree import mla as reference
 from kernels.blocks import MAX_TPB, block_max, block_sum, blocks, check_threads, pow2_threads, row_threads
@@ -299,6 +303,162 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
             prefix_len, to_device(visible), np.float32(scale), d_out)
     return deliver(d_out, out, q_lat, q_pe, cache_latent, cache_rope)
 # --8<-- [end:attention_absorb]
+
+
+# --8<-- [start:attention_paths_kernel]
+@cuda.jit
+def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, o_lat):
+    """One block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
+
+    The keys of row i are the prefix (slots 0 .. P-1, P = prefix[0]) and then its path root..i,
+    at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by their
+    logical index j (= their position). Tiles of TPB keys start at fixed logical indices, so a
+    tree node and the AR step at the same position combine the same keys in the same tiles:
+    bit-identical outputs. Masked keys are never enumerated (no -inf arithmetic, no reads of other
+    branches' rows).
+
+    Per tile: the block copies the tile's key rows (R + dr floats each) into shared memory with
+    coalesced loads, thread j scores key j from there, the block reduces the tile's max and
+    (after rescaling to the new running max) its sum of exp, and thread i updates acc[r] for
+    r = i, i + TPB, ... from the same shared rows: the cache is read once per (row, head).
+    Shared memory (dynamic): the query (R + dr), the accumulator (R) and the tile's keys
+    (TPB x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
+    the tile's slots (TPB ints).
+    """
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    tile = cuda.blockDim.x
+    rank = q_lat.shape[2]
+    width = rank + q_pe.shape[2]
+    keys = prefix[0] + depths[row] + 1
+
+    smem = cuda.shared.array(0, dtype=float32)
+    query = smem[:width]                                  # q_lat | q_pe
+    acc = smem[width:width + rank]                        # running sum_s p_s c_s
+    tile_keys = smem[width + rank:]                       # [TPB, R + dr + 1], row-major
+    p = cuda.shared.array(MAX_TILE, dtype=float32)
+    red = cuda.shared.array(MAX_TILE, dtype=float32)
+    slots = cuda.shared.array(MAX_TILE, dtype=int32)
+
+    for i in range(tid, rank, tile):
+        query[i] = q_lat[row, head, i]
+        acc[i] = float32(0.0)
+    for i in range(tid, width - rank, tile):
+        query[rank + i] = q_pe[row, head, i]
+    run_max = float32(0.0)
+    run_sum = float32(0.0)
+    for start in range(0, keys, tile):
+        count = min(tile, keys - start)
+        _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
+        score = _tile_score(query, tile_keys, count, scale)
+        red[tid] = score if tid < count else -math.inf
+        block_max(red)
+        tile_max = red[0]
+        cuda.syncthreads()                                # everyone has read red[0]
+        new_max = max(run_max, tile_max) if start > 0 else tile_max
+        alpha = math.exp(run_max - new_max) if start > 0 else float32(0.0)
+        prob = math.exp(score - new_max) if tid < count else float32(0.0)
+        p[tid] = prob
+        red[tid] = prob
+        block_sum(red)                                    # also publishes p to the block
+        run_sum = run_sum * alpha + red[0]
+        run_max = new_max
+        for i in range(tid, rank, tile):
+            total = acc[i] * alpha
+            for key in range(count):
+                total += p[key] * tile_keys[key * (width + 1) + i]
+            acc[i] = total
+        cuda.syncthreads()                                # the tile's keys, p, red rewritten next
+    for i in range(tid, rank, tile):
+        o_lat[row, head, i] = acc[i] / run_sum
+
+
+@cuda.jit(device=True)
+def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slots, tile_keys):
+    """The tile's slots (prefix keys in place, then the row's path), and its key rows copied to
+    shared memory: consecutive threads read consecutive columns of a row (coalesced)."""
+    tid = cuda.threadIdx.x
+    rank = cache_latent.shape[1]
+    width = rank + cache_rope.shape[1]
+    j = start + tid
+    if tid < count:
+        slots[tid] = j if j < prefix else prefix + paths[row, j - prefix]
+    cuda.syncthreads()
+    for index in range(tid, count * width, cuda.blockDim.x):
+        key = index // width
+        column = index % width
+        if column < rank:
+            tile_keys[key * (width + 1) + column] = cache_latent[slots[key], column]
+        else:
+            tile_keys[key * (width + 1) + column] = cache_rope[slots[key], column - rank]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _tile_score(query, tile_keys, count, scale):
+    """Thread j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile."""
+    tid = cuda.threadIdx.x
+    width = query.shape[0]
+    score = float32(0.0)
+    if tid < count:
+        for i in range(width):
+            score += query[i] * tile_keys[tid * (width + 1) + i]
+        score *= scale
+    return score
+# --8<-- [end:attention_paths_kernel]
+
+
+def paths_tile(rank: int, rope_dim: int) -> int:
+    """Keys per tile of ``attention_paths``: 32, or 16 when 32 staged rows of R + dr floats would
+    pass 40 KB of shared memory (48 KB is numba's static limit). Fixed by the model's dims alone,
+    never by the call, so tiles sit at the same positions for every row count."""
+    return 32 if paths_shared_bytes(rank, rope_dim, 32) <= 40 * 1024 else 16
+
+
+def paths_shared_bytes(rank: int, rope_dim: int, tile: int) -> int:
+    """Dynamic shared memory of ``attention_paths_kernel``: query, accumulator, staged keys."""
+    width = rank + rope_dim
+    return F32 * (width + rank + tile * (width + 1))
+
+
+def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, *, out=None):
+    """Device arrays only (the engine's buffers): shapes, dtypes, and out (T, H, R)."""
+    arrays = dict(q_lat=q_lat, q_pe=q_pe, cache_latent=cache_latent, cache_rope=cache_rope,
+                  prefix=prefix, depths=depths, paths=paths)
+    for name, array in arrays.items():
+        if not is_device_array(array):
+            raise ValueError(f"{name} must be a device array (attention_paths reads the engine's buffers)")
+    rows, heads, rank = q_lat.shape
+    if q_pe.shape[:2] != (rows, heads) or cache_latent.shape[1] != rank \
+            or cache_rope.shape[1] != q_pe.shape[2] or cache_latent.shape[0] != cache_rope.shape[0]:
+        raise ValueError(f"q_pe (T, H, dr), cache_latent (C, R) and cache_rope (C, dr) must match "
+                         f"q_lat {q_lat.shape}, got {q_pe.shape}, {cache_latent.shape}, {cache_rope.shape}")
+    if prefix.shape != (1,) or depths.shape != (rows,) or len(paths.shape) != 2 or paths.shape[0] != rows:
+        raise ValueError(f"prefix must be (1,), depths ({rows},) and paths ({rows}, >= max depth + 1), "
+                         f"got {prefix.shape}, {depths.shape}, {paths.shape}")
+    check_float32(q_lat=q_lat, q_pe=q_pe, cache_latent=cache_latent, cache_rope=cache_rope)
+    check_out(out, q_lat.shape)
+
+
+# --8<-- [start:attention_paths]
+def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *,
+                    out=None, stream=None):
+    """Absorbed attention of each row over the prefix and its own path (device arrays).
+
+    q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
+    and paths (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for
+    d = 0 .. depths[i]. Equals ``attention_absorb`` with the ancestor mask of that tree (within
+    float32 rounding); unlike it, its sums do not depend on the other rows.
+    """
+    check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
+    (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
+    d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
+    tile = paths_tile(rank, rope_dim)
+    attention_paths_kernel[(heads, rows), tile, stream, paths_shared_bytes(rank, rope_dim, tile)](
+        q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), d_out)
+    return d_out
+# --8<-- [end:attention_paths]
 
 
 def _absorb_query_cost(*, T: int, H: int, dn: int, R: int) -> tuple[int, int]:

@@ -4,17 +4,21 @@ Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token
 F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
 Kernels (one version each):
-- ``route_kernel``: one block per token: gate GEMV + sigmoid (``_scores``), group-limited
-  routing (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties ->
-  lower index), normalised and scaled weights (``_weigh``).
-- ``expert_hidden_kernel``: h[t, j] = silu(gate_e x_t) * (up_e x_t) for expert e = ids[t, j],
-  one thread per (token, slot, f).
-- ``expert_down_kernel``: out[t] (+)= sum_j w[t, j] * down_e h[t, j], one thread per (token, d);
-  the k slots are summed in slot order, so the result is deterministic without atomics.
+- the router's logits x . gate[e] come from ``kernels.linear`` (version "rows"); then
+  ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
+  (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
+  index), normalised and scaled weights (``_weigh``).
+- ``expert_hidden_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
+  e = ids[t, j]: one block per feature f for every (token, slot) pair, a block reduction over D.
+- ``expert_down_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
+  output feature d for every token; the k slots are added in slot order, so the result is
+  deterministic without atomics.
+Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
+routed beside it (the engine's tree rows equal its AR rows, bit for bit).
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two kernels with one
 "expert" (E = 1), one slot (k = 1) and weight 1. ``moe`` runs the shared expert first, then adds
-the routed experts in place: four launches plus the router, nothing leaves the device.
+the routed experts in place: five launches plus the router's linear, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
@@ -29,6 +33,7 @@ each operation's cost model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 
@@ -45,9 +50,9 @@ from kernels.blocks import (
     check_threads,
     comes_first,
     pow2_threads,
-    row_threads,
 )
 from kernels.device import (
+    SIMULATOR,
     check_float32,
     check_out,
     deliver,
@@ -58,8 +63,14 @@ from kernels.device import (
     poisoned,
     to_device,
 )
+from kernels.linear import linear
 
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
+MAX_PAIRS = 1024        # expert_down_kernel keeps T * k dot products of one feature in shared memory
+PAIRS_PER_PASS = 8      # (token, slot) pairs whose partial sums a thread keeps in registers at once
+# features per block of the expert kernels: one on a GPU (parallelism); several in the simulator,
+# where every block costs Python threads. Each output's sum is the same either way.
+FEATURES_PER_BLOCK = 8 if SIMULATOR else 1
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 F32, I64 = 4, 8
 
@@ -103,14 +114,11 @@ def _pick_free(values, free, count, best_values, best_indices):
 
 # --8<-- [start:route_kernel]
 @cuda.jit(device=True)
-def _scores(x, gate, bias, token, score, choice, free):
-    """1. Thread e (strided over E): score[e] = sigmoid(x_t . gate[e]), a float32 loop over D;
-    choice[e] = score[e] + bias[e] (the bias only chooses); every expert starts free."""
-    for e in range(cuda.threadIdx.x, gate.shape[0], cuda.blockDim.x):
-        logit = float32(0.0)
-        for d in range(gate.shape[1]):
-            logit += x[token, d] * gate[e, d]
-        score[e] = sigmoid_scalar(logit)
+def _scores(logits, bias, token, score, choice, free):
+    """1. Thread e (strided over E): score[e] = sigmoid(logits[t, e]); choice[e] = score[e] +
+    bias[e] (the bias only chooses); every expert starts free."""
+    for e in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        score[e] = sigmoid_scalar(logits[token, e])
         choice[e] = score[e] + bias[e]
         free[e] = 1
     cuda.syncthreads()
@@ -167,20 +175,19 @@ def _weigh(score, ids, token, norm_topk_prob, scaling, weights):
 
 
 @cuda.jit
-def route_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
-    """One block routes one token: ids[t, :] (k) and weights[t, :] (k).
+def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
+    """One block routes one token from its router logits (T, E): ids[t, :] (k) and weights[t, :] (k).
 
     1. ``_scores``: sigmoid gate scores and biased choices. 2. With G > 1 groups,
     ``_keep_groups``. 3. k rounds of ``_pick_free`` over the free experts pick ids in descending
     choice order (exact ties -> lower index, as numpy's stable argsort). 4. ``_weigh``.
 
     Shared memory: score, choice (E floats each), free (E bytes), group score / kept (G each),
-    and TPB (value, index) argmax scratch slots. Cost: the block reads gate (E*D floats) once
-    per token, each thread walking whole gate rows (neighbouring threads D floats apart);
-    selection is k + topk_group block reductions of log2(TPB) barriers each.
+    and TPB (value, index) argmax scratch slots. Cost: selection is k + topk_group block
+    reductions of log2(TPB) barriers each.
     """
     token = cuda.blockIdx.x
-    experts = gate.shape[0]
+    experts = logits.shape[1]
     score = cuda.shared.array(MAX_EXPERTS, dtype=float32)       # [E] sigmoid(gate x), unbiased
     choice = cuda.shared.array(MAX_EXPERTS, dtype=float32)      # [E] score + bias, picks only
     free = cuda.shared.array(MAX_EXPERTS, dtype=uint8)          # [E] 1 = may still be picked
@@ -189,7 +196,7 @@ def route_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, id
     best_values = cuda.shared.array(MAX_TPB, dtype=float32)     # argmax scratch
     best_indices = cuda.shared.array(MAX_TPB, dtype=int32)      # argmax scratch
 
-    _scores(x, gate, bias, token, score, choice, free)
+    _scores(logits, bias, token, score, choice, free)
     if n_group > 1:
         _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_free,
                      best_values, best_indices)
@@ -205,51 +212,120 @@ def route_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, id
 
 
 # --8<-- [start:expert_hidden_kernel]
-@cuda.jit
-def expert_hidden_kernel(x, gate_proj, up_proj, ids, hidden):
-    """hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j].
+@functools.cache
+def expert_hidden_kernel(threads: int):
+    """The expert hidden-state kernel for blocks of ``threads`` threads (a power of two)."""
 
-    One thread computes one (token, slot, f) element with two float32 loops over D; blockIdx.y is
-    the (token, slot) pair, so a block's threads share x_t (broadcast) and walk neighbouring rows
-    of one expert. No shared memory. Cost: 2*D multiply-adds per thread; each (token, slot)
-    reads its expert's gate and up rows (2*F*D floats), neighbouring threads D floats apart.
-    """
-    f = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    token = cuda.blockIdx.y // ids.shape[1]
-    slot = cuda.blockIdx.y % ids.shape[1]
-    if f >= hidden.shape[2]:
-        return
-    expert = ids[token, slot]
-    g = float32(0.0)
-    u = float32(0.0)
-    for d in range(x.shape[1]):
-        g += gate_proj[expert, f, d] * x[token, d]
-        u += up_proj[expert, f, d] * x[token, d]
-    hidden[token, slot, f] = g * sigmoid_scalar(g) * u
+    @cuda.jit
+    def kernel(x, gate_proj, up_proj, ids, hidden):
+        # hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j]
+        # one block = feature f for every (token, slot) pair, PAIRS_PER_PASS pairs at a time; one
+        # thread = d = tid, tid + TPB, ... of the pair's two dot products (coalesced weight rows);
+        # shared memory: 2 x PAIRS_PER_PASS x TPB partial sums, one tree per pair and product
+        gate_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
+        up_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
+        gate_acc = cuda.local.array(PAIRS_PER_PASS, float32)
+        up_acc = cuda.local.array(PAIRS_PER_PASS, float32)
+        first = cuda.blockIdx.x * FEATURES_PER_BLOCK
+        for f in range(first, min(first + FEATURES_PER_BLOCK, hidden.shape[2])):
+            for p0 in range(0, ids.shape[0] * ids.shape[1], PAIRS_PER_PASS):
+                _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_partial,
+                             gate_acc, up_acc)
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_partial, gate_acc, up_acc):
+    """hidden[pair, f] for pairs p0 .. p0 + PAIRS_PER_PASS - 1 (pair = token * k + slot)."""
+    tid = cuda.threadIdx.x
+    slots = ids.shape[1]
+    pairs = min(PAIRS_PER_PASS, ids.shape[0] * slots - p0)
+    for r in range(PAIRS_PER_PASS):
+        gate_acc[r] = float32(0.0)
+        up_acc[r] = float32(0.0)
+    for r in range(pairs):
+        token = (p0 + r) // slots
+        expert = ids[token, (p0 + r) % slots]
+        for d in range(tid, x.shape[1], cuda.blockDim.x):
+            gate_acc[r] += gate_proj[expert, f, d] * x[token, d]
+            up_acc[r] += up_proj[expert, f, d] * x[token, d]
+    for r in range(PAIRS_PER_PASS):
+        gate_partial[r, tid] = gate_acc[r]
+        up_partial[r, tid] = up_acc[r]
+    _pair_sums(gate_partial)
+    _pair_sums(up_partial)
+    if tid < pairs:
+        gate = gate_partial[tid, 0]
+        hidden[(p0 + tid) // slots, (p0 + tid) % slots, f] = gate * sigmoid_scalar(gate) * up_partial[tid, 0]
+    cuda.syncthreads()                       # the partials are rewritten by the next pass
 # --8<-- [end:expert_hidden_kernel]
 
 
-# --8<-- [start:expert_down_kernel]
-@cuda.jit
-def expert_down_kernel(hidden, down_proj, ids, weights, accumulate, out):
-    """out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j]).
+@cuda.jit(device=True)
+def _pair_sums(partial):
+    """partial[r, 0] = sum over threads of partial[r, :], for every pair r: block_sum's tree."""
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            for r in range(PAIRS_PER_PASS):
+                partial[r, tid] += partial[r, tid + stride]
+        cuda.syncthreads()
+        stride //= 2
 
-    One thread computes one (token, d) element: for each slot j in order, a float32 loop over F.
-    Fixed slot order and one writer per element: deterministic, no atomics. No shared memory.
-    Cost: k*F multiply-adds per thread; each token reads its k experts' down rows (k*D*F floats).
-    """
-    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    token = cuda.blockIdx.y
-    if d >= out.shape[1]:
-        return
-    total = out[token, d] if accumulate else float32(0.0)
-    for slot in range(ids.shape[1]):
+
+# --8<-- [start:expert_down_kernel]
+@functools.cache
+def expert_down_kernel(threads: int):
+    """The expert down-projection kernel for blocks of ``threads`` threads (a power of two)."""
+
+    @cuda.jit
+    def kernel(hidden, down_proj, ids, weights, accumulate, out):
+        # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j])
+        # one block = output feature d for every token: the (token, slot) dot products run
+        # PAIRS_PER_PASS at a time as in expert_hidden_kernel and land in shared memory (dots);
+        # then thread t adds its token's slots in slot order: one writer per element, no atomics
+        partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
+        dots = cuda.shared.array(MAX_PAIRS, float32)
+        acc = cuda.local.array(PAIRS_PER_PASS, float32)
+        tid = cuda.threadIdx.x
+        tokens, slots = ids.shape
+        first = cuda.blockIdx.x * FEATURES_PER_BLOCK
+        for d in range(first, min(first + FEATURES_PER_BLOCK, out.shape[1])):
+            for p0 in range(0, tokens * slots, PAIRS_PER_PASS):
+                _down_pass(hidden, down_proj, ids, d, p0, partial, acc, dots)
+            for token in range(tid, tokens, threads):
+                total = out[token, d] if accumulate else float32(0.0)
+                for slot in range(slots):
+                    total += weights[token, slot] * dots[token * slots + slot]
+                out[token, d] = total
+            cuda.syncthreads()               # dots is rewritten for the next feature
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _down_pass(hidden, down_proj, ids, d, p0, partial, acc, dots):
+    """dots[pair] = down_e[d] . hidden[pair] for pairs p0 .. p0 + PAIRS_PER_PASS - 1."""
+    tid = cuda.threadIdx.x
+    slots = ids.shape[1]
+    pairs = min(PAIRS_PER_PASS, ids.shape[0] * slots - p0)
+    for r in range(PAIRS_PER_PASS):
+        acc[r] = float32(0.0)
+    for r in range(pairs):
+        token = (p0 + r) // slots
+        slot = (p0 + r) % slots
         expert = ids[token, slot]
-        y = float32(0.0)
-        for f in range(hidden.shape[2]):
-            y += down_proj[expert, d, f] * hidden[token, slot, f]
-        total += weights[token, slot] * y
-    out[token, d] = total
+        for f in range(tid, hidden.shape[2], cuda.blockDim.x):
+            acc[r] += down_proj[expert, d, f] * hidden[token, slot, f]
+    for r in range(PAIRS_PER_PASS):
+        partial[r, tid] = acc[r]
+    _pair_sums(partial)
+    if tid < pairs:
+        dots[p0 + tid] = partial[tid, 0]
+    cuda.syncthreads()
 # --8<-- [end:expert_down_kernel]
 
 
@@ -262,6 +338,7 @@ class DenseScratch(typing.NamedTuple):
 
 class MoEScratch(typing.NamedTuple):
     """Device buffers of one MoE layer over T tokens."""
+    logits: object                  # [T, E] float32 router logits
     ids: object                     # [T, k] int64 routed experts
     weights: object                 # [T, k] float32 their weights
     hidden: object                  # [T, k, F] float32
@@ -279,29 +356,31 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
     """New buffers for ``moe`` over ``rows`` tokens (allocate once, pass as ``scratch``)."""
     top_k, features = config.num_experts_per_tok, params.gate_proj.shape[1]
     shared = params.shared_gate_proj
-    return MoEScratch(ids=poisoned((rows, top_k), np.int64, stream),
+    return MoEScratch(logits=poisoned((rows, config.n_routed_experts), stream=stream),
+                      ids=poisoned((rows, top_k), np.int64, stream),
                       weights=poisoned((rows, top_k), stream=stream),
                       hidden=poisoned((rows, top_k, features), stream=stream),
                       shared=None if shared is None else dense_scratch(rows, shared.shape[0], stream))
 
 
-def _launch_route(x, gate, bias, config: ModelConfig, threads, ids, weights, stream) -> None:
-    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ids, weights (T, k)."""
+def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream) -> None:
+    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> logits (T, E), then
+    ids and weights (T, k)."""
+    linear(x, gate, version="rows", out=logits, stream=stream)
     threads = threads or pow2_threads(config.n_routed_experts)
     route_kernel[x.shape[0], threads, stream](
-        x, gate, bias, config.n_group, config.topk_group, config.norm_topk_prob,
+        logits, bias, config.n_group, config.topk_group, config.norm_topk_prob,
         np.float32(config.routed_scaling_factor), ids, weights)
 
 
 def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, hidden, out, accumulate, stream) -> None:
     """Both expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F), ids (T, k)."""
-    rows, slots = ids.shape
     features, width = gate_proj.shape[1], out.shape[1]
-    threads = row_threads(features)
-    expert_hidden_kernel[(blocks(features, threads), rows * slots), threads, stream](
+    threads = pow2_threads(width)
+    expert_hidden_kernel(threads)[blocks(features, FEATURES_PER_BLOCK), threads, stream](
         x, gate_proj, up_proj, ids, hidden)
-    threads = row_threads(width)
-    expert_down_kernel[(blocks(width, threads), rows), threads, stream](
+    threads = pow2_threads(features)
+    expert_down_kernel(threads)[blocks(width, FEATURES_PER_BLOCK), threads, stream](
         hidden, down_proj, ids, weights, accumulate, out)
 
 
@@ -319,6 +398,12 @@ def _check_router_limits(config: ModelConfig, threads) -> None:
                          f"groups, got {config.n_routed_experts} and {config.n_group}")
     if threads is not None:
         check_threads(threads, MAX_TPB)
+
+
+def _check_pairs(pairs: int) -> None:
+    if pairs > MAX_PAIRS:
+        raise ValueError(f"T * k (token, expert) pairs must be <= {MAX_PAIRS} (expert_down_kernel keeps "
+                         f"them in shared memory), got {pairs}")
 
 
 def _check_scratch(scratch, name: str, **expected) -> None:
@@ -345,20 +430,24 @@ def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None):
 
 
 # --8<-- [start:route]
-def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None):
+def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None,
+          logits=None):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32).
 
     ``threads`` (32, 64 or 128) forces the router's block size; by default the smallest power of
-    two that covers E, at most 128. ``out``: a pair (ids, weights) to write into; ``stream``:
-    where the kernel is launched (None: the default stream).
+    two that covers E, at most 128. ``out``: a pair (ids, weights) to write into; ``logits``: a
+    device (T, E) float32 buffer for the router logits (new by default); ``stream``: where the
+    kernels are launched (None: the default stream).
     """
     x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out)
+    check_out(logits, (x.shape[0], config.n_routed_experts), name="logits")
     out_ids, out_weights = out or (None, None)
     shape = (x.shape[0], config.num_experts_per_tok)
     ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
     if x.shape[0]:
+        logits = output(logits, (x.shape[0], config.n_routed_experts), stream=stream)   # [T, E]
         _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
-                      config, threads, ids, weights, stream)
+                      config, threads, logits, ids, weights, stream)
     return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)
 # --8<-- [end:route]
 
@@ -369,6 +458,7 @@ def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None):
     x, gate_proj, up_proj, down_proj = (host_or_device(a, np.float32)
                                         for a in (x, gate_proj, up_proj, down_proj))
     reference.check_swiglu(x, gate_proj, up_proj, down_proj)
+    _check_pairs(x.shape[0])
     check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
     check_out(out, x.shape)
     if scratch is not None:
@@ -422,11 +512,13 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
     x = host_or_device(x, np.float32)
     reference.check_moe(x, params, config)
     _check_router_limits(config, None)
+    _check_pairs(x.shape[0] * config.num_experts_per_tok)
     check_float32(x=x, **_arrays(params))
     check_out(out, x.shape)
     if scratch is not None:
         rows, top_k, features = x.shape[0], config.num_experts_per_tok, params.gate_proj.shape[1]
-        _check_scratch(scratch, "scratch", ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
+        _check_scratch(scratch, "scratch", logits=((rows, config.n_routed_experts), np.float32),
+                       ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
                        hidden=((rows, top_k, features), np.float32))
         if (scratch.shared is None) != (params.shared_gate_proj is None):
             raise ValueError("scratch.shared must be a dense_scratch exactly when params has a shared expert")
@@ -453,7 +545,8 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     if rows and width:
         weights, d_x = device_params(params), to_device(x, np.float32)
         scratch = scratch or moe_scratch(rows, weights, config, stream)
-        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.ids, scratch.weights, stream)
+        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.ids,
+                      scratch.weights, stream)
         shared = weights.shared_gate_proj is not None
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
@@ -554,4 +647,3 @@ def _reduced_moe_case(sizes):
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: the router alone, a reduced MoE layer."""
     return [_route_case(sizes), _reduced_moe_case(sizes)]
-

@@ -113,6 +113,3 @@ def bench_cases(sizes):
                                      config.rms_norm_eps),
                  call=lambda inputs: rmsnorm(*inputs),
                  bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width))]
-
-
-_rmsnorm_kernel = rmsnorm_kernel  # TRANSITIONAL: kernels/model.py's old name, until it uses the public one

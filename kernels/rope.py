@@ -125,6 +125,3 @@ def bench_cases(sizes):
                  call=lambda inputs: apply_rope(*inputs),
                  bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
                  note="FLOPs: the rotation, sin/cos not counted")]
-
-
-_rope_kernel = rope_kernel  # TRANSITIONAL: kernels/model.py's old name, until it uses the public one

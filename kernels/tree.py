@@ -1,4 +1,5 @@
-"""The draft tree on the GPU: one thread block builds one request's tree; the visibility mask.
+"""The draft tree on the GPU: the top-K candidates, the builder (one block per request's tree),
+the visibility mask and the rows' positions and paths.
 
 Legend: Bq requests, L depths, K candidates per depth, B node budget (root not counted),
 W = B + 1 padded tree width, N tree nodes (root included), TPB threads per block.
@@ -9,6 +10,10 @@ Kernels:
   frontier (``_best_candidate``: a strided scan per thread, then a shared-memory tree reduction)
   followed by one thread's bookkeeping (``_pop``).
 - ``visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
+- ``top_candidates_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per drafter
+  row, log-softmax (max, then a float64 sum of exp) and the K best by repeated block argmax.
+- ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
+  by depth (what the engine's attention enumerates instead of a mask).
 
 The result is bit-identical to ``ddtree.tree.build_tree``: the same float32 weights, summed root
 to leaf (a sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule
@@ -24,14 +29,17 @@ Shared memory bounds the budget: ``MAX_BUDGET`` = 1024 nodes need 7 tables of 10
 
 from __future__ import annotations
 
+import functools
+import math
 import typing
 
 import numpy as np
-from numba import cuda, float32, int32  # the kernels package chose GPU or simulator already
+from numba import cuda, float32, float64, int32  # the kernels package chose GPU or simulator already
 
+from ddtree import tree as reference
 from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
 from ddtree.tree import check_parents as check_host_parents
-from kernels.blocks import MAX_TPB, blocks, check_threads, pow2_threads
+from kernels.blocks import MAX_TPB, block_max, blocks, check_threads, pow2_threads
 from kernels.device import check_out, deliver, is_device_array, output, to_device
 
 MAX_BUDGET = 1024
@@ -272,8 +280,9 @@ def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=Non
         raise ValueError("build_trees needs at least one request (Bq >= 1)")
     if threads is not None:
         check_threads(threads, MAX_TPB)
-    if out is not None:
-        shape = (requests, max(budget, 0) + 1)                                # [Bq, W]
+    if out is not None:                                                       # W >= B + 1: padded past it
+        width = out.tokens.shape[1] if len(out.tokens.shape) == 2 else -1
+        shape = (requests, max(width, max(budget, 0) + 1))                    # [Bq, W]
         for name in TreeBatch._fields:
             dtype = np.float32 if name == "logprobs" else np.int64
             check_out(getattr(out, name), shape[:1] if name == "sizes" else shape, dtype, f"out.{name}")
@@ -286,7 +295,8 @@ def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threa
     """Build Bq trees at once: root_tokens (Bq,), top_logprobs and top_ids (Bq, L, K).
 
     Returns a TreeBatch of device arrays of width W = max(budget, 0) + 1, no host copies, or
-    writes into ``out`` (a TreeBatch of device arrays of those shapes). ``budget`` is shared by
+    writes into ``out`` (a TreeBatch of device arrays of width W >= budget + 1: padding past the
+    tree, as the engine's buckets need). ``budget`` is shared by
     all requests and at most ``MAX_BUDGET``; ``threads`` forces the block size (a power of two
     <= 128); ``stream`` is where the kernel is launched (None: the default stream).
     """
@@ -386,6 +396,161 @@ def visibility(parents, *, out=None, stream=None):
 # --8<-- [end:visibility]
 
 
+# --8<-- [start:top_candidates_kernel]
+@functools.cache
+def top_candidates_kernel(threads: int):
+    """The top-K kernel for blocks of ``threads`` threads (a power of two)."""
+
+    @cuda.jit
+    def kernel(logits, top_logprobs, top_ids):
+        # one block = one drafter row of logits (L, V); threads stride over V. 1. the row max
+        # (float32); 2. the sum of exp(logit - max) in float64, its log cast to float32 (numpy's
+        # steps); 3. K picks, each a block argmax over the entries after the previous pick in the
+        # order (log-prob descending, token id ascending): no "taken" marks, so V may be large
+        red = cuda.shared.array(threads, float32)
+        red64 = cuda.shared.array(threads, float64)
+        best = cuda.shared.array(threads, int32)
+        row = cuda.blockIdx.x
+        local_max = float32(-math.inf)
+        for v in range(cuda.threadIdx.x, logits.shape[1], threads):
+            local_max = max(local_max, logits[row, v])
+        red[cuda.threadIdx.x] = local_max
+        block_max(red)
+        row_max = red[0]
+        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        previous_value = float32(math.inf)
+        previous_index = -1
+        for pick in range(top_ids.shape[1]):
+            previous_value, previous_index = _next_candidate(logits, row, row_max, log_sum, previous_value,
+                                                             previous_index, red, best)
+            if cuda.threadIdx.x == 0:
+                top_logprobs[row, pick] = previous_value
+                top_ids[row, pick] = previous_index
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _log_sum_exp(logits, row, row_max, red64):
+    """float32(log(sum_v exp(float64(logits[row, v] - row_max)))), the sum reduced in float64."""
+    tid = cuda.threadIdx.x
+    total = float64(0.0)
+    for v in range(tid, logits.shape[1], cuda.blockDim.x):
+        total += math.exp(float64(logits[row, v] - row_max))
+    red64[tid] = total
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            red64[tid] += red64[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    log_sum = float32(math.log(red64[0]))
+    cuda.syncthreads()                           # everyone has read red64[0]
+    return log_sum
+
+
+@cuda.jit(device=True)
+def _next_candidate(logits, row, row_max, log_sum, previous_value, previous_index, red, best):
+    """The best (log-prob, id) after (previous_value, previous_index) in the order log-prob
+    descending, id ascending: each thread's best of its share, then a shared-memory tree."""
+    tid = cuda.threadIdx.x
+    mine_value = float32(-math.inf)
+    mine_index = -1
+    for v in range(tid, logits.shape[1], cuda.blockDim.x):
+        value = (logits[row, v] - row_max) - log_sum                        # float32, as numpy
+        after = value < previous_value or (value == previous_value and v > previous_index)
+        if after and (mine_index < 0 or value > mine_value):
+            mine_value = value
+            mine_index = v
+    red[tid] = mine_value
+    best[tid] = mine_index
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            other = best[tid + stride]
+            if other >= 0 and (best[tid] < 0 or red[tid + stride] > red[tid]
+                               or (red[tid + stride] == red[tid] and other < best[tid])):
+                red[tid] = red[tid + stride]
+                best[tid] = other
+        cuda.syncthreads()
+        stride //= 2
+    value, index = red[0], best[0]
+    cuda.syncthreads()                           # everyone has read the winner
+    return value, index
+# --8<-- [end:top_candidates_kernel]
+
+
+def check_top_candidates(logits, k, *, out=None):
+    """Host logits get the reference's checks (NaN, +inf, a finite value per row); device logits
+    must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
+    (L, K) float32, top_ids (L, K) int64)."""
+    if is_device_array(logits):
+        if logits.ndim != 2 or logits.dtype != np.float32:
+            raise ValueError(f"device logits must be a (L, V) float32 array, "
+                             f"got {logits.dtype} {logits.shape}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= logits.shape[1]:
+            raise ValueError(f"k must be an integer in [1, vocab {logits.shape[1]}], got {k!r}")
+    else:
+        reference.top_candidates(logits, k)                                 # the reference's errors
+        logits = np.asarray(logits, np.float32)
+    if out is not None:
+        check_out(out[0], (logits.shape[0], k), np.float32, "out[0] (top_logprobs)")
+        check_out(out[1], (logits.shape[0], k), np.int64, "out[1] (top_ids)")
+    return logits
+
+
+# --8<-- [start:top_candidates]
+def top_candidates(logits, k: int, *, out=None, stream=None):
+    """Drafter logits (L, V) -> the K best per depth: (top_logprobs (L, K) float32, top_ids (L, K)
+    int64), sorted descending, equal log-probs lower id first: ``ddtree.tree.top_candidates``.
+
+    ``out``: a pair of device arrays to write into; ``stream``: where the kernel is launched.
+    """
+    logits = check_top_candidates(logits, k, out=out)
+    depths, vocab = logits.shape
+    out_logprobs, out_ids = out or (None, None)
+    top_logprobs = output(out_logprobs, (depths, k), np.float32, stream)     # [L, K]
+    top_ids = output(out_ids, (depths, k), np.int64, stream)                # [L, K]
+    if depths:
+        threads = pow2_threads(vocab, 1024)
+        top_candidates_kernel(threads)[depths, threads, stream](to_device(logits), top_logprobs, top_ids)
+    return deliver(top_logprobs, out_logprobs, logits), deliver(top_ids, out_ids, logits)
+# --8<-- [end:top_candidates]
+
+
+# --8<-- [start:positions_kernel]
+@cuda.jit
+def positions_kernel(parents, depths, start, positions, paths):
+    """One thread per tree row i: positions[i] = P + depths[i] (P = start[0]) and its path by
+    depth, paths[i, d] = the ancestor of i at depth d (paths[i, depths[i]] = i). A padding row
+    (parent -1, depth 0) gets the path [i]: it sees the prefix and itself."""
+    i = cuda.grid(1)
+    if i >= parents.shape[0]:
+        return
+    depth = depths[i]
+    positions[i] = start[0] + depth
+    node = i
+    for d in range(depth, -1, -1):
+        paths[i, d] = node
+        node = parents[node]
+# --8<-- [end:positions_kernel]
+
+
+def positions_and_paths(parents, depths, start, *, positions, paths, stream=None):
+    """The rows of a tree (device arrays): parents, depths (T,), start (1,) = P -> positions (T,)
+    and paths (T, >= max depth + 1), written into the given arrays (the twin of
+    ``ddtree.tree.positions``; the paths replace the visibility mask in the engine)."""
+    rows = parents.shape[0]
+    if depths.shape != (rows,) or positions.shape != (rows,) or paths.shape[0] != rows \
+            or start.shape != (1,):
+        raise ValueError(f"parents, depths, positions (T,), paths (T, L + 1) and start (1,) must agree, "
+                         f"got {parents.shape}, {depths.shape}, {positions.shape}, {paths.shape}, "
+                         f"{start.shape}")
+    positions_kernel[blocks(rows, MAX_TPB), MAX_TPB, stream](parents, depths, start, positions, paths)
+
+
 def _build_cost(*, Bq: int, L: int, K: int, B: int) -> tuple[int, int]:
     # the roots and the candidates (float32 log-probs, int64 ids) read once; five (Bq, W) trees
     # (four int64 fields, float32 log-probs) and the sizes written once; comparisons only
@@ -444,6 +609,3 @@ def bench_cases(sizes):
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
             _build_case("large", sizes, large)]
-
-
-_build_trees_kernel = build_trees_kernel  # TRANSITIONAL: kernels/model.py's old name

@@ -77,7 +77,7 @@ def test_fast_path_launches_nothing(monkeypatch):
     def fail(*args):
         raise AssertionError("compact launched a kernel for an in-place path")
 
-    monkeypatch.setattr(kernel, "_gather_then_write", fail)
+    monkeypatch.setattr(kernel, "launch_compact", fail)
     cache = filled_cache(2, 12, 8, 4, 10)
     expected = copy_cache(cache)
     kernel.compact(cache, 4, np.arange(3))

@@ -59,6 +59,17 @@ def test_gemv_block_larger_than_din():
                  rtol=RTOL, atol=_atol(x, weight))
 
 
+def test_rows_version_is_batch_invariant_and_equals_gemv():
+    """Every row of "rows" is bit-identical to the same row run alone, and to "gemv" (the same
+    reduction order), whatever the row count: 11 rows span two passes of ROWS_PER_PASS."""
+    x, weight = _inputs(11, 45, 3, seed=2)
+    together = kernel.linear(x, weight, version="rows", threads=32)
+    for t in (0, 7, 8, 10):
+        alone = kernel.linear(x[t:t + 1], weight, version="rows", threads=32)
+        assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
+    assert np.array_equal(together, kernel.linear(x, weight, version="gemv", threads=32))
+
+
 def test_version_choice():
     assert [kernel.pick_version(rows) for rows in (1, 2, 3, 4, 5, 16, 64)] == \
         ["gemv"] * 4 + ["gemm"] * 3

@@ -300,3 +300,63 @@ def test_attention_absorb_kimi_dims(rows):
     assert_close(gpu.absorb_query(q_nope, w_uk), ref.absorb_query(q_nope, w_uk), rtol=RTOL, atol=1e-5)
     w_uv = rng.standard_normal((heads, config.v_head_dim, rank), dtype=np.float32)
     assert_close(gpu.absorb_output(actual, w_uv), ref.absorb_output(actual, w_uv), rtol=RTOL, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- attention over paths
+
+def tree_paths(parents: np.ndarray):
+    """Depths and the (T, T) path table by depth, walking parent links (independent of the kernel)."""
+    rows = parents.size
+    depths = np.zeros(rows, np.int64)
+    paths = np.full((rows, rows), -1, np.int64)
+    for i in range(rows):
+        chain, node = [], i
+        while node >= 0:
+            chain.append(node)
+            node = parents[node]
+        depths[i] = len(chain) - 1
+        paths[i, :len(chain)] = chain[::-1]
+    return depths, paths
+
+
+def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale):
+    out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
+                              to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
+                              scale, out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("rows, prefix, rank, rope", [(7, 0, 24, 6), (9, 37, 13, 4), (5, 70, 9, 2)])
+def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope):
+    """A random tree's rows over prefix + path == attention_absorb under its ancestor mask."""
+    rng = np.random.default_rng(rows + prefix)
+    parents = random_parents(rng, rows)
+    depths, paths = tree_paths(parents)
+    case = Case("paths", rows=rows, prefix=prefix, mask="causal", heads=2, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
+    visible = tree_visibility(parents)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale)
+    assert_close(run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale), expected,
+                 rtol=RTOL, atol=ATOL)
+
+
+def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit():
+    """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
+    one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2)."""
+    parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
+    depths, paths = tree_paths(parents)
+    case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=10, rope=4)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
+    for node in (6, 7):
+        chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
+        rows_used = list(range(prefix)) + chain
+        latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
+        alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale)
+        assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+def test_attention_paths_refuses_host_arrays():
+    with pytest.raises(ValueError, match="q_lat must be a device array"):
+        gpu.attention_paths(np.zeros((1, 1, 4), np.float32), *([None] * 6), 1.0)

@@ -264,12 +264,14 @@ def test_out_and_scratch_on_the_device_allocate_and_copy_nothing():
     host_x = np.random.default_rng(5).standard_normal((3, 19)).astype(np.float32)
     x, stream = to_device(host_x), cuda.default_stream()
     ids, weights = to_device(np.zeros((3, 3), np.int64)), to_device(np.zeros((3, 3), np.float32))
+    logits = to_device(np.zeros((3, config.n_routed_experts), np.float32))
     layer_out, dense_out = to_device(np.zeros((3, 19), np.float32)), to_device(np.zeros((3, 19), np.float32))
     scratch = gpu.moe_scratch(3, params, config)
     dense = gpu.dense_scratch(3, params.shared_gate_proj.shape[0])
     shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
     with no_transfers():
-        routed = gpu.route(x, params.gate, params.bias, config, out=(ids, weights), stream=stream)
+        routed = gpu.route(x, params.gate, params.bias, config, out=(ids, weights), stream=stream,
+                           logits=logits)
         assert gpu.moe(x, params, config, out=layer_out, stream=stream, scratch=scratch) is layer_out
         assert gpu.swiglu(x, *shared, out=dense_out, stream=stream, scratch=dense) is dense_out
     assert routed[0] is ids and routed[1] is weights

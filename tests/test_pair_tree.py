@@ -250,3 +250,47 @@ def test_build_trees_engine_size():
 def test_build_trees_max_budget():
     check_batch_against_reference(requests=4, depths=15, vocab=4096, k=1024, budget=kernel.MAX_BUDGET,
                                   seed=20)
+
+
+# ------------------------------------------------------------------------------- top candidates
+
+@pytest.mark.parametrize("depths, vocab, k", [(3, 37, 5), (2, 70, 1), (1, 9, 9)])
+def test_top_candidates_match_numpy_exactly(depths, vocab, k):
+    logits = np.random.default_rng(vocab).normal(0, 3, (depths, vocab)).astype(np.float32)
+    logits[0, 4] = logits[0, 7] = logits[0].max() + 1                   # a tie at the top: lower id first
+    if vocab > 20:
+        logits[-1, 10:20] = -np.inf                                      # masked tokens sort last, by id
+    expected = reference.top_candidates(logits, k)
+    actual = kernel.top_candidates(logits, k)
+    assert_exact(actual[0], expected[0], "top_logprobs")
+    assert_exact(actual[1], expected[1], "top_ids")
+
+
+def test_top_candidates_into_device_buffers_allocate_nothing():
+    logits = np.random.default_rng(1).normal(0, 2, (2, 33)).astype(np.float32)
+    d_logits = cuda.to_device(logits)
+    out = (cuda.to_device(np.zeros((2, 4), np.float32)), cuda.to_device(np.zeros((2, 4), np.int64)))
+    with no_transfers():
+        result = kernel.top_candidates(d_logits, 4, out=out)
+    assert result[0] is out[0] and result[1] is out[1]
+    assert_exact(out[1].copy_to_host(), reference.top_candidates(logits, 4)[1])
+
+
+def test_top_candidates_refuse_like_numpy():
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        kernel.top_candidates(np.zeros((2, 5), np.float32), 6)
+    with pytest.raises(ValueError, match="NaN"):
+        kernel.top_candidates(np.full((1, 5), np.nan, np.float32), 2)
+
+
+def test_positions_and_paths_walk_the_parents():
+    parents = np.array([-1, 0, 0, 1, 3, -1], np.int64)                  # the last row is padding
+    depths = np.array([0, 1, 1, 2, 3, 0], np.int64)
+    positions = cuda.to_device(np.full(6, -7, np.int64))
+    paths = cuda.to_device(np.full((6, 6), -7, np.int64))
+    kernel.positions_and_paths(cuda.to_device(parents), cuda.to_device(depths),
+                               cuda.to_device(np.array([40], np.int64)), positions=positions, paths=paths)
+    assert_exact(positions.copy_to_host(), 40 + depths)
+    table = paths.copy_to_host()
+    for i, chain in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [5]]):
+        assert_exact(table[i, :len(chain)], np.array(chain))

@@ -5,6 +5,7 @@ Usage:
     python -m kernels.bench --out bench.md       # ... and write the report to a markdown file
     python -m kernels.bench --cases 'attention*,rmsnorm'   # names or shell patterns, comma-separated
     python -m kernels.bench --quick              # tiny shapes, one repeat (the simulator smoke test)
+    python -m kernels.bench engine --out r.md    # the whole engine, tok/s side by side (engine.py)
 
 The package:
     case.py         ``Case`` (one timed call), the sizes, random device inputs, and ``make_cases``,
@@ -14,6 +15,7 @@ The package:
     environment.py  where it ran: GPU, driver, versions, L2 size
     report.py       the markdown report
     hardware.py     the H200 figures recorded in docs/results (read from the file, not retyped)
+    engine.py       the device engine against numpy and transformers (``engine`` subcommand)
     cli.py          the command line
 
 What is timed. Each case calls one *public* function of ``kernels`` (``rmsnorm``, ``linear``,

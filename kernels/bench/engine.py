@@ -1,0 +1,416 @@
+"""The engine benchmark: ``python -m kernels.bench engine`` (a GPU only; the simulator is refused).
+
+Every figure side by side, measured in one run on one machine:
+
+- tokens/s of AR and of DDTree (each drafter, block 8, budgets 16/32/64) for the engine with
+  CUDA graphs, the same engine with graphs off (the same buckets and kernels, launched from
+  Python), the numpy reference on the CPU (tiny and tiny-b), and transformers'
+  ``DeepseekV3ForCausalLM`` (eager, fp32, TF32 off) ``generate`` on the same GPU from the
+  project's own checkpoint (skipped with a message when transformers is not installed);
+- target forwards per run (prefill included in both decoders), kernel launches per forward;
+- each round's time split: draft (the drafter on the host), top-k, build, verify, accept, compact
+  (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
+  round's wall time: copies, the wait for the record, Python);
+- ``small``: the AR step against its floor (the weight bytes one token reads / the copy
+  bandwidth measured in this run), and the verify forward's time against the tree's size with the
+  number of distinct experts the tree wakes per MoE layer.
+
+Timing: NEW_TOKENS new tokens after a PROMPT_TOKENS-token prompt; weights uploaded, kernels
+compiled and graphs captured (one warm-up run of each configuration) before the clock starts;
+the median of REPEATS runs. The results go to a markdown report and a JSON file (chapter 12
+draws from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ddtree import decode as reference_decode
+from ddtree import golden
+from ddtree.config import ModelConfig, preset
+from ddtree.drafters import DRAFTERS, make_drafter
+from ddtree.model import Transformer as ReferenceTransformer
+from ddtree.weights import init_weights, save_pretrained, weight_shapes
+from kernels import decode as engine_decode
+from kernels import device
+from kernels.bench.environment import versions
+from kernels.bench.harness import counting_launches, measure_copy
+
+PRESETS = ("tiny", "tiny-b", "small")
+HOST_PRESETS = ("tiny", "tiny-b")      # small's weights are made on the GPU; numpy would take minutes a token
+BUDGETS = (16, 32, 64)
+BLOCK = 8
+NEW_TOKENS = 256
+PROMPT_TOKENS = 8
+REPEATS = 5
+SPLIT_BUDGET = 32                      # the round split is measured at this budget
+TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
+DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for the tree-size sweep
+PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "host")
+
+
+def median_rate(run, tokens: int, repeats: int) -> float:
+    """Median tokens/s of ``repeats`` calls of ``run`` (wall clock; run waits for its result)."""
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - begin)
+    return tokens / statistics.median(seconds)
+
+
+def prompt_for(name: str, config: ModelConfig) -> np.ndarray:
+    if name in golden.DEFAULT_PROMPTS:
+        return golden.default_prompt(name)
+    return np.random.default_rng(0).integers(0, config.vocab_size, PROMPT_TOKENS).astype(np.int64)
+
+
+class TimedDrafter:
+    """Any drafter, with the seconds its ``propose`` calls took (the round's draft share)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.seconds = drafter, 0.0
+
+    def propose(self, context, block_size):
+        begin = time.perf_counter()
+        logits = self.drafter.propose(context, block_size)
+        self.seconds += time.perf_counter() - begin
+        return logits
+
+
+class RandomDrafter:
+    """Peaked random logits: full, deep trees whatever the context (the tree-size sweep)."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+
+    def propose(self, context, block_size):
+        return self.rng.normal(0.0, DRAFTER_SHARPNESS, (block_size - 1, self.vocab)).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Run:
+    system: str            # "engine, graphs", "engine, no graphs", "numpy (CPU)", "transformers eager"
+    decoder: str           # "AR" or "DDTree <drafter>"
+    budget: int | None
+    tokens_per_second: float
+    forwards: int          # target forwards per run, prefill included
+
+
+def ar_runs(system: str, generate, model, prompt, repeats: int) -> Run:
+    before = model.forward_count
+    generate(model, prompt, NEW_TOKENS)
+    forwards = model.forward_count - before
+    rate = median_rate(lambda: generate(model, prompt, NEW_TOKENS), NEW_TOKENS, repeats)
+    return Run(system, "AR", None, rate, forwards)
+
+
+def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int) -> list[Run]:
+    runs = []
+    for drafter_name in DRAFTERS:
+        for budget in BUDGETS:
+            run = functools.partial(ddtree_run, system, generate, model, prompt, continuation, drafter_name,
+                                    budget)
+            trace = run()                                                 # warm-up: compile, capture
+            rate = median_rate(run, NEW_TOKENS, repeats)
+            runs.append(Run(system, f"DDTree {drafter_name}", budget, rate,
+                            trace.prefill_forwards + trace.verify_forwards))
+    return runs
+
+
+def ddtree_run(system, generate, model, prompt, continuation, drafter_name, budget):
+    """One timed DDTree generation (the drafter is made inside: the oracles read the continuation)."""
+    drafter = make_drafter(drafter_name, model, prompt, NEW_TOKENS, continuation=continuation)
+    tokens, trace = generate(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK, budget=budget)
+    if not np.array_equal(tokens, continuation):
+        raise AssertionError(f"{system} DDTree[{drafter_name}, budget {budget}] != AR")
+    return trace
+
+
+def launches_per_forward(model, prompt) -> dict[str, int]:
+    """Kernel launches of one AR step and of one DDTree round (graphs off: every launch counted)."""
+    enabled, model.graphs.enabled = model.graphs.enabled, False
+    try:
+        cache = model.new_cache()
+        model.prefill(cache, prompt, emit_token=True)
+        with counting_launches() as count:
+            model.ar_step(cache)
+        ar = count[0]
+        drafter = make_drafter("ngram", model, prompt, NEW_TOKENS)
+        cache = model.new_cache()
+        model.prefill(cache, prompt[:-1], emit_token=False)
+        with counting_launches() as count:
+            engine_decode.ddtree_round(model, cache, prompt, drafter, BLOCK, SPLIT_BUDGET, None)
+        return {"AR step": ar, f"DDTree round (budget {SPLIT_BUDGET})": count[0]}
+    finally:
+        model.graphs.enabled = enabled
+
+
+def round_split(model, prompt, continuation) -> dict[str, dict[str, float]]:
+    """Mean microseconds per round of each phase, per drafter, at budget SPLIT_BUDGET."""
+    split = {}
+    for drafter_name in DRAFTERS:
+        drafter = TimedDrafter(make_drafter(drafter_name, model, prompt, NEW_TOKENS,
+                                            continuation=continuation))
+        model.round_timings = {}
+        begin = time.perf_counter()
+        _, trace = engine_decode.generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK,
+                                                 budget=SPLIT_BUDGET)
+        wall = time.perf_counter() - begin
+        device_phases, model.round_timings = model.round_timings, None
+        rounds = trace.verify_forwards
+        phases = {"draft": drafter.seconds, **device_phases}
+        phases["host"] = wall - sum(phases.values())
+        split[drafter_name] = {name: 1e6 * phases[name] / rounds for name in PHASES}
+        split[drafter_name]["rounds"] = rounds
+    return split
+
+
+def weight_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes of weights one decode token reads: every attention and norm weight, the dense MLP,
+    per MoE layer the router, the shared expert and k of the E routed experts, one embedding row
+    and the whole lm_head."""
+    total = 0
+    for name, shape in weight_shapes(config).items():
+        size = math.prod(shape)
+        if ".mlp.experts." in name:
+            size = size * config.num_experts_per_tok // config.n_routed_experts
+        elif name == "model.embed_tokens.weight":
+            size = shape[1]
+        total += size
+    return 4 * total
+
+
+def tree_size_sweep(model, prompt) -> list[dict]:
+    """Verify time (device) against tree nodes, with the distinct experts the tree wakes."""
+    c, rows = model.config, []
+    moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+    for nodes in TREE_SIZES:
+        budget = nodes - 1
+        block = max(2, min(BLOCK, nodes))              # deep enough to hold a budget of nodes - 1
+        drafter = RandomDrafter(c.vocab_size)
+        cache = model.new_cache()
+        model.prefill(cache, prompt[:-1], emit_token=False)
+        context = np.array(prompt)
+        engine_decode.ddtree_round(model, cache, context, drafter, block, budget, None)   # warm-up
+        times, woken = [], []
+        for _ in range(REPEATS):
+            cache = model.new_cache()
+            model.prefill(cache, prompt[:-1], emit_token=False)
+            model.round_timings = {}
+            record = engine_decode.ddtree_round(model, cache, context, drafter, block, budget, None)
+            times.append(model.round_timings["verify"])
+            model.round_timings = None
+            ids = model.buffers.expert_ids.copy_to_host()[:, :record.tokens.size]
+            woken.append(np.mean([np.unique(ids[layer]).size for layer in moe_layers]))
+        rows.append({"nodes": nodes, "verify_us": 1e6 * statistics.median(times),
+                     "experts_per_layer": float(np.mean(woken))})
+    return rows
+
+
+def load_transformers():
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        return None, f"transformers not installed ({error}): the peer column is skipped"
+    return (torch, transformers), None
+
+
+def transformers_rate(modules, config, weights, prompt, expected, repeats: int) -> tuple[float, bool]:
+    """transformers' DeepseekV3ForCausalLM (eager, fp32, TF32 off) generate from our checkpoint."""
+    torch, transformers = modules
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with tempfile.TemporaryDirectory() as directory:
+        save_pretrained(directory, config, weights)
+        kwargs = dict(attn_implementation="eager", dtype=torch.float32)
+        if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+            kwargs["experts_implementation"] = "eager"
+        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(directory, **kwargs).to("cuda").eval()
+    ids = torch.as_tensor(prompt, dtype=torch.long, device="cuda")[None]
+
+    def generate():
+        with torch.no_grad():
+            out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        return out[0, prompt.size:].cpu().numpy()
+
+    same = bool(np.array_equal(generate(), expected))
+    rate = median_rate(generate, NEW_TOKENS, repeats)
+    hf_model.to("cpu")
+    torch.cuda.empty_cache()
+    return rate, same
+
+
+def host_weights(weights: dict) -> dict:
+    return {name: w if isinstance(w, np.ndarray) else w.copy_to_host() for name, w in weights.items()}
+
+
+def bench_preset(name: str, repeats: int, peers, log) -> dict:
+    from kernels.model import Transformer
+    from kernels.weights import init_weights as device_init_weights
+
+    config = preset(name)
+    begin = time.perf_counter()
+    if name in HOST_PRESETS:
+        weights = init_weights(config, golden.WEIGHT_SEED)
+    else:
+        weights = device_init_weights(config, golden.WEIGHT_SEED)
+        device.cuda.synchronize()
+    made = time.perf_counter() - begin
+    model = Transformer(config, weights)
+    prompt = prompt_for(name, config)
+    log(f"{name}: weights made in {made:.1f} s ({'host' if name in HOST_PRESETS else 'GPU'})")
+    result = {"preset": name, "weights_seconds": made, "runs": []}
+
+    continuation = engine_decode.generate_ar(model, prompt, NEW_TOKENS)
+    for graphs in (True, False):
+        model.graphs.enabled = graphs
+        system = "engine, graphs" if graphs else "engine, no graphs"
+        result["runs"].append(ar_runs(system, engine_decode.generate_ar, model, prompt, repeats))
+        result["runs"] += ddtree_runs(system, engine_decode.generate_ddtree, model, prompt, continuation,
+                                      repeats)
+        log(f"  {system}: done")
+    model.graphs.enabled = True
+    result["launches"] = launches_per_forward(model, prompt)
+    result["split"] = round_split(model, prompt, continuation)
+    if name in HOST_PRESETS:
+        reference = ReferenceTransformer(config, weights)
+        if not np.array_equal(reference_decode.generate_ar(reference, prompt, NEW_TOKENS), continuation):
+            raise AssertionError(f"{name}: the engine's AR tokens differ from numpy's")
+        result["runs"].append(ar_runs("numpy (CPU)", reference_decode.generate_ar, reference, prompt,
+                                      repeats))
+        result["runs"] += ddtree_runs("numpy (CPU)", reference_decode.generate_ddtree, reference, prompt,
+                                      continuation, repeats)
+        log("  numpy: done")
+    else:
+        copy_seconds = measure_copy(1 << 30, quick=False)
+        bandwidth = 2 * (1 << 30) / copy_seconds
+        floor = weight_bytes_per_token(config) / bandwidth
+        ar_rate = next(r.tokens_per_second for r in result["runs"]
+                       if r.system == "engine, graphs" and r.decoder == "AR")
+        result["floor"] = {"copy_bandwidth": bandwidth, "floor_us": 1e6 * floor, "ar_step_us": 1e6 / ar_rate,
+                           "weight_bytes_per_token": weight_bytes_per_token(config)}
+        result["tree_sizes"] = tree_size_sweep(model, prompt)
+        log("  floor and tree sizes: done")
+    if peers is not None:
+        rate, same = transformers_rate(peers, config, host_weights(weights), prompt, continuation, repeats)
+        result["runs"].append(Run("transformers eager", "AR", None, rate, NEW_TOKENS))
+        result["transformers_same_tokens"] = same
+        log(f"  transformers: {rate:.0f} tok/s")
+    result["runs"] = [dataclasses.asdict(r) for r in result["runs"]]
+    del model
+    return result
+
+
+def targets(result: dict) -> list[str]:
+    """Issue 7's two targets for a preset, each as measured: engine AR / transformers >= 5;
+    DDTree / engine AR >= 0.8 x (AR forwards / DDTree forwards)."""
+    runs = result["runs"]
+    engine_ar = next(r for r in runs if r["system"] == "engine, graphs" and r["decoder"] == "AR")
+    lines = []
+    peer = [r for r in runs if r["system"] == "transformers eager"]
+    if peer:
+        ratio = engine_ar["tokens_per_second"] / peer[0]["tokens_per_second"]
+        verdict = "met" if ratio >= 5 else "missed"
+        lines.append(f"engine AR / transformers eager: {ratio:.1f}x (target >= 5x: {verdict})")
+    for r in runs:
+        if r["system"] == "engine, graphs" and r["decoder"] != "AR":
+            speed = r["tokens_per_second"] / engine_ar["tokens_per_second"]
+            needed = 0.8 * engine_ar["forwards"] / r["forwards"]
+            verdict = "met" if speed >= needed else "missed"
+            lines.append(f"{r['decoder']}, budget {r['budget']}: DDTree/AR {speed:.2f} vs 0.8 x forwards "
+                         f"ratio {needed:.2f} ({verdict})")
+    return lines
+
+
+def format_report(results: list[dict], header: list, command: str) -> str:
+    lines = ["# Engine benchmark", "", f"Command: `{command}`", ""]
+    lines += [f"- {key}: {value}" for key, value in header]
+    lines += ["", f"{NEW_TOKENS} new tokens after a {PROMPT_TOKENS}-token prompt, block {BLOCK}; median of "
+              f"{REPEATS} runs after a warm-up run (compiled, graphs captured). Forwards: target forwards "
+              f"per run, prefill included.", ""]
+    for result in results:
+        lines += [f"## {result['preset']}", "",
+                  "| system | decoder | budget | tok/s | forwards | tokens per forward |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["runs"]:
+            rate, forwards = r["tokens_per_second"], r["forwards"]
+            lines.append(f"| {r['system']} | {r['decoder']} | {r['budget'] or '-'} | {rate:.0f} | "
+                         f"{forwards} | {NEW_TOKENS / forwards:.2f} |")
+        lines += ["", "Targets:", ""] + [f"- {line}" for line in targets(result)]
+        if "transformers_same_tokens" in result:
+            lines.append(f"- transformers generated the engine's tokens: "
+                         f"{'yes' if result['transformers_same_tokens'] else 'no'}")
+        lines += ["", "Kernel launches: " + ", ".join(f"{k} {v}" for k, v in result["launches"].items()), "",
+                  f"Round split at budget {SPLIT_BUDGET} (µs per round; device phases between CUDA events):",
+                  "",
+                  "| drafter | rounds | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 2) + "|"]
+        for drafter_name, split in result["split"].items():
+            lines.append(f"| {drafter_name} | {split['rounds']} | "
+                         + " | ".join(f"{split[p]:.0f}" for p in PHASES) + " |")
+        if "floor" in result:
+            f = result["floor"]
+            lines += ["", f"AR step: {f['ar_step_us']:.0f} µs; floor {f['floor_us']:.0f} µs "
+                      f"({f['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token at "
+                      f"{f['copy_bandwidth'] / 1e9:.0f} GB/s copy bandwidth measured in this run): "
+                      f"{f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
+                      "| tree nodes | verify µs | distinct experts per MoE layer |", "|---|---|---|"]
+            lines += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['experts_per_layer']:.1f} |"
+                      for row in result["tree_sizes"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench engine",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--out", type=pathlib.Path,
+                        help="write the markdown report here (and a .json beside it)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if device.SIMULATOR:
+        print("error: the engine benchmark needs a GPU (the CUDA simulator's times mean nothing)",
+              file=sys.stderr)
+        return 2
+    names = [n for n in args.presets.split(",") if n]
+    for n in names:
+        preset(n)                                              # unknown names fail before any work
+    peers, missing = load_transformers()
+    if missing:
+        print(f"note: {missing}", file=sys.stderr)
+    log = lambda text: print(text, file=sys.stderr, flush=True)
+    results = [bench_preset(n, args.repeats, peers, log) for n in names]
+    command = "python -m kernels.bench engine " + shlex.join(argv if argv is not None else sys.argv[1:])
+    header = versions()
+    if peers is not None:
+        header.append(("peer", f"torch {peers[0].__version__}, transformers {peers[1].__version__}"))
+    report = format_report(results, header, command)
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
