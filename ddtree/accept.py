@@ -1,11 +1,12 @@
-"""Greedy acceptance: walk the draft tree along the target's own argmax choices.
+"""Acceptance: walk the draft tree along the target's own choices.
 
 Legend (docs/glossary.md): N tree nodes (root included), m accepted nodes (root included).
 
-``posterior[i]`` is the target's argmax after the path root..i. Starting at the root, move to
-the child that carries the target's choice while there is one; siblings carry distinct tokens,
-so there is at most one. The last choice is the bonus token: every committed token is the one
-plain greedy decoding would have produced.
+``posterior[i]`` is the target's choice after the path root..i: its argmax (greedy), its
+position-keyed sample (temperature > 0) or the outcome of rejection sampling at that node
+(``ddtree.sampling``). Starting at the root, move to the child that carries the target's choice
+while there is one; siblings carry distinct tokens, so there is at most one. The last choice is
+the bonus token: every committed token is the one plain AR decoding would have produced.
 """
 
 from __future__ import annotations

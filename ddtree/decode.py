@@ -1,11 +1,14 @@
-"""Greedy decoding: plain autoregressive (AR), and DDTree speculative decoding.
+"""Decoding: plain autoregressive (AR), and DDTree speculative decoding, greedy or sampled.
 
 Legend (docs/glossary.md): V vocab_size, L draft depths (block_size - 1), K candidates per
 depth, B node budget, N tree nodes (root included), m accepted nodes (root included).
 
-Both emit exactly the target's greedy tokens; DDTree needs fewer target forwards. Every option
-is checked before the first forward, and a call that raises leaves ``model.forward_count`` as it
-found it.
+Both emit exactly the target's greedy tokens; DDTree needs fewer target forwards. At a
+temperature T > 0 both sample with position-keyed random numbers (``ddtree.sampling``): the token
+at position p is drawn with the numbers of (seed, p), so DDTree still emits AR's tokens, token
+for token (``verifier="rejection"``: a sampled tree, equal to AR in distribution only). Every
+option is checked before the first forward, and a call that raises leaves ``model.forward_count``
+as it found it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import functools
 
 import numpy as np
 
+from ddtree.sampling import (
+    KeyedRandom,
+    check_sampling_seed,
+    check_temperature,
+    check_verifier,
+    child_tokens,
+    draw_children,
+    rejection_step,
+    sample,
+)
 from ddtree.tree import top_candidates
 
 
@@ -56,13 +69,17 @@ def keeps_forward_count_on_error(decode):
 
 # --8<-- [start:generate_ar]
 @keeps_forward_count_on_error
-def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False):
-    """Greedy AR decoding: prefill the prompt, then one decode forward per new token.
+def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
+                temperature: float = 0.0, seed: int = 0):
+    """AR decoding: prefill the prompt, then one decode forward per new token.
 
     Returns the new tokens (int64); with ``return_logits`` also the logits that chose each.
     ``model.forward_count`` counts the target forwards (1 prefill + max_new_tokens - 1 decodes).
+    Greedy at ``temperature`` 0; otherwise the token at position p is ``sample``d with the
+    random numbers of (``seed``, p).
     """
     prompt = check_prompt(model, prompt, max_new_tokens)
+    temperature, seed = check_temperature(temperature), check_sampling_seed(seed)
     tokens, step_logits = [], []
     if max_new_tokens == 0:
         return (np.zeros(0, np.int64), np.zeros((0, model.config.vocab_size), np.float32)) \
@@ -70,7 +87,10 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False)
     cache = model.new_cache(prompt.size + max_new_tokens)
     logits = model.forward(cache, prompt)[-1]                   # [V] next-token logits
     while True:
-        token = int(model.ops.argmax(logits[None])[0])
+        if temperature == 0:
+            token = int(model.ops.argmax(logits[None])[0])
+        else:
+            token = int(sample(logits[None], [prompt.size + len(tokens)], temperature, seed)[0])
         tokens.append(token)
         step_logits.append(logits)
         if len(tokens) == max_new_tokens:
@@ -152,11 +172,15 @@ def check_drafter(drafter, vocab: int) -> None:
         raise ValueError(f"drafter vocab_size ({drafter_vocab}) must equal the model's vocab_size ({vocab})")
 
 
-def check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk):
+def check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature=0.0,
+                         seed=0, verifier="node"):
     prompt = check_prompt(model, prompt, max_new_tokens)
     check_block_size(block_size, model.config.max_position_embeddings)
     check_budget(budget)
     check_topk(topk)
+    check_temperature(temperature)
+    check_sampling_seed(seed)
+    check_verifier(verifier)
     return prompt
 
 
@@ -188,18 +212,33 @@ def check_draft(logits, depths: int, vocab: int) -> np.ndarray:
 
 
 # --8<-- [start:ddtree_round]
-def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> RoundTrace:
-    """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length."""
+def ddtree_round(model, cache, context, drafter, block_size, budget, topk, temperature=0.0, seed=0,
+                 verifier="node") -> RoundTrace:
+    """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length.
+
+    At ``temperature`` > 0 node i's token for position start + depth + 1 is sampled with that
+    position's numbers; ``verifier="rejection"`` first redraws the children without replacement
+    from the drafter and verifies them by recursive rejection sampling (``ddtree.sampling``)."""
     ops, vocab = model.ops, model.config.vocab_size
     start, root = cache.length, int(context[-1])
     depths = block_size - 1
     draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V]
     top_logprobs, top_ids = top_candidates(draft, candidates_per_depth(budget, topk, vocab))  # [L, K] each
     tree = ops.build_tree(root, top_logprobs, top_ids, budget)
+    rejection = verifier == "rejection" and temperature > 0
+    if rejection:                                                                  # drawn children
+        tree = draw_children(tree, draft, start, temperature, KeyedRandom(seed))
     cache.reserve(tree.size)                                                       # fail before writing
     visible = ops.visibility(tree.parents)                                         # [n+1, n+1]
     logits = model.forward(cache, tree.tokens, positions=start + tree.depths, visible=visible)
-    posterior = ops.argmax(logits)                                                 # [n+1]
+    outcome_positions = start + tree.depths + 1                                    # [n+1] drawn tokens' slots
+    if temperature == 0:
+        posterior = ops.argmax(logits)                                             # [n+1]
+    elif rejection:
+        posterior = rejection_step(logits, outcome_positions, child_tokens(tree), draft, tree.depths,
+                                   temperature, seed)                              # [n+1]
+    else:
+        posterior = sample(logits, outcome_positions, temperature, seed)           # [n+1]
     accepted, bonus = ops.accept(tree, posterior)
     ops.compact(cache, start, accepted)                                            # keep the path
     return RoundTrace(start, tree.tokens, tree.parents, tree.depths, np.asarray(accepted),
@@ -210,15 +249,20 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
 # --8<-- [start:generate_ddtree]
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
-                    budget: int = DEFAULT_BUDGET, topk: int | None = None):
-    """Speculative greedy decoding with draft trees. Returns (new tokens, DDTreeTrace).
+                    budget: int = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
+                    seed: int = 0, verifier: str = "node"):
+    """Speculative decoding with draft trees. Returns (new tokens, DDTreeTrace).
 
-    The tokens equal ``generate_ar``'s for any drafter. The prompt minus its last token is
-    prefilled; the last prompt token is the first round's root. Each round verifies a tree of at
-    most ``budget`` drafted nodes (``topk=1``: a single chain, the DFlash-style baseline) and
-    commits the accepted drafts plus the bonus token: at most ``block_size`` tokens per forward.
+    The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed``, for any drafter
+    (``verifier="rejection"``: in distribution, not token for token). The prompt minus its last
+    token is prefilled; the last prompt token is the first round's root. Each round verifies a
+    tree of at most ``budget`` drafted nodes (``topk=1``: a single chain, the DFlash-style
+    baseline) and commits the accepted drafts plus the bonus token: at most ``block_size`` tokens
+    per forward.
     """
-    prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk)
+    prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
+                                  seed, verifier)
+    temperature = check_temperature(temperature)
     check_drafter(drafter, model.config.vocab_size)
     # the cache holds the committed context (the root excluded) and one tree at a time
     tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
@@ -232,7 +276,8 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     while len(generated) < max_new_tokens:
         # never draft past the request: the round commits at most depths + 1 tokens
         block = min(block_size, max_new_tokens - len(generated))
-        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk)
+        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk, temperature,
+                              seed, verifier)
         new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
         context += new
         generated += new
