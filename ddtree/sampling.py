@@ -271,13 +271,13 @@ def verify_node(logits, draft_logits, children, temperature: float, position: in
     draft = softmax(np.asarray(draft_logits, np.float64) / temperature)         # [V] q_1 = q
     mass, remaining = 1.0, 1.0                      # p_j = residual / mass, q_j = draft / remaining
     for j, child in enumerate(children):
-        if draft[child] <= 0 or remaining <= 0:
-            break                         # q had nothing left to draw: the rest of the children are padding
+        if draft[child] <= 0 or remaining <= 0 or mass <= 0:
+            break                         # q had nothing left to draw (the rest is padding), or p had
         if random.accepts(position, j, residual[child] / mass, draft[child] / remaining):
             return int(child)
         residual = np.maximum(residual / mass - draft / remaining, 0.0)          # [V] p_{j+1}, unnormalised
         remaining -= draft[child]
-        draft[child] = 0.0                                                       # q_{j+1}: x_j drawn already
+        draft[child] = 0.0                               # q_{j+1}: x_j drawn already (p_{j+1}(x_j) = 0)
         mass = residual.sum()
     if mass > 0:
         with np.errstate(divide="ignore"):
