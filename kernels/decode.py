@@ -21,15 +21,20 @@ from ddtree.decode import (
     DEFAULT_BUDGET,
     DDTreeTrace,
     RoundTrace,
+    candidates_per_depth,
     check_ddtree_options,
     check_draft,
+    check_drafter,
     check_prompt,
+    keeps_forward_count_on_error,
+    largest_tree,
 )
 
 __all__ = ["DEFAULT_BUDGET", "DDTreeTrace", "RoundTrace", "ddtree_round", "generate_ar", "generate_ddtree"]
 
 
 # --8<-- [start:generate_ar]
+@keeps_forward_count_on_error
 def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False):
     """Greedy AR decoding on the engine; the same tokens as ``ddtree.decode.generate_ar``.
 
@@ -58,13 +63,14 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
     start, root = cache.length, int(context[-1])
     depths = block_size - 1
     draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V] host
-    k = min(vocab, max(budget, 1) if topk is None else topk)                       # K=min(B, V) loses nothing
+    k = candidates_per_depth(budget, topk, vocab)                                  # K
     accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, root, draft, k, budget)
     return RoundTrace(start, tokens, parents, node_depths, accepted, bonus, int(accepted.size))
 # --8<-- [end:ddtree_round]
 
 
 # --8<-- [start:generate_ddtree]
+@keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
                     budget: int = DEFAULT_BUDGET, topk: int | None = None):
     """Speculative greedy decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
@@ -74,7 +80,9 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk)
     model.check_budget(budget)
-    cache = model.new_cache(prompt.size + max_new_tokens)
+    check_drafter(drafter, model.config.vocab_size)
+    tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
+    cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
     trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
     if prompt.size > 1:
         model.prefill(cache, prompt[:-1], emit_token=False)

@@ -43,6 +43,7 @@ from ddtree.kv_cache import CacheOverflowError, LatentKVCache
 from ddtree.model import LATENT_NORM_EPS
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
+from ddtree.weights import check_weights
 from kernels.accept import accept_batch
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
@@ -350,6 +351,7 @@ class Transformer:
         if max_tree_nodes * config.num_experts_per_tok > MAX_PAIRS:
             raise ValueError(f"max_tree_nodes * num_experts_per_tok must be <= {MAX_PAIRS} (the expert "
                              f"kernels' shared memory), got {max_tree_nodes} * {config.num_experts_per_tok}")
+        check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
@@ -505,12 +507,13 @@ class Transformer:
     # host-side entry points
 
     def new_cache(self, capacity: int | None = None) -> DeviceCache:
-        """Empty the engine's device cache and return it (the engine owns exactly one)."""
-        limit = self.config.max_position_embeddings
+        """Empty the engine's device cache and return it (the engine owns exactly one, allocated
+        for the whole context plus a bucket; ``capacity`` is checked against it)."""
+        limit = self.cache.capacity
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer))
                                      or not 1 <= capacity <= limit):
-            raise ValueError(f"capacity must be an integer in [1, max_position_embeddings={limit}], "
-                             f"got {capacity!r}")
+            raise ValueError(f"capacity must be an integer in [1, {limit}] (max_position_embeddings + "
+                             f"max_tree_nodes), got {capacity!r}")
         self.cache.length = 0
         self.graphs.upload(np.zeros(3, np.int64), self.buffers.state)
         self.device_root = None

@@ -4,9 +4,11 @@ Every figure side by side, measured in one run on one machine:
 
 - tokens/s of AR and of DDTree (each drafter, block 8, budgets 16/32/64) for the engine with
   CUDA graphs, the same engine with graphs off (the same buckets and kernels, launched from
-  Python), the numpy reference on the CPU (tiny and tiny-b), and transformers'
-  ``DeepseekV3ForCausalLM`` (eager, fp32, TF32 off) ``generate`` on the same GPU from the
-  project's own checkpoint (skipped with a message when transformers is not installed);
+  Python; DDTree at budget 32 only: with every launch from Python a run takes seconds), the
+  numpy reference on the CPU (tiny and tiny-b; one worker process per configuration, before the
+  GPU part), and transformers' ``DeepseekV3ForCausalLM`` (eager, fp32, TF32 off) ``generate``
+  on the same GPU from the project's own checkpoint (skipped with a message when transformers
+  is not installed);
 - target forwards per run (prefill included in both decoders), kernel launches per forward;
 - each round's time split: draft (the drafter on the host), top-k, build, verify, accept, compact
   (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
@@ -117,10 +119,11 @@ def ar_runs(system: str, generate, model, prompt, repeats: int) -> Run:
     return Run(system, "AR", None, rate, forwards)
 
 
-def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int) -> list[Run]:
+def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int,
+                budgets=BUDGETS) -> list[Run]:
     runs = []
     for drafter_name in DRAFTERS:
-        for budget in BUDGETS:
+        for budget in budgets:
             run = functools.partial(ddtree_run, system, generate, model, prompt, continuation, drafter_name,
                                     budget)
             trace = run()                                                 # warm-up: compile, capture
@@ -137,6 +140,47 @@ def ddtree_run(system, generate, model, prompt, continuation, drafter_name, budg
     if not np.array_equal(tokens, continuation):
         raise AssertionError(f"{system} DDTree[{drafter_name}, budget {budget}] != AR")
     return trace
+
+
+def numpy_task(task) -> dict:
+    """One numpy measurement (run in a worker process): AR, or DDTree with one drafter and budget."""
+    name, decoder, budget, repeats = task
+    config = preset(name)
+    model = ReferenceTransformer(config, init_weights(config, golden.WEIGHT_SEED))
+    prompt = prompt_for(name, config)
+    continuation = reference_decode.generate_ar(model, prompt, NEW_TOKENS)
+    if decoder == "AR":
+        run = ar_runs("numpy (CPU)", reference_decode.generate_ar, model, prompt, repeats)
+    else:
+        drafter_name = decoder.split()[1]
+        run = functools.partial(ddtree_run, "numpy (CPU)", reference_decode.generate_ddtree, model, prompt,
+                                continuation, drafter_name, budget)
+        trace = run()
+        run = Run("numpy (CPU)", decoder, budget, median_rate(run, NEW_TOKENS, repeats),
+                  trace.prefill_forwards + trace.verify_forwards)
+    return {"preset": name, "run": dataclasses.asdict(run), "tokens": continuation.tolist()}
+
+
+def numpy_runs(names, repeats: int, log) -> dict[str, list]:
+    """The numpy reference on the CPU for every host preset, its measurements in parallel worker
+    processes (one per configuration; started before the GPU is touched), so they cost the run
+    seconds, not minutes. Each worker is single-threaded, as the reference is."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    tasks = [(name, "AR", None, repeats) for name in names]
+    tasks += [(name, f"DDTree {drafter}", budget, repeats) for name in names for drafter in DRAFTERS
+              for budget in BUDGETS]
+    workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 2))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        results = list(pool.map(numpy_task, tasks))
+    log(f"numpy: {len(tasks)} measurements on {workers} worker processes")
+    by_preset = {name: [] for name in names}
+    for result in results:
+        by_preset[result["preset"]].append(result)
+    return by_preset
 
 
 def launches_per_forward(model, prompt) -> dict[str, int]:
@@ -260,7 +304,13 @@ def host_weights(weights: dict) -> dict:
     return {name: w if isinstance(w, np.ndarray) else w.copy_to_host() for name, w in weights.items()}
 
 
-def bench_preset(name: str, repeats: int, peers, log) -> dict:
+def log_runs(runs, log) -> None:
+    for r in runs:
+        log(f"  {r.system:18s} {r.decoder:14s} budget {r.budget or '-':>3}: "
+            f"{r.tokens_per_second:8.0f} tok/s, {r.forwards} forwards")
+
+
+def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> dict:
     from kernels.model import Transformer
     from kernels.weights import init_weights as device_init_weights
 
@@ -278,42 +328,39 @@ def bench_preset(name: str, repeats: int, peers, log) -> dict:
     result = {"preset": name, "weights_seconds": made, "runs": []}
 
     continuation = engine_decode.generate_ar(model, prompt, NEW_TOKENS)
-    for graphs in (True, False):
-        model.graphs.enabled = graphs
-        system = "engine, graphs" if graphs else "engine, no graphs"
-        result["runs"].append(ar_runs(system, engine_decode.generate_ar, model, prompt, repeats))
-        result["runs"] += ddtree_runs(system, engine_decode.generate_ddtree, model, prompt, continuation,
-                                      repeats)
-        log(f"  {system}: done")
+    runs = [ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats)]
+    runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats)
+    log_runs(runs, log)
+    model.graphs.enabled = False                  # the same buckets and kernels, launched from Python
+    off = [ar_runs("engine, no graphs", engine_decode.generate_ar, model, prompt, repeats)]
+    off += ddtree_runs("engine, no graphs", engine_decode.generate_ddtree, model, prompt, continuation,
+                       repeats, budgets=(SPLIT_BUDGET,))
     model.graphs.enabled = True
+    log_runs(off, log)
+    runs += off
     result["launches"] = launches_per_forward(model, prompt)
     result["split"] = round_split(model, prompt, continuation)
-    if name in HOST_PRESETS:
-        reference = ReferenceTransformer(config, weights)
-        if not np.array_equal(reference_decode.generate_ar(reference, prompt, NEW_TOKENS), continuation):
+    log(f"  launches {result['launches']}; split {result['split']}")
+    for measured in numpy_results:
+        if measured["run"]["decoder"] == "AR" and measured["tokens"] != continuation.tolist():
             raise AssertionError(f"{name}: the engine's AR tokens differ from numpy's")
-        result["runs"].append(ar_runs("numpy (CPU)", reference_decode.generate_ar, reference, prompt,
-                                      repeats))
-        result["runs"] += ddtree_runs("numpy (CPU)", reference_decode.generate_ddtree, reference, prompt,
-                                      continuation, repeats)
-        log("  numpy: done")
-    else:
+        runs.append(Run(**measured["run"]))
+    if name not in HOST_PRESETS:
         copy_seconds = measure_copy(1 << 30, quick=False)
         bandwidth = 2 * (1 << 30) / copy_seconds
         floor = weight_bytes_per_token(config) / bandwidth
-        ar_rate = next(r.tokens_per_second for r in result["runs"]
-                       if r.system == "engine, graphs" and r.decoder == "AR")
+        ar_rate = runs[0].tokens_per_second
         result["floor"] = {"copy_bandwidth": bandwidth, "floor_us": 1e6 * floor, "ar_step_us": 1e6 / ar_rate,
                            "weight_bytes_per_token": weight_bytes_per_token(config)}
         result["tree_sizes"] = tree_size_sweep(model, prompt)
-        log("  floor and tree sizes: done")
+        log(f"  floor {result['floor']}; tree sizes {result['tree_sizes']}")
+    result["runs"] = [dataclasses.asdict(r) for r in runs]
+    del model
     if peers is not None:
         rate, same = transformers_rate(peers, config, host_weights(weights), prompt, continuation, repeats)
-        result["runs"].append(Run("transformers eager", "AR", None, rate, NEW_TOKENS))
+        result["runs"].append(dataclasses.asdict(Run("transformers eager", "AR", None, rate, NEW_TOKENS)))
         result["transformers_same_tokens"] = same
-        log(f"  transformers: {rate:.0f} tok/s")
-    result["runs"] = [dataclasses.asdict(r) for r in result["runs"]]
-    del model
+        log(f"  transformers: {rate:.0f} tok/s (same tokens: {same})")
     return result
 
 
@@ -395,20 +442,24 @@ def main(argv=None) -> int:
     names = [n for n in args.presets.split(",") if n]
     for n in names:
         preset(n)                                              # unknown names fail before any work
+    log = lambda text: print(text, file=sys.stderr, flush=True)
+    numpy_results = numpy_runs([n for n in names if n in HOST_PRESETS], args.repeats, log)
     peers, missing = load_transformers()
     if missing:
-        print(f"note: {missing}", file=sys.stderr)
-    log = lambda text: print(text, file=sys.stderr, flush=True)
-    results = [bench_preset(n, args.repeats, peers, log) for n in names]
+        log(f"note: {missing}")
     command = "python -m kernels.bench engine " + shlex.join(argv if argv is not None else sys.argv[1:])
     header = versions()
     if peers is not None:
         header.append(("peer", f"torch {peers[0].__version__}, transformers {peers[1].__version__}"))
-    report = format_report(results, header, command)
+    results = []
+    for n in names:                               # the report is rewritten after every preset
+        results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log))
+        report = format_report(results, header, command)
+        if args.out:
+            args.out.write_text(report)
+            args.out.with_suffix(".json").write_text(json.dumps({"header": header, "results": results},
+                                                                indent=1))
     print(report)
-    if args.out:
-        args.out.write_text(report)
-        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "results": results}, indent=1))
     return 0
 
 
