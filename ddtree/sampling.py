@@ -38,6 +38,9 @@ the target's distribution exactly, but they are not AR's tokens for the same see
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import numpy as np
 
 from ddtree import linear
@@ -250,6 +253,23 @@ def outcomes(run):
         script[-1] += 1
 
 
+def committed_distribution(round_outcomes, root: int, horizon: int) -> dict:
+    """P(the first ``horizon`` committed tokens) from ``root``, over as many rounds as it takes:
+    ``round_outcomes(last)`` lists one round's (committed tokens, probability) from the root
+    ``last`` (``outcomes`` of a round whose target and drafter depend on the last token only)."""
+    @functools.cache
+    def ahead(last: int, remaining: int) -> dict:
+        result = collections.defaultdict(float)
+        for tokens, probability in round_outcomes(last):
+            if len(tokens) >= remaining:
+                result[tokens[:remaining]] += probability
+            else:                                     # the next round starts from the bonus
+                for rest, p in ahead(tokens[-1], remaining - len(tokens)).items():
+                    result[tokens + rest] += probability * p
+        return dict(result)
+    return ahead(root, horizon)
+
+
 # ----------------------------------------------------------------------------------------------
 # the sampled tree and its verification
 
@@ -272,7 +292,7 @@ def verify_node(logits, draft_logits, children, temperature: float, position: in
     mass, remaining = 1.0, 1.0                      # p_j = residual / mass, q_j = draft / remaining
     for j, child in enumerate(children):
         if draft[child] <= 0 or remaining <= 0 or mass <= 0:
-            break                         # q had nothing left to draw (the rest is padding), or p had
+            break                         # q or p has nothing left: the rest of the children are padding
         if random.accepts(position, j, residual[child] / mass, draft[child] / remaining):
             return int(child)
         residual = np.maximum(residual / mass - draft / remaining, 0.0)          # [V] p_{j+1}, unnormalised

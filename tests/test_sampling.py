@@ -2,7 +2,6 @@
 AR token for token at any temperature and seed, and the sampled tree's rejection sampling, exact
 in distribution (every outcome enumerated, no statistical test)."""
 
-import collections
 import functools
 import itertools
 
@@ -224,22 +223,6 @@ def sampled_round(random, target, drafter, last, block_size, budget, topk, tempe
     return tuple(int(t) for t in tree.tokens[accepted[1:]]) + (bonus,)
 
 
-def committed_distribution(round_outcomes, horizon: int) -> dict:
-    """P(first ``horizon`` committed tokens) over as many rounds as it takes, from each round's
-    enumerated outcomes (a round depends on the last token only)."""
-    @functools.cache
-    def from_token(last, remaining):
-        result = collections.defaultdict(float)
-        for tokens, probability in round_outcomes(last):
-            if len(tokens) >= remaining:
-                result[tokens[:remaining]] += probability
-            else:
-                for rest, p in from_token(tokens[-1], remaining - len(tokens)).items():
-                    result[tokens + rest] += probability * p
-        return dict(result)
-    return from_token
-
-
 @pytest.mark.parametrize("block_size, budget, topk", [(3, 3, 2), (2, 3, 3), (4, 3, 1), (3, 5, 3), (2, 4, 4)])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("holes", [False, True])
@@ -257,7 +240,7 @@ def test_rejection_sampling_commits_the_targets_distribution_exactly(block_size,
         return outcomes
 
     root = 1
-    got = committed_distribution(round_outcomes, horizon)(root, horizon)
+    got = sampling.committed_distribution(round_outcomes, root, horizon)
     step = {last: sampling.softmax(target[last].astype(np.float64) / temperature) for last in range(vocab)}
     for sequence in itertools.product(range(vocab), repeat=horizon):
         previous = (root,) + sequence[:-1]
