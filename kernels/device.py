@@ -34,13 +34,20 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ:
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from kernels.blocks import blocks  # noqa: E402
+from kernels.blocks import MAX_TPB, blocks, pow2_threads  # noqa: E402
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 if SIMULATOR:
     # every simulated CUDA thread is a Python thread: shorter switch intervals make
     # barrier-heavy kernels about 3x faster in the simulator
     sys.setswitchinterval(5e-4)
+
+
+def reduction_threads(count: int) -> int:
+    """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``): at most 32
+    threads in the simulator, where every idle thread is a Python thread waiting at every barrier.
+    The block size changes the order of a sum, never which rows it depends on."""
+    return pow2_threads(count, 32 if SIMULATOR else MAX_TPB)
 
 
 def where() -> str:

@@ -47,6 +47,7 @@ from kernels.device import (
     host_or_device,
     is_device_array,
     output,
+    reduction_threads,
     to_device,
 )
 
@@ -59,6 +60,12 @@ ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in register
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
 COLUMNS_PER_BLOCK = 8 if SIMULATOR else 1
+
+
+def row_passes(rows: int) -> int:
+    """Blocks along the rows for the "rows" kernels: one per pass of ROWS_PER_PASS rows on a GPU
+    (a tree verify then takes about as long as a decode step); one in the simulator."""
+    return 1 if SIMULATOR else blocks(rows, ROWS_PER_PASS)
 F32, I64 = 4, 8
 
 
@@ -132,15 +139,17 @@ def rows_kernel(threads: int):
 
     @cuda.jit
     def kernel(x, weight, out):
-        # one block = output column(s) n for every row t (T, Dout); one thread = k = tid, tid + TPB,
-        # ... of each dot product, ROWS_PER_PASS rows at a time (the W row stays in L1 while the
-        # block walks the rows); shared memory: ROWS_PER_PASS x TPB float32 partial sums, one tree
-        # per row: thread partials in k order, then block_sum's tree, as gemv_kernel, for any T
+        # one block = output column(s) n (blockIdx.x) for the passes of ROWS_PER_PASS rows
+        # blockIdx.y, blockIdx.y + gridDim.y, ...; one thread = k = tid, tid + TPB, ... of each dot
+        # product (the W row stays in L1 while the block walks its rows); shared memory:
+        # ROWS_PER_PASS x TPB float32 partial sums, one tree per row: thread partials in k order,
+        # then block_sum's tree, as gemv_kernel. A row's sum never depends on the rows beside it,
+        # nor on how the passes are spread over blocks.
         partial = cuda.shared.array((ROWS_PER_PASS, threads), float32)
         acc = cuda.local.array(ROWS_PER_PASS, float32)
         first = cuda.blockIdx.x * COLUMNS_PER_BLOCK
         for n in range(first, min(first + COLUMNS_PER_BLOCK, weight.shape[0])):
-            for t0 in range(0, x.shape[0], ROWS_PER_PASS):
+            for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, x.shape[0], cuda.gridDim.y * ROWS_PER_PASS):
                 rows_pass(x, weight, out, n, t0, partial, acc)
 
     return kernel
@@ -212,14 +221,15 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
     if rows > 0 and outputs > 0:
         d_weight, d_y = to_device(weight, np.float32), as_rows(d_out, "out")   # [Dout, Din], [T, Dout]
         version = version or pick_version(rows)
-        threads = threads or pow2_threads(depth)
+        threads = threads or (reduction_threads(depth) if version == "rows" else pow2_threads(depth))
         if version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
         elif version == "gemv":
             gemv_kernel(threads)[outputs * rows, threads, stream](d_x, d_weight, d_y)
         else:
-            rows_kernel(threads)[blocks(outputs, COLUMNS_PER_BLOCK), threads, stream](d_x, d_weight, d_y)
+            grid = (blocks(outputs, COLUMNS_PER_BLOCK), row_passes(rows))
+            rows_kernel(threads)[grid, threads, stream](d_x, d_weight, d_y)
     return deliver(d_out, out, x, weight)
 # --8<-- [end:linear]
 

@@ -61,13 +61,14 @@ from kernels.device import (
     is_device_array,
     output,
     poisoned,
+    reduction_threads,
     to_device,
 )
 from kernels.linear import linear
 
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
-MAX_PAIRS = 1024        # expert_down_kernel keeps T * k dot products of one feature in shared memory
 PAIRS_PER_PASS = 8      # (token, slot) pairs whose partial sums a thread keeps in registers at once
+                        # (expert_down_kernel: one token's k slots, so k <= PAIRS_PER_PASS)
 # features per block of the expert kernels: one on a GPU (parallelism); several in the simulator,
 # where every block costs Python threads. Each output's sum is the same either way.
 FEATURES_PER_BLOCK = 8 if SIMULATOR else 1
@@ -219,16 +220,18 @@ def expert_hidden_kernel(threads: int):
     @cuda.jit
     def kernel(x, gate_proj, up_proj, ids, hidden):
         # hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j]
-        # one block = feature f for every (token, slot) pair, PAIRS_PER_PASS pairs at a time; one
-        # thread = d = tid, tid + TPB, ... of the pair's two dot products (coalesced weight rows);
+        # one block = feature f (blockIdx.x) for the passes of PAIRS_PER_PASS (token, slot) pairs
+        # blockIdx.y, blockIdx.y + gridDim.y, ...; one thread = d = tid, tid + TPB, ... of the
+        # pair's two dot products (coalesced weight rows);
         # shared memory: 2 x PAIRS_PER_PASS x TPB partial sums, one tree per pair and product
         gate_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
         up_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
         gate_acc = cuda.local.array(PAIRS_PER_PASS, float32)
         up_acc = cuda.local.array(PAIRS_PER_PASS, float32)
         first = cuda.blockIdx.x * FEATURES_PER_BLOCK
+        pairs = ids.shape[0] * ids.shape[1]
         for f in range(first, min(first + FEATURES_PER_BLOCK, hidden.shape[2])):
-            for p0 in range(0, ids.shape[0] * ids.shape[1], PAIRS_PER_PASS):
+            for p0 in range(cuda.blockIdx.y * PAIRS_PER_PASS, pairs, cuda.gridDim.y * PAIRS_PER_PASS):
                 _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_partial,
                              gate_acc, up_acc)
 
@@ -284,48 +287,39 @@ def expert_down_kernel(threads: int):
     @cuda.jit
     def kernel(hidden, down_proj, ids, weights, accumulate, out):
         # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j])
-        # one block = output feature d for every token: the (token, slot) dot products run
-        # PAIRS_PER_PASS at a time as in expert_hidden_kernel and land in shared memory (dots);
-        # then thread t adds its token's slots in slot order: one writer per element, no atomics
+        # one block = output feature d (blockIdx.x) for tokens blockIdx.y, blockIdx.y + gridDim.y,
+        # ...: a token's k (slot) dot products in one pass as in expert_hidden_kernel, then
+        # thread 0 adds them in slot order: one writer per element, no atomics
         partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
-        dots = cuda.shared.array(MAX_PAIRS, float32)
         acc = cuda.local.array(PAIRS_PER_PASS, float32)
-        tid = cuda.threadIdx.x
-        tokens, slots = ids.shape
         first = cuda.blockIdx.x * FEATURES_PER_BLOCK
         for d in range(first, min(first + FEATURES_PER_BLOCK, out.shape[1])):
-            for p0 in range(0, tokens * slots, PAIRS_PER_PASS):
-                _down_pass(hidden, down_proj, ids, d, p0, partial, acc, dots)
-            for token in range(tid, tokens, threads):
-                total = out[token, d] if accumulate else float32(0.0)
-                for slot in range(slots):
-                    total += weights[token, slot] * dots[token * slots + slot]
-                out[token, d] = total
-            cuda.syncthreads()               # dots is rewritten for the next feature
+            for token in range(cuda.blockIdx.y, ids.shape[0], cuda.gridDim.y):
+                _down_token(hidden, down_proj, ids, weights, accumulate, out, d, token, partial, acc)
 
     return kernel
 
 
 @cuda.jit(device=True)
-def _down_pass(hidden, down_proj, ids, d, p0, partial, acc, dots):
-    """dots[pair] = down_e[d] . hidden[pair] for pairs p0 .. p0 + PAIRS_PER_PASS - 1."""
+def _down_token(hidden, down_proj, ids, weights, accumulate, out, d, token, partial, acc):
+    """out[token, d]: the token's slots' dot products (a tree each), added in slot order."""
     tid = cuda.threadIdx.x
     slots = ids.shape[1]
-    pairs = min(PAIRS_PER_PASS, ids.shape[0] * slots - p0)
     for r in range(PAIRS_PER_PASS):
         acc[r] = float32(0.0)
-    for r in range(pairs):
-        token = (p0 + r) // slots
-        slot = (p0 + r) % slots
-        expert = ids[token, slot]
+    for r in range(slots):
+        expert = ids[token, r]
         for f in range(tid, hidden.shape[2], cuda.blockDim.x):
-            acc[r] += down_proj[expert, d, f] * hidden[token, slot, f]
+            acc[r] += down_proj[expert, d, f] * hidden[token, r, f]
     for r in range(PAIRS_PER_PASS):
         partial[r, tid] = acc[r]
     _pair_sums(partial)
-    if tid < pairs:
-        dots[p0 + tid] = partial[tid, 0]
-    cuda.syncthreads()
+    if tid == 0:
+        total = out[token, d] if accumulate else float32(0.0)
+        for r in range(slots):
+            total += weights[token, r] * partial[r, 0]
+        out[token, d] = total
+    cuda.syncthreads()                       # the partials are rewritten for the next token
 # --8<-- [end:expert_down_kernel]
 
 
@@ -375,13 +369,14 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
 
 def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, hidden, out, accumulate, stream) -> None:
     """Both expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F), ids (T, k)."""
-    features, width = gate_proj.shape[1], out.shape[1]
-    threads = pow2_threads(width)
-    expert_hidden_kernel(threads)[blocks(features, FEATURES_PER_BLOCK), threads, stream](
-        x, gate_proj, up_proj, ids, hidden)
-    threads = pow2_threads(features)
-    expert_down_kernel(threads)[blocks(width, FEATURES_PER_BLOCK), threads, stream](
-        hidden, down_proj, ids, weights, accumulate, out)
+    (rows, slots), features, width = ids.shape, gate_proj.shape[1], out.shape[1]
+    spread = 1 if SIMULATOR else 0        # the simulator: one block walks all rows (fewer threads)
+    threads = reduction_threads(width)
+    grid = (blocks(features, FEATURES_PER_BLOCK), spread or blocks(rows * slots, PAIRS_PER_PASS))
+    expert_hidden_kernel(threads)[grid, threads, stream](x, gate_proj, up_proj, ids, hidden)
+    threads = reduction_threads(features)
+    grid = (blocks(width, FEATURES_PER_BLOCK), spread or rows)
+    expert_down_kernel(threads)[grid, threads, stream](hidden, down_proj, ids, weights, accumulate, out)
 
 
 def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, accumulate, stream) -> None:
@@ -400,10 +395,10 @@ def _check_router_limits(config: ModelConfig, threads) -> None:
         check_threads(threads, MAX_TPB)
 
 
-def _check_pairs(pairs: int) -> None:
-    if pairs > MAX_PAIRS:
-        raise ValueError(f"T * k (token, expert) pairs must be <= {MAX_PAIRS} (expert_down_kernel keeps "
-                         f"them in shared memory), got {pairs}")
+def _check_slots(slots: int) -> None:
+    if slots > PAIRS_PER_PASS:
+        raise ValueError(f"num_experts_per_tok must be <= {PAIRS_PER_PASS} (expert_down_kernel adds a "
+                         f"token's slots in one pass), got {slots}")
 
 
 def _check_scratch(scratch, name: str, **expected) -> None:
@@ -458,7 +453,6 @@ def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None):
     x, gate_proj, up_proj, down_proj = (host_or_device(a, np.float32)
                                         for a in (x, gate_proj, up_proj, down_proj))
     reference.check_swiglu(x, gate_proj, up_proj, down_proj)
-    _check_pairs(x.shape[0])
     check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
     check_out(out, x.shape)
     if scratch is not None:
@@ -512,7 +506,7 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
     x = host_or_device(x, np.float32)
     reference.check_moe(x, params, config)
     _check_router_limits(config, None)
-    _check_pairs(x.shape[0] * config.num_experts_per_tok)
+    _check_slots(config.num_experts_per_tok)
     check_float32(x=x, **_arrays(params))
     check_out(out, x.shape)
     if scratch is not None:
