@@ -31,6 +31,7 @@ class Graphs:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and not SIMULATOR
         self.captured: dict[Hashable, object] = {}
+        self.marks: list = []                     # CUDA events of run_timed
         if SIMULATOR:
             self.stream = 0                       # the simulator's only stream
             self.copy_stream = 0
@@ -43,6 +44,7 @@ class Graphs:
             # the same stream, wrapped for numba's host <-> device copies
             self.copy_stream = cuda.external_stream(int(self.stream.handle))
 
+    # --8<-- [start:run]
     def run(self, key: Hashable, sequence: Callable[[object], None]) -> None:
         """Launch ``sequence``'s kernels: replay its graph (captured on first use) or launch directly."""
         if not self.enabled:
@@ -59,6 +61,7 @@ class Graphs:
             self.captured[key] = graph
             return                                # the direct run above did the work once
         graph.launch(self.stream)
+    # --8<-- [end:run]
 
     def run_timed(self, key: Hashable, phases) -> dict[str, float]:
         """Run named phases [(name, sequence), ...] as ``run`` would, each as its own graph, with a
@@ -70,11 +73,14 @@ class Graphs:
             raise RuntimeError("phase timing needs a GPU (the simulator has no events)")
         from cuda.core import EventOptions
 
-        timing = EventOptions(timing_enabled=True)
-        marks = [self.stream.record(options=timing)]
-        for name, sequence in phases:
+        if len(self.marks) < len(phases) + 1:      # events made once, recorded again every round
+            timing = EventOptions(timing_enabled=True)
+            self.marks = [self.stream.device.create_event(options=timing) for _ in range(len(phases) + 1)]
+        marks = self.marks[:len(phases) + 1]
+        self.stream.record(marks[0])
+        for mark, (name, sequence) in zip(marks[1:], phases, strict=True):
             self.run((key, name), sequence)
-            marks.append(self.stream.record(options=timing))
+            self.stream.record(mark)
         marks[-1].sync()
         return {name: (marks[i + 1] - marks[i]) / 1e3 for i, (name, _) in enumerate(phases)}
 

@@ -34,6 +34,7 @@ the residual additions are their own launches (``add_kernel``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 from numba import cuda
@@ -51,7 +52,7 @@ from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact, write_rows
 from kernels.linear import argmax, embed, linear
 from kernels.mla import absorb_output, absorb_query, attention_paths
-from kernels.moe import MAX_PAIRS, DenseScratch, MoEScratch, dense_scratch, moe, swiglu
+from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
 from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
@@ -348,9 +349,6 @@ class Transformer:
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
-        if max_tree_nodes * config.num_experts_per_tok > MAX_PAIRS:
-            raise ValueError(f"max_tree_nodes * num_experts_per_tok must be <= {MAX_PAIRS} (the expert "
-                             f"kernels' shared memory), got {max_tree_nodes} * {config.num_experts_per_tok}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
@@ -375,6 +373,14 @@ class Transformer:
         self.device_root = None       # the root token the device holds (the last round's bonus)
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
+        self.made = {}                # launch sequences and buffer views by key, made once
+
+    def cached(self, key, make):
+        """``make()`` the first time ``key`` is asked for, the same object after: the views and
+        launch sequences of a step are built once, not every step (numba's slicing is host work)."""
+        if key not in self.made:
+            self.made[key] = make()
+        return self.made[key]
 
     # --8<-- [start:forward_rows]
     def forward_rows(self, stream, rows: int) -> None:
@@ -495,9 +501,8 @@ class Transformer:
                 ("compact", compact)]
     # --8<-- [end:round_phases]
 
-    def round_sequence(self, rows: int, depths: int, k: int, budget: int):
-        phases = self.round_phases(rows, depths, k, budget)
-
+    def round_sequence(self, phases):
+        """The round's phases as one launch sequence (one graph)."""
         def sequence(stream):
             for _, launch in phases:
                 launch(stream)
@@ -558,7 +563,8 @@ class Transformer:
             host_rows = np.zeros(self.max_rows + 1, np.int64)
             host_rows[0], host_rows[1:1 + chunk.size] = chunk.size, chunk
             self.graphs.upload(host_rows, self.buffers.host_rows)
-            self.graphs.run(("prompt", rows, emit), self.prompt_sequence(rows, emit))
+            key = ("prompt", rows, emit)
+            self.graphs.run(key, self.cached(key, functools.partial(self.prompt_sequence, rows, emit)))
             cache.length += chunk.size
             self.forward_count += 1
             if return_logits:
@@ -576,7 +582,7 @@ class Transformer:
     def ar_step(self, cache: DeviceCache) -> None:
         """One AR decode step on the device: the previous token in, the next one out."""
         self._reserve(cache, 1)
-        self.graphs.run(("ar",), self.ar_step_sequence())
+        self.graphs.run(("ar",), self.cached(("ar",), self.ar_step_sequence))
         cache.length += 1
         self.forward_count += 1
 
@@ -596,15 +602,17 @@ class Transformer:
         if self.device_root != root:
             self.graphs.upload(np.array([root], np.int64), self.buffers.root)
         if depths:
-            self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), self.buffers.draft[:depths])
+            draft_rows = self.cached(("draft", depths), lambda: self.buffers.draft[:depths])
+            self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), draft_rows)
         key = ("round", rows, depths, k, budget)
+        phases = self.cached(("phases", *key), lambda: self.round_phases(rows, depths, k, budget))
         if self.round_timings is None:
-            self.graphs.run(key, self.round_sequence(rows, depths, k, budget))
+            self.graphs.run(key, self.cached(key, lambda: self.round_sequence(phases)))
         else:
-            phases = self.round_phases(rows, depths, k, budget)
             for phase, seconds in self.graphs.run_timed(key, phases).items():
                 self.round_timings[phase] = self.round_timings.get(phase, 0.0) + seconds
-        record = self.graphs.download(self.buffers.record[:3 + 4 * rows])
+        record_view = self.cached(("record", rows), lambda: self.buffers.record[:3 + 4 * rows])
+        record = self.graphs.download(record_view)
         self.forward_count += 1
         kept, bonus, size = int(record[0]), int(record[1]), int(record[2])
         accepted, tokens, parents, node_depths = (field[:size] for field in record[3:].reshape(4, rows))

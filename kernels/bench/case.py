@@ -23,7 +23,7 @@ from ddtree.tree import DraftTree, build_tree
 from kernels.blocks import blocks
 from kernels.device import SIMULATOR
 
-KERNEL_MODULES = ("rmsnorm", "rope", "linear", "mla", "moe", "tree", "accept", "kv_cache")
+KERNEL_MODULES = ("rmsnorm", "rope", "linear", "mla", "moe", "tree", "accept", "kv_cache", "sampling")
 DRAFTER_SHARPNESS = 4.0         # random drafter logits ~ N(0, 4^2): peaked, deep trees like a real drafter
 
 

@@ -63,14 +63,15 @@ DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for t
 PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "host")
 
 
-def median_rate(run, tokens: int, repeats: int) -> float:
-    """Median tokens/s of ``repeats`` calls of ``run`` (wall clock; run waits for its result)."""
-    seconds = []
+def median_rate(run, tokens: int, repeats: int):
+    """(median tokens/s of ``repeats`` calls of ``run``, the last call's result); wall clock, and
+    ``run`` waits for its result. Warm-up calls, where one is needed, come before."""
+    seconds, result = [], None
     for _ in range(repeats):
         begin = time.perf_counter()
-        run()
+        result = run()
         seconds.append(time.perf_counter() - begin)
-    return tokens / statistics.median(seconds)
+    return tokens / statistics.median(seconds), result
 
 
 def prompt_for(name: str, config: ModelConfig) -> np.ndarray:
@@ -111,23 +112,27 @@ class Run:
     forwards: int          # target forwards per run, prefill included
 
 
-def ar_runs(system: str, generate, model, prompt, repeats: int) -> Run:
-    before = model.forward_count
-    generate(model, prompt, NEW_TOKENS)
-    forwards = model.forward_count - before
-    rate = median_rate(lambda: generate(model, prompt, NEW_TOKENS), NEW_TOKENS, repeats)
+def ar_runs(system: str, generate, model, prompt, repeats: int, warm_up: bool) -> Run:
+    def run():
+        before = model.forward_count
+        generate(model, prompt, NEW_TOKENS)
+        return model.forward_count - before
+    if warm_up:
+        run()                                                             # compile, capture
+    rate, forwards = median_rate(run, NEW_TOKENS, repeats)
     return Run(system, "AR", None, rate, forwards)
 
 
-def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int,
-                budgets=BUDGETS) -> list[Run]:
+def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int, warm_up: bool,
+                drafters=DRAFTERS, budgets=BUDGETS) -> list[Run]:
     runs = []
-    for drafter_name in DRAFTERS:
+    for drafter_name in drafters:
         for budget in budgets:
             run = functools.partial(ddtree_run, system, generate, model, prompt, continuation, drafter_name,
                                     budget)
-            trace = run()                                                 # warm-up: compile, capture
-            rate = median_rate(run, NEW_TOKENS, repeats)
+            if warm_up:
+                run()                                                     # compile, capture
+            rate, trace = median_rate(run, NEW_TOKENS, repeats)
             runs.append(Run(system, f"DDTree {drafter_name}", budget, rate,
                             trace.prefill_forwards + trace.verify_forwards))
     return runs
@@ -149,15 +154,11 @@ def numpy_task(task) -> dict:
     model = ReferenceTransformer(config, init_weights(config, golden.WEIGHT_SEED))
     prompt = prompt_for(name, config)
     continuation = reference_decode.generate_ar(model, prompt, NEW_TOKENS)
-    if decoder == "AR":
-        run = ar_runs("numpy (CPU)", reference_decode.generate_ar, model, prompt, repeats)
+    if decoder == "AR":                            # numpy compiles nothing: no warm-up
+        run = ar_runs("numpy (CPU)", reference_decode.generate_ar, model, prompt, repeats, warm_up=False)
     else:
-        drafter_name = decoder.split()[1]
-        run = functools.partial(ddtree_run, "numpy (CPU)", reference_decode.generate_ddtree, model, prompt,
-                                continuation, drafter_name, budget)
-        trace = run()
-        run = Run("numpy (CPU)", decoder, budget, median_rate(run, NEW_TOKENS, repeats),
-                  trace.prefill_forwards + trace.verify_forwards)
+        [run] = ddtree_runs("numpy (CPU)", reference_decode.generate_ddtree, model, prompt, continuation,
+                            repeats, warm_up=False, drafters=(decoder.split()[1],), budgets=(budget,))
     return {"preset": name, "run": dataclasses.asdict(run), "tokens": continuation.tolist()}
 
 
@@ -293,8 +294,8 @@ def transformers_rate(modules, config, weights, prompt, expected, repeats: int) 
         torch.cuda.synchronize()
         return out[0, prompt.size:].cpu().numpy()
 
-    same = bool(np.array_equal(generate(), expected))
-    rate = median_rate(generate, NEW_TOKENS, repeats)
+    same = bool(np.array_equal(generate(), expected))        # also the warm-up
+    rate, _ = median_rate(generate, NEW_TOKENS, repeats)
     hf_model.to("cpu")
     torch.cuda.empty_cache()
     return rate, same
@@ -328,13 +329,14 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> di
     result = {"preset": name, "weights_seconds": made, "runs": []}
 
     continuation = engine_decode.generate_ar(model, prompt, NEW_TOKENS)
-    runs = [ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats)]
-    runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats)
+    runs = [ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=True)]
+    runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats,
+                        warm_up=True)
     log_runs(runs, log)
     model.graphs.enabled = False                  # the same buckets and kernels, launched from Python
-    off = [ar_runs("engine, no graphs", engine_decode.generate_ar, model, prompt, repeats)]
+    off = [ar_runs("engine, no graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=False)]
     off += ddtree_runs("engine, no graphs", engine_decode.generate_ddtree, model, prompt, continuation,
-                       repeats, budgets=(SPLIT_BUDGET,))
+                       repeats, warm_up=False, budgets=(SPLIT_BUDGET,))
     model.graphs.enabled = True
     log_runs(off, log)
     runs += off
