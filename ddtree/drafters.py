@@ -77,6 +77,7 @@ class OracleDrafter:
         if not 0 <= distractors < vocab_size:
             raise ValueError(f"distractors must be in [0, {vocab_size}), got {distractors}")
         self.confidence, self.distractors, self.seed = confidence, distractors, seed
+        self.ranked: dict[int, list[int]] = {}              # position -> ranked tokens, drawn once
 
     @classmethod
     def from_model(cls, model, prompt, max_new_tokens: int, **options) -> OracleDrafter:
@@ -91,7 +92,15 @@ class OracleDrafter:
         return int(self.sequence[position]) if position < self.sequence.size else None
 
     def ranked_tokens(self, position: int) -> list[int]:
-        """Tokens for one position, best first: the true token (if known), then distractors."""
+        """Tokens for one position, best first: the true token (if known), then distractors.
+
+        A pure function of the position, so it is computed once per position (rounds draft the
+        same positions again at smaller depths)."""
+        if position not in self.ranked:
+            self.ranked[position] = self.draw_ranking(position)
+        return self.ranked[position]
+
+    def draw_ranking(self, position: int) -> list[int]:
         truth = self.true_token(position)
         rng = _position_rng(self.seed, position)
         others = [int(t) for t in rng.permutation(self.vocab_size)[: self.distractors + 1] if t != truth]
@@ -190,11 +199,12 @@ class NGramDrafter:
         votes = np.zeros((depths, self.vocab_size), dtype=np.float64)           # [L, V]
         for s in range(min(self.max_ngram, n - 1), 0, -1):
             suffix = context[n - s:]
-            # an occurrence ending at e (exclusive) must leave at least one following token
-            for end in range(s, n):
-                if np.array_equal(context[end - s:end], suffix):
-                    following = context[end:end + depths]                        # [<= L]
-                    votes[np.arange(following.size), following] += s
+            # an occurrence ending at e (exclusive) must leave at least one following token:
+            # the windows starting at 0 .. n-s-1 end at s .. n-1
+            windows = np.lib.stride_tricks.sliding_window_view(context[:n - 1], s)   # [n-s, s]
+            for end in np.flatnonzero((windows == suffix).all(axis=1)) + s:
+                following = context[end:end + depths]                            # [<= L]
+                votes[np.arange(following.size), following] += s
         return votes
 
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
