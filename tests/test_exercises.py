@@ -26,8 +26,8 @@ TIMEOUT = 120                      # seconds per command; every one takes a few 
 # the pages that must have exercises (a new chapter adds its page here once its section exists)
 PAGES_WITH_EXERCISES = [f"{page}.md" for page in (
     "00_linear", "01_rmsnorm", "02_rope", "03_mla", "04_moe", "05_model", "06_drafters", "07_tree_build",
-    "08_tree_attention", "09_accept", "10_kv_compaction", "11_ddtree_loop", "generation", "debugging",
-    "kimi_scale")]
+    "08_tree_attention", "09_accept", "10_kv_compaction", "11_ddtree_loop", "generation", "12_engine",
+    "15_sampling", "debugging", "kimi_scale")]
 
 
 def exercise_sections() -> dict[str, str]:

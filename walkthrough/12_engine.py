@@ -1,0 +1,173 @@
+"""Chapter 12: the device-resident engine, one DDTree round as the data flows through it.
+
+``kernels.model.Transformer`` keeps the weights, the latent KV cache and every activation on the
+device, and runs a whole round (top-K, tree build, verify forward, argmax, accept, compaction) as
+launches that read every per-step value from device buffers, so that one CUDA graph per bucket
+replays them. This chapter runs one round on ``micro`` (in the CUDA simulator without a GPU, where
+the same code launches directly) and prints every kernel launch in order with its grid, block and
+the shapes it reads and writes; then what crosses the bus per round, in bytes; then the measured
+H200 results (tokens/s of the engine with and without graphs, numpy, transformers; the round's
+time split), read from the committed benchmark record.
+
+Run: python walkthrough/12_engine.py
+
+Writes docs/assets/figures/12_engine_report.txt, 12_engine_tokens.png and 12_engine_split.png.
+"""
+
+import contextlib
+import json
+import pathlib
+
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
+from ddtree import decode as reference_decode
+from ddtree.drafters import make_drafter
+from kernels import decode as engine_decode
+from kernels.device import SIMULATOR
+from kernels.model import Transformer, bucket_rows, candidate_count
+
+STEM = "12_engine"
+RESULTS = sorted((chapter.ROOT / "docs" / "results").glob("engine-h200-*.json"))
+BLOCK, BUDGET = 4, 6                    # one small round: a tree of 7 nodes that branches
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Every kernel launch while the block runs: (name, grid, block, shapes of its array arguments).
+
+    The simulator's launch is ``FakeCUDAKernel.__call__`` after ``kernel[grid, block]`` set the
+    dimensions; on a GPU the chapter records nothing (the table is the simulator's)."""
+    launches = []
+    if not SIMULATOR:
+        yield launches
+        return
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    original = FakeCUDAKernel.__call__
+
+    def recorded(self, *args):
+        shapes = [tuple(a.shape) for a in args if hasattr(a, "shape") and len(a.shape)]
+        launches.append((self.fn.__qualname__.split(".")[0], self.grid_dim, self.block_dim, shapes))
+        return original(self, *args)
+
+    FakeCUDAKernel.__call__ = recorded
+    try:
+        yield launches
+    finally:
+        FakeCUDAKernel.__call__ = original
+
+
+def dims(d) -> str:
+    return "x".join(str(v) for v in d if v != 1) or "1"
+
+
+def one_round(setup) -> None:
+    """The prompt's prefill, then one round, launch by launch, grouped by phase."""
+    engine = Transformer(setup.config, setup.weights, max_tree_nodes=8)
+    prompt = setup.prompt
+    expected = reference_decode.generate_ar(setup.model, prompt, BLOCK)
+    drafter = make_drafter("noisy", setup.model, prompt, BLOCK, continuation=expected)
+    cache = engine.new_cache()
+    engine.prefill(cache, prompt[:-1], emit_token=False)
+    with record_launches() as launches:
+        record = engine_decode.ddtree_round(engine, cache, prompt, drafter, BLOCK, BUDGET, None)
+    committed = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
+    assert committed == expected[:record.committed].tolist(), "the round must commit AR's tokens"
+    rows = bucket_rows(record.tokens.size, engine.max_rows)
+    print(f"one round on micro: tree of {record.tokens.size} nodes ({rows} rows), accepted "
+          f"{record.accepted.tolist()}, bonus {record.bonus}")
+    if not launches:
+        print("(run without a GPU to list the launches: the table comes from the CUDA simulator)")
+        return
+    with chapter.section("launches"):
+        print(f"{'#':>3} {'kernel':<26} {'grid':>8} {'block':>7}  arrays (shapes)")
+        for i, (name, grid, block, shapes) in enumerate(launches):
+            text = ", ".join("x".join(map(str, s)) for s in shapes)
+            print(f"{i:>3} {name:<26} {dims(grid):>8} {dims(block):>7}  {text[:54]}")
+    print(f"{len(launches)} launches in the round ({engine.config.num_hidden_layers} layers)")
+
+
+def bus_bytes() -> None:
+    """What crosses the bus per round: the drafter's logits in, the round's record out."""
+    with chapter.section("bus"):
+        print(f"{'preset':<7} {'L':>2} {'K':>3} {'B':>3} {'rows':>4} {'in (drafter logits)':>20} "
+              f"{'out (record)':>13}")
+        for name, block, budget in (("tiny", 8, 32), ("tiny-b", 8, 32), ("small", 8, 64)):
+            config = chapter.preset(name)
+            depths, k = min(block - 1, budget), min(config.vocab_size, budget)
+            rows = bucket_rows(1 + min(budget, candidate_count(depths, k)), 128)
+            sent, read = 4 * depths * config.vocab_size, 8 * (3 + 4 * rows)
+            print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {sent:>18,} B {read:>11,} B")
+
+
+def measured() -> dict | None:
+    if not RESULTS:
+        print("no committed engine benchmark record under docs/results (python -m kernels.bench engine)")
+        return None
+    record = json.loads(RESULTS[-1].read_text())
+    print(f"measured on the H200: {pathlib.Path(RESULTS[-1]).name}")
+    return record
+
+
+def plot_tokens(record) -> None:
+    results = record["results"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(9.5, 3.2 * len(results)), squeeze=False)
+    for axis, result in zip(axes[:, 0], results, strict=True):
+        runs = [r for r in result["runs"] if r["decoder"] == "AR" or r["budget"] == 32]
+        labels = [f"{r['system']}\n{r['decoder'].replace('DDTree ', '')}" for r in runs]
+        axis.barh(range(len(runs)), [r["tokens_per_second"] for r in runs], color="#5c6bc0")
+        axis.set_yticks(range(len(runs)), labels, fontsize=7)
+        axis.set_xscale("log")
+        axis.set_xlabel("tokens/s (log scale)")
+        axis.set_title(f"{result['preset']}: AR and DDTree (block 8, budget 32), 256 new tokens")
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "tokens")
+
+
+def plot_split(record) -> None:
+    results = [r for r in record["results"] if "split" in r]
+    fig, axis = plt.subplots(figsize=(9.5, 3.6))
+    rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
+    left = np.zeros(len(rows))
+    for phase in ("draft", "top-k", "build", "verify", "accept", "compact", "host"):
+        values = np.array([s[phase] for _, s in rows])
+        axis.barh(range(len(rows)), values, left=left, label=phase)
+        left += values
+    axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
+    axis.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "split")
+
+
+def print_results(record) -> None:
+    with chapter.section("results"):
+        for result in record["results"]:
+            runs = {(r["system"], r["decoder"], r["budget"]): r for r in result["runs"]}
+            ar = runs[("engine, graphs", "AR", None)]
+            print(f"{result['preset']}: engine AR {ar['tokens_per_second']:.0f} tok/s with graphs, "
+                  f"{runs[('engine, no graphs', 'AR', None)]['tokens_per_second']:.0f} without")
+            for system in ("numpy (CPU)", "transformers eager"):
+                if (system, "AR", None) in runs:
+                    rate = runs[(system, "AR", None)]["tokens_per_second"]
+                    speedup = ar["tokens_per_second"] / rate
+                    print(f"  {system} AR: {rate:.0f} tok/s (the engine: {speedup:.1f}x)")
+
+
+def main() -> None:
+    setup = chapter.golden_model("micro")
+    with chapter.report(STEM):
+        with chapter.timed("one round on the engine"):
+            one_round(setup)
+        bus_bytes()
+        record = measured()
+        if record:
+            print_results(record)
+            plot_tokens(record)
+            plot_split(record)
+
+
+if __name__ == "__main__":
+    main()
