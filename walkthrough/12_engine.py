@@ -48,8 +48,9 @@ def record_launches():
     original = FakeCUDAKernel.__call__
 
     def recorded(self, *args):
-        shapes = [tuple(a.shape) for a in args if hasattr(a, "shape") and len(a.shape)]
-        launches.append((self.fn.__qualname__.split(".")[0], self.grid_dim, self.block_dim, shapes))
+        if not self._device:                      # a launch, not a device function called inside one
+            shapes = [tuple(a.shape) for a in args if hasattr(a, "shape") and len(a.shape)]
+            launches.append((self.fn.__qualname__.split(".")[0], self.grid_dim, self.block_dim, shapes))
         return original(self, *args)
 
     FakeCUDAKernel.__call__ = recorded
@@ -113,9 +114,12 @@ def measured() -> dict | None:
 
 def plot_tokens(record) -> None:
     results = record["results"]
-    fig, axes = plt.subplots(len(results), 1, figsize=(9.5, 3.2 * len(results)), squeeze=False)
+    heights = [max(2.0, 0.35 * len(r["runs"]) + 1.0) for r in results]
+    fig, axes = plt.subplots(len(results), 1, figsize=(9.5, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for axis, result in zip(axes[:, 0], results, strict=True):
         runs = [r for r in result["runs"] if r["decoder"] == "AR" or r["budget"] == 32]
+        runs.sort(key=lambda r: r["tokens_per_second"])
         labels = [f"{r['system']}\n{r['decoder'].replace('DDTree ', '')}" for r in runs]
         axis.barh(range(len(runs)), [r["tokens_per_second"] for r in runs], color="#5c6bc0")
         axis.set_yticks(range(len(runs)), labels, fontsize=7)
@@ -137,7 +141,7 @@ def plot_split(record) -> None:
         left += values
     axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
     axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
-    axis.legend(fontsize=7, ncol=4)
+    axis.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "split")
 
@@ -147,13 +151,16 @@ def print_results(record) -> None:
         for result in record["results"]:
             runs = {(r["system"], r["decoder"], r["budget"]): r for r in result["runs"]}
             ar = runs[("engine, graphs", "AR", None)]
-            print(f"{result['preset']}: engine AR {ar['tokens_per_second']:.0f} tok/s with graphs, "
-                  f"{runs[('engine, no graphs', 'AR', None)]['tokens_per_second']:.0f} without")
-            for system in ("numpy (CPU)", "transformers eager"):
+            print(f"{result['preset']}: engine AR {ar['tokens_per_second']:.0f} tok/s with graphs")
+            for system in ("engine, no graphs", "numpy (CPU)", "transformers eager"):
                 if (system, "AR", None) in runs:
                     rate = runs[(system, "AR", None)]["tokens_per_second"]
                     speedup = ar["tokens_per_second"] / rate
-                    print(f"  {system} AR: {rate:.0f} tok/s (the engine: {speedup:.1f}x)")
+                    print(f"  {system} AR: {rate:.0f} tok/s (the engine with graphs: {speedup:.1f}x)")
+            for (system, decoder, budget), run in runs.items():
+                if system == "engine, graphs" and budget == 32:
+                    print(f"  {decoder} (budget 32): {run['tokens_per_second']:.0f} tok/s, "
+                          f"{run['forwards']} forwards")
 
 
 def main() -> None:
