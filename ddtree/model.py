@@ -49,6 +49,17 @@ def numpy_operations() -> types.SimpleNamespace:
     return types.SimpleNamespace(**ops)
 
 
+def check_tokens(tokens, vocab: int) -> np.ndarray:
+    """A forward's tokens: a non-empty 1-D integer array of ids in [0, vocab), as int64."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a non-empty 1-D integer array, got shape {tokens.shape} "
+                         f"dtype {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ValueError(f"tokens must lie in [0, {vocab}), got min {tokens.min()} max {tokens.max()}")
+    return tokens.astype(np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     input_norm: np.ndarray                # [D]
@@ -136,13 +147,7 @@ class Transformer:
 
     def check_inputs(self, cache: LatentKVCache, tokens, positions, visible):
         """Validate a forward's inputs before anything is written; returns them normalised."""
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be a non-empty 1-D integer array, got shape {tokens.shape} "
-                             f"dtype {tokens.dtype}")
-        vocab = self.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ValueError(f"tokens must lie in [0, {vocab}), got min {tokens.min()} max {tokens.max()}")
+        tokens = check_tokens(tokens, self.config.vocab_size)
         rows = tokens.size
         if positions is None:
             positions = cache.length + np.arange(rows)

@@ -71,6 +71,23 @@ def block_sum(scratch):
 # --8<-- [end:block_sum]
 
 
+# --8<-- [start:block_sums]
+@cuda.jit(device=True)
+def block_sums(scratch):
+    """scratch[r, 0] = sum(scratch[r, :TPB]) for every row r of a 2-D scratch: block_sum's tree,
+    one per row, so that each row's sum is the one block_sum would give it alone."""
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            for r in range(scratch.shape[0]):
+                scratch[r, tid] += scratch[r, tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+# --8<-- [end:block_sums]
+
+
 # --8<-- [start:block_max]
 @cuda.jit(device=True)
 def block_max(scratch):

@@ -37,7 +37,15 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ddtree import linear as reference
-from kernels.blocks import block_argmax, block_sum, blocks, check_threads, comes_first, pow2_threads
+from kernels.blocks import (
+    block_argmax,
+    block_sum,
+    block_sums,
+    blocks,
+    check_threads,
+    comes_first,
+    pow2_threads,
+)
 from kernels.device import (
     SIMULATOR,
     as_rows,
@@ -169,14 +177,7 @@ def rows_pass(x, weight, out, n, t0, partial, acc):
             acc[r] += x[t0 + r, k] * w
     for r in range(ROWS_PER_PASS):
         partial[r, tid] = acc[r]
-    cuda.syncthreads()
-    stride = threads // 2                        # block_sum's tree, for ROWS_PER_PASS rows at once
-    while stride > 0:
-        if tid < stride:
-            for r in range(ROWS_PER_PASS):
-                partial[r, tid] += partial[r, tid + stride]
-        cuda.syncthreads()
-        stride //= 2
+    block_sums(partial)                          # block_sum's tree, for ROWS_PER_PASS rows at once
     if tid < ROWS_PER_PASS and t0 + tid < rows:
         out[t0 + tid, n] = partial[tid, 0]
     cuda.syncthreads()                           # the partials are rewritten by the next pass

@@ -41,7 +41,7 @@ from numba import cuda
 
 from ddtree.config import ModelConfig
 from ddtree.kv_cache import CacheOverflowError, LatentKVCache
-from ddtree.model import LATENT_NORM_EPS
+from ddtree.model import LATENT_NORM_EPS, check_tokens
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
 from ddtree.weights import check_weights
@@ -532,16 +532,6 @@ class Transformer:
             raise CacheOverflowError(f"KV cache overflow: {cache.length} rows cached + {rows} new > "
                                      f"max_position_embeddings {limit}")
 
-    def check_tokens(self, tokens, name: str = "tokens") -> np.ndarray:
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{name} must be a non-empty 1-D integer array, got shape {tokens.shape} "
-                             f"dtype {tokens.dtype}")
-        vocab = self.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ValueError(f"{name} must lie in [0, {vocab}), got min {tokens.min()} max {tokens.max()}")
-        return tokens.astype(np.int64)
-
     def check_budget(self, budget: int) -> None:
         if budget > self.max_rows - 1:
             raise ValueError(f"budget must be <= {self.max_rows - 1} (max_tree_nodes - 1 of this engine), "
@@ -553,7 +543,7 @@ class Transformer:
         With ``emit_token`` the last row's argmax is the next token (buffers.generated[step]).
         Returns the logits (T, V) when asked for, else None.
         """
-        tokens = self.check_tokens(tokens)
+        tokens = check_tokens(tokens, self.config.vocab_size)
         self._reserve(cache, tokens.size)
         logits = []
         for begin in range(0, tokens.size, self.max_rows):

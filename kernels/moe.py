@@ -46,6 +46,7 @@ from ddtree.moe import MoEParams
 from kernels.blocks import (
     MAX_TPB,
     block_argmax,
+    block_sums,
     blocks,
     check_threads,
     comes_first,
@@ -256,27 +257,13 @@ def _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_par
     for r in range(PAIRS_PER_PASS):
         gate_partial[r, tid] = gate_acc[r]
         up_partial[r, tid] = up_acc[r]
-    _pair_sums(gate_partial)
-    _pair_sums(up_partial)
+    block_sums(gate_partial)
+    block_sums(up_partial)
     if tid < pairs:
         gate = gate_partial[tid, 0]
         hidden[(p0 + tid) // slots, (p0 + tid) % slots, f] = gate * sigmoid_scalar(gate) * up_partial[tid, 0]
     cuda.syncthreads()                       # the partials are rewritten by the next pass
 # --8<-- [end:expert_hidden_kernel]
-
-
-@cuda.jit(device=True)
-def _pair_sums(partial):
-    """partial[r, 0] = sum over threads of partial[r, :], for every pair r: block_sum's tree."""
-    tid = cuda.threadIdx.x
-    cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
-    while stride > 0:
-        if tid < stride:
-            for r in range(PAIRS_PER_PASS):
-                partial[r, tid] += partial[r, tid + stride]
-        cuda.syncthreads()
-        stride //= 2
 
 
 # --8<-- [start:expert_down_kernel]
@@ -313,7 +300,7 @@ def _down_token(hidden, down_proj, ids, weights, accumulate, out, d, token, part
             acc[r] += down_proj[expert, d, f] * hidden[token, r, f]
     for r in range(PAIRS_PER_PASS):
         partial[r, tid] = acc[r]
-    _pair_sums(partial)
+    block_sums(partial)
     if tid == 0:
         total = out[token, d] if accumulate else float32(0.0)
         for r in range(slots):
