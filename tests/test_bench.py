@@ -25,7 +25,7 @@ CASE_NAMES = [
     "attention_decode_short", "attention_decode_long", "attention_verify",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",
     "moe_route", "moe_reduced", "tree_build_small", "tree_build_medium", "tree_build_large",
-    "accept_batch", "kv_compact",
+    "accept_batch", "kv_compact", "sample", "rejection_step",
 ]
 
 
