@@ -1,6 +1,7 @@
 """RMSNorm, the numba.cuda twin of ``ddtree/rmsnorm.py``.
 
-Legend: T rows (tokens), D features, TPB threads per block.
+Legend (docs/glossary.md): T rows, D hidden_size (the latent norms normalise Rq or R features the
+same way), TPB threads per block.
 
     y = x / sqrt(mean(x^2) + eps) * weight
 
