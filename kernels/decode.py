@@ -29,22 +29,27 @@ from ddtree.decode import (
     keeps_forward_count_on_error,
     largest_tree,
 )
+from ddtree.sampling import check_sampling_seed, check_temperature
 
 __all__ = ["DEFAULT_BUDGET", "DDTreeTrace", "RoundTrace", "ddtree_round", "generate_ar", "generate_ddtree"]
 
 
 # --8<-- [start:generate_ar]
 @keeps_forward_count_on_error
-def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False):
-    """Greedy AR decoding on the engine; the same tokens as ``ddtree.decode.generate_ar``.
+def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
+                temperature: float = 0.0, seed: int = 0):
+    """AR decoding on the engine; the same tokens as ``ddtree.decode.generate_ar``.
 
     With ``return_logits`` every step's logits are copied back too (a synchronisation per step).
+    At ``temperature`` > 0 the token at position p is drawn with the numbers of (``seed``, p).
     """
     prompt = check_prompt(model, prompt, max_new_tokens)
+    temperature, seed = check_temperature(temperature), check_sampling_seed(seed)
     if max_new_tokens == 0:
         return (np.zeros(0, np.int64), np.zeros((0, model.config.vocab_size), np.float32)) \
             if return_logits else np.zeros(0, np.int64)
     cache = model.new_cache(prompt.size + max_new_tokens)
+    model.set_sampling(temperature, seed)
     logits = model.prefill(cache, prompt, emit_token=True, return_logits=return_logits)
     step_logits = [logits[-1]] if return_logits else []
     for _ in range(max_new_tokens - 1):
@@ -72,17 +77,22 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
 # --8<-- [start:generate_ddtree]
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
-                    budget: int = DEFAULT_BUDGET, topk: int | None = None):
-    """Speculative greedy decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
+                    budget: int = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
+                    seed: int = 0):
+    """Speculative decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
 
-    The tokens equal ``generate_ar``'s for any drafter, bit for bit: every row of a verify
-    forward is computed exactly as the AR step at its position would compute it.
+    The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed`` for any drafter,
+    bit for bit: every row of a verify forward is computed exactly as the AR step at its position
+    would compute it, and draws its token with that position's numbers. (The reference's sampled
+    tree, ``verifier="rejection"``, has no engine twin yet.)
     """
-    prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk)
+    prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
+                                  seed)
     model.check_budget(budget)
     check_drafter(drafter, model.config.vocab_size)
     tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
     cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
+    model.set_sampling(temperature, seed)
     trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
     if prompt.size > 1:
         model.prefill(cache, prompt[:-1], emit_token=False)

@@ -55,6 +55,7 @@ from kernels.mla import absorb_output, absorb_query, attention_paths
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
+from kernels.sampling import sample
 from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
@@ -97,6 +98,14 @@ def add_kernel(out, delta):
     rows, width = out.shape
     if i < rows * width:
         out[i // width, i % width] += delta[i // width, i % width]
+
+
+@cuda.jit
+def add_one_kernel(positions, out):
+    # one thread per row: the position of the token a row draws, one past the row's own
+    i = cuda.grid(1)
+    if i < positions.shape[0]:
+        out[i] = positions[i] + 1
 
 
 @cuda.jit
@@ -298,7 +307,10 @@ class Buffers:
         self.o_lat = poisoned((t, heads, rank))                        # [T, H, R]
         self.o = poisoned((t, heads, c.v_head_dim))                    # [T, H, dv]
         self.logits = poisoned((t, c.vocab_size))                      # [T, V]
-        self.posterior = poisoned((t,), np.int64)                      # [T] argmax per row
+        self.posterior = poisoned((t,), np.int64)                      # [T] argmax (or sample) per row
+        self.draw_positions = poisoned((t,), np.int64)                 # [T] where each row's draw goes
+        self.temperature = filled((1,), 0.0, np.float64)               # sampling: read by the sampler
+        self.seed = filled((1,), 0, np.int64)
         self.generated = poisoned((c.max_position_embeddings,), np.int64)  # AR tokens, by step
         # the DDTree round (K and L never need more than B <= Tmax - 1)
         self.draft = poisoned((t - 1, c.vocab_size))                   # [L, V] drafter logits
@@ -374,6 +386,7 @@ class Transformer:
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
         self.made = {}                # launch sequences and buffer views by key, made once
+        self.sampling = False         # temperature > 0 (set_sampling): rows draw instead of argmax
 
     def cached(self, key, make):
         """``make()`` the first time ``key`` is asked for, the same object after: the views and
@@ -383,8 +396,9 @@ class Transformer:
         return self.made[key]
 
     # --8<-- [start:forward_rows]
-    def forward_rows(self, stream, rows: int) -> None:
-        """Launch a forward over ``rows`` rows (a bucket) into buffers.logits and .posterior."""
+    def forward_rows(self, stream, rows: int, sampling: bool = False) -> None:
+        """Launch a forward over ``rows`` rows (a bucket) into buffers.logits and .posterior: each
+        row's argmax, or with ``sampling`` its token drawn at temperature (``kernels.sampling``)."""
         b, c = self.buffers, self.config
         positions_and_paths(b.tree.parents[:rows], b.tree.depths[:rows], b.prefix,
                             positions=b.positions[:rows], paths=b.paths[:rows], stream=stream)
@@ -394,7 +408,12 @@ class Transformer:
             self.decoder_layer(stream, index, layer, rows)
         rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream)   # [T, D]
         linear(b.a[:rows], self.lm_head, version="rows", out=b.logits[:rows], stream=stream)  # [T, V]
-        argmax(b.logits[:rows], out=b.posterior[:rows], stream=stream)             # [T]
+        if sampling:                                                               # [T]
+            add_one_kernel[blocks(rows, TPB), TPB, stream](b.positions[:rows], b.draw_positions[:rows])
+            sample(b.logits[:rows], b.draw_positions[:rows], b.temperature, b.seed, out=b.posterior[:rows],
+                   stream=stream)
+        else:
+            argmax(b.logits[:rows], out=b.posterior[:rows], stream=stream)
     # --8<-- [end:forward_rows]
 
     # --8<-- [start:decoder_layer]
@@ -439,7 +458,7 @@ class Transformer:
     # ------------------------------------------------------------------------------------------
     # the sequences the decoders run, each replayed from its own graph
 
-    def prompt_sequence(self, rows: int, emit_token: bool):
+    def prompt_sequence(self, rows: int, emit_token: bool, sampling: bool = False):
         """A prompt chunk (its tokens uploaded to host_rows): forward, then commit its rows and,
         with ``emit_token``, the last row's argmax as the next token."""
         b = self.buffers
@@ -447,25 +466,25 @@ class Transformer:
         def sequence(stream):
             prompt_rows_kernel[blocks(rows, TPB), TPB, stream](
                 b.host_rows, b.tree.tokens[:rows], b.tree.parents[:rows], b.tree.depths[:rows], b.state)
-            self.forward_rows(stream, rows)
+            self.forward_rows(stream, rows, sampling and emit_token)
             if emit_token:
                 commit_token_kernel[1, 1, stream](b.state, b.posterior, b.tree.tokens, b.generated)
             else:
                 commit_rows_kernel[1, 1, stream](b.state)
         return sequence
 
-    def ar_step_sequence(self):
+    def ar_step_sequence(self, sampling: bool = False):
         """One AR step: the last token (already in tokens[0]) as a one-row forward."""
         b = self.buffers
 
         def sequence(stream):
             single_row_kernel[1, 1, stream](b.tree.parents, b.tree.depths, b.state)
-            self.forward_rows(stream, 1)
+            self.forward_rows(stream, 1, sampling)
             commit_token_kernel[1, 1, stream](b.state, b.posterior, b.tree.tokens, b.generated)
         return sequence
 
     # --8<-- [start:round_phases]
-    def round_phases(self, rows: int, depths: int, k: int, budget: int):
+    def round_phases(self, rows: int, depths: int, k: int, budget: int, sampling: bool = False):
         """One DDTree round after the drafter's logits are uploaded, as named phases of launches:
         top-K, build, verify, accept, compact (which also commits). ``rows`` is the bucket (W),
         ``depths`` (L) and ``k`` (K) the candidates per depth, ``budget`` (B) the drafted nodes."""
@@ -484,7 +503,7 @@ class Transformer:
             build_trees_device(b.root, top_logprobs, top_ids, budget, out=tree, stream=stream)
 
         def verify(stream):
-            self.forward_rows(stream, rows)                                          # posterior [W]
+            self.forward_rows(stream, rows, sampling)                                # posterior [W]
 
         def accept(stream):
             accept_batch(tree.tokens, tree.parents, tree.sizes, b.posterior[:rows].reshape((1, rows)),
@@ -524,6 +543,13 @@ class Transformer:
         self.device_root = None
         return self.cache
 
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        """Greedy at temperature 0; otherwise every forward draws each row's token with the numbers
+        of (seed, position) (``kernels.sampling``). Two 8-byte uploads; graphs are kept per mode."""
+        self.sampling = temperature > 0
+        self.graphs.upload(np.array([temperature], np.float64), self.buffers.temperature)
+        self.graphs.upload(np.array([seed], np.int64), self.buffers.seed)
+
     def _reserve(self, cache: DeviceCache, rows: int) -> None:
         if cache is not self.cache:
             raise ValueError("cache must be this engine's cache (from new_cache())")
@@ -553,8 +579,9 @@ class Transformer:
             host_rows = np.zeros(self.max_rows + 1, np.int64)
             host_rows[0], host_rows[1:1 + chunk.size] = chunk.size, chunk
             self.graphs.upload(host_rows, self.buffers.host_rows)
-            key = ("prompt", rows, emit)
-            self.graphs.run(key, self.cached(key, functools.partial(self.prompt_sequence, rows, emit)))
+            key = ("prompt", rows, emit, self.sampling)
+            self.graphs.run(key, self.cached(key, functools.partial(self.prompt_sequence, rows, emit,
+                                                                   self.sampling)))
             cache.length += chunk.size
             self.forward_count += 1
             if return_logits:
@@ -572,7 +599,8 @@ class Transformer:
     def ar_step(self, cache: DeviceCache) -> None:
         """One AR decode step on the device: the previous token in, the next one out."""
         self._reserve(cache, 1)
-        self.graphs.run(("ar",), self.cached(("ar",), self.ar_step_sequence))
+        key = ("ar", self.sampling)
+        self.graphs.run(key, self.cached(key, functools.partial(self.ar_step_sequence, self.sampling)))
         cache.length += 1
         self.forward_count += 1
 
@@ -594,8 +622,9 @@ class Transformer:
         if depths:
             draft_rows = self.cached(("draft", depths), lambda: self.buffers.draft[:depths])
             self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), draft_rows)
-        key = ("round", rows, depths, k, budget)
-        phases = self.cached(("phases", *key), lambda: self.round_phases(rows, depths, k, budget))
+        key = ("round", rows, depths, k, budget, self.sampling)
+        phases = self.cached(("phases", *key),
+                             lambda: self.round_phases(rows, depths, k, budget, self.sampling))
         if self.round_timings is None:
             self.graphs.run(key, self.cached(key, lambda: self.round_sequence(phases)))
         else:

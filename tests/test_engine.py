@@ -105,6 +105,21 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name="rope")
 
 
+def test_sampled_ddtree_matches_numpy_ar():
+    """At temperature > 0 every verify row draws its token with its position's numbers: the
+    engine's DDTree equals numpy's sampled AR token for token. (The engine's sampled AR step runs
+    in the GPU tests: each simulated forward costs seconds here.)"""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
+    options = dict(temperature=1.0, seed=5)
+    expected = reference_decode.generate_ar(ref, prompt, 2, **options)
+    drafter = make_drafter("oracle", ref, prompt, 2, continuation=expected)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, 2, drafter, block_size=3, budget=3,
+                                                  **options)
+    assert_exact(tokens, expected)
+    assert trace.verify_forwards == 1                     # the oracle's draft: both tokens in one round
+
+
 def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
@@ -188,6 +203,37 @@ def test_every_round_matches_numpy(name, drafter_name):
         assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5)
         context += [int(t) for t in actual.tokens[actual.accepted[1:]]] + [actual.bonus]
     assert_exact(np.array(context[prompt.size:]), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_sampled_ar_matches_numpy(name):
+    """On hardware: the engine's sampled AR (prompt + steps replayed on the device) equals numpy's."""
+    model, ref = engine(name), reference(name)
+    prompt = golden.default_prompt(name)
+    for temperature, seed in ((0.3, 0), (1.0, 7), (2.0, 3)):
+        assert_exact(engine_decode.generate_ar(model, prompt, 24, temperature=temperature, seed=seed),
+                     reference_decode.generate_ar(ref, prompt, 24, temperature=temperature, seed=seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_sampled_ddtree_equals_sampled_ar(name):
+    """On hardware: DDTree == AR token for token at temperatures {0.3, 1, 2}, several seeds, every
+    drafter (the oracles built from the sampled AR continuation), blocks and budgets as above."""
+    model = engine(name)
+    prompt = golden.default_prompt(name)
+    for temperature in (0.3, 1.0, 2.0):
+        for seed in (0, 7):
+            expected = engine_decode.generate_ar(model, prompt, 24, temperature=temperature, seed=seed)
+            for drafter_name in ("oracle", "noisy", "ngram"):
+                for block, budget in ((2, 1), (4, 5), (8, 64), (16, 0)):
+                    drafter = make_drafter(drafter_name, model, prompt, 24, continuation=expected)
+                    tokens, _ = engine_decode.generate_ddtree(
+                        model, prompt, 24, drafter, block_size=block, budget=budget, temperature=temperature,
+                        seed=seed)
+                    assert_exact(tokens, expected, name=f"T={temperature} seed {seed} {drafter_name} "
+                                                        f"block {block} budget {budget}")
 
 
 @pytest.mark.gpu
