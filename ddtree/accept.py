@@ -16,6 +16,13 @@ import numpy as np
 from ddtree.tree import DraftTree
 
 
+def check_siblings(parents: np.ndarray, tokens: np.ndarray, name: str = "tree") -> None:
+    """Siblings carry distinct tokens (else two children could match the target's choice)."""
+    edges = np.stack([parents[1:], tokens[1:]], axis=1)                       # [n, 2] (parent, token)
+    if np.unique(edges, axis=0).shape[0] != edges.shape[0]:
+        raise ValueError(f"{name}: siblings must carry distinct tokens")
+
+
 def check_posterior(tree: DraftTree, posterior_tokens) -> np.ndarray:
     posterior = np.asarray(posterior_tokens)
     if posterior.shape != (tree.size,) or not np.issubdtype(posterior.dtype, np.integer):
@@ -28,6 +35,7 @@ def check_posterior(tree: DraftTree, posterior_tokens) -> np.ndarray:
 def accept(tree: DraftTree, posterior_tokens: np.ndarray):
     """Returns (accepted node indices (m,) int64 starting with 0, bonus token int)."""
     posterior = check_posterior(tree, posterior_tokens)                       # [N]
+    check_siblings(tree.parents, tree.tokens)
     accepted = [0]
     token = posterior[0]                                                      # target choice after the root
     while True:

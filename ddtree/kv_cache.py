@@ -88,6 +88,8 @@ def check_accepted(cache: LatentKVCache, start: int, accepted: np.ndarray) -> np
         raise ValueError(f"accepted must be a non-empty 1-D integer array, got {accepted!r}")
     if accepted[0] != 0 or np.any(np.diff(accepted) <= 0):
         raise ValueError(f"accepted must start at 0 and increase strictly, got {accepted.tolist()}")
+    if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
+        raise ValueError(f"start must be an integer cache slot, got {start!r}")
     if not 0 <= start or start + accepted[-1] >= cache.length:
         raise ValueError(f"accepted rows start + {accepted.tolist()} must lie in "
                          f"[0, cache length {cache.length})")

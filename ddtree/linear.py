@@ -53,8 +53,11 @@ def embed(tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 # --8<-- [start:argmax]
 def argmax(logits: np.ndarray) -> np.ndarray:
-    """Greedy token per row of ``logits`` (T, V): the first maximal index, as numpy breaks ties."""
-    return np.argmax(logits, axis=-1).astype(np.int64)          # [T]
+    """Greedy token per row of ``logits`` (T, V): the first maximal index, as numpy breaks ties.
+
+    Logits are compared as float32 (the model's dtype; the kernel's too), so 1.0 and 1.0 + 1e-12
+    tie here as there."""
+    return np.argmax(np.asarray(logits, np.float32), axis=-1).astype(np.int64)   # [T]
 # --8<-- [end:argmax]
 
 

@@ -102,7 +102,8 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
 
     Heads (any middle axes) share their row's position; tree nodes may share positions too.
     """
-    x = np.asarray(x, dtype=np.float32)
+    x, positions = np.asarray(x, dtype=np.float32), np.asarray(positions)
+    check_rope(x, positions, np.asarray(inv_freq), scale)        # integer positions, as the kernel
     cos, sin = rope_tables(positions, inv_freq, scale)          # [T, dr/2] each
     middle = (1,) * (x.ndim - 2)
     cos = cos.reshape(cos.shape[0], *middle, -1)                # [T, 1.., dr/2]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
-from ddtree.accept import check_posterior
+from ddtree.accept import check_posterior, check_siblings
 from ddtree.tree import DraftTree, check_parents
 from kernels.blocks import pow2_threads
 from kernels.device import check_out, deliver, is_device_array, output, to_device
@@ -97,9 +97,7 @@ def check_accept_batch(tokens, parents, sizes, posterior, *, out=None):
     for b, size in enumerate(sizes):
         if np.any(parents[b, 1:size] < 0):
             raise ValueError(f"parents[{b}, 1:{size}] must be >= 0 (only the root has no parent)")
-        edges = np.stack([parents[b, 1:size], tokens[b, 1:size]], axis=1)    # [n, 2] (parent, token)
-        if np.unique(edges, axis=0).shape[0] != edges.shape[0]:
-            raise ValueError(f"tokens[{b}]: siblings must carry distinct tokens")
+        check_siblings(parents[b, :size], tokens[b, :size], f"tokens[{b}]")
     return tokens, parents, sizes, posterior
 
 

@@ -28,7 +28,8 @@ from ddtree.decode import MAX_BUDGET, ddtree_round, generate_ar, generate_ddtree
 from ddtree.drafters import NGramDrafter, NoisyOracleDrafter, OracleDrafter, make_drafter
 from ddtree.kv_cache import CacheOverflowError, LatentKVCache, compact
 from ddtree.model import Transformer
-from ddtree.tree import build_tree, top_candidates, visibility
+from ddtree.rope import apply_rope
+from ddtree.tree import DraftTree, build_tree, top_candidates, visibility
 from ddtree.weights import init_weights, load_pretrained, save_pretrained
 
 PRESET = "micro"
@@ -332,6 +333,11 @@ CASES = [
          lambda w: compact(w.cache, 1, np.array([0, 0]))),
     Case("model", "accepted", "compact past the cache's end",
          lambda w: compact(w.cache, 3, np.array([0, 4]))),
+    Case("model", "start", "compact with start=1.0 (a float)",
+         lambda w: compact(w.cache, 1.0, np.array([0, 1]))),
+    Case("model", "positions", "apply_rope at fractional positions",
+         lambda w: apply_rope(np.ones((2, 4), np.float32), np.array([0.5, 1.0]),
+                              np.ones(2, np.float32))),
     Case("model", "truncate length", "truncate(99)", lambda w: w.cache.truncate(99)),
 
     # decoding: generate_ar, generate_ddtree, ddtree_round
@@ -387,6 +393,9 @@ CASES = [
     Case("tree", "parents", "parents=[0, 0]", lambda w: visibility(np.array([0, 0]))),
     Case("tree", "posterior_tokens", "a posterior shorter than the tree",
          lambda w: accept(build_tree(1, np.array([[-1.0]]), np.array([[3]]), 1), np.array([3]))),
+    Case("tree", "siblings", "a tree whose siblings carry the same token",
+         lambda w: accept(DraftTree(tokens=[1, 3, 3], parents=[-1, 0, 0], depths=[0, 1, 1],
+                                    ranks=[-1, 0, 1], logprobs=[0.0, -1.0, -2.0]), np.array([3, 1, 2]))),
 
     # command lines: python -m ddtree demo, python -m ddtree.golden
     Case("cli", "--block-size", "demo --block-size 0", demo("--block-size", "0"), CommandLineError),
