@@ -141,3 +141,30 @@ def test_the_report_states_the_recorded_fp32_rate_as_the_record_does(quick_repor
     recorded = next(line for line in hardware.RESULTS.read_text(encoding="utf-8").splitlines()
                     if "fp32 peak" in line)
     assert fp32_line.split("; ridge")[0] == recorded.split("; ridge")[0]
+
+
+def test_digest_hashes_values_not_where_they_live():
+    """``kernels.bench digest``'s fingerprint: the same numbers on the device or the host, in a
+    tuple or a named tuple, give the same digest; one changed bit gives another; objects that are
+    not numbers (their bytes would be addresses) add nothing."""
+    import numpy as np
+    from numba import cuda
+
+    from kernels.bench.digest import digest
+    from kernels.tree import TreeBatch
+
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert digest(cuda.to_device(values)) == digest(values) == digest((values,))
+    fields = len(TreeBatch._fields)
+    assert digest(TreeBatch(*([values] * fields))) == digest((values,) * fields)
+    flipped = values.copy()
+    flipped.view(np.int32)[1, 2] ^= 1                           # one bit of one element
+    assert digest(flipped) != digest(values)
+    assert digest((values, object())) == digest(values)
+
+
+@pytest.mark.skipif(not device.SIMULATOR, reason="the refusal applies to the simulator")
+def test_profile_is_refused_in_the_simulator(capsys):
+    with pytest.raises(SystemExit):
+        main(["profile"])
+    assert "needs a GPU" in capsys.readouterr().err

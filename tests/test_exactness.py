@@ -178,8 +178,8 @@ def test_tree_forward_logits_equal_generate_ar_logits():
 # --------------------------------------------------------------------------------------------
 # near-tie targets
 
-def near_tie_model(name, pairs, seed=0, scale=NEAR_TIE):
-    """The preset's model with ``lm_head[b] = lm_head[a] * (1 + scale * noise)`` for each (a, b):
+def near_tie_weights(name, pairs, seed=0, scale=NEAR_TIE):
+    """The preset's weights with ``lm_head[b] = lm_head[a] * (1 + scale * noise)`` for each (a, b):
     wherever token a is the argmax, token b is a rounding away from it, on either side."""
     config = preset(name)
     weights = init_weights(config, golden.WEIGHT_SEED)
@@ -188,7 +188,11 @@ def near_tie_model(name, pairs, seed=0, scale=NEAR_TIE):
     for a, b in pairs:
         head[b] = head[a] * (1 + np.float32(scale) * noise[b])
     weights["lm_head.weight"] = head
-    return Transformer(config, weights)
+    return config, weights
+
+
+def near_tie_model(name, pairs, seed=0, scale=NEAR_TIE):
+    return Transformer(*near_tie_weights(name, pairs, seed, scale))
 
 
 def smallest_relative_gap(logits: np.ndarray) -> float:
@@ -217,6 +221,30 @@ def test_ddtree_equals_ar_on_a_near_tie_target(block_size, budget):
     drafter = OracleDrafter(np.concatenate([prompt, expected]), target.config.vocab_size)
     tokens, _ = generate_ddtree(target, prompt, expected.size, drafter, block_size=block_size, budget=budget)
     assert_exact(tokens, expected, name="DDTree tokens on a near-tie target")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_engine_ddtree_equals_engine_ar_on_a_near_tie_target(graphs):
+    """On hardware: the engine's own AR on the near-tie target is a close race too (its sums are
+    not numpy's, so its tokens may differ from numpy's), and its DDTree reproduces that AR bit for
+    bit for every block and budget, with the oracle and with trees that branch (noisy, n-gram)."""
+    from ddtree.drafters import make_drafter
+    from kernels import decode as engine_decode
+    from kernels.model import Transformer as Engine
+
+    prompt = golden.default_prompt("tiny")
+    engine = Engine(*near_tie_weights("tiny", twin_pairs(model_for("tiny"), prompt, 8)), graphs=graphs)
+    expected, logits = engine_decode.generate_ar(engine, prompt, 8, return_logits=True)
+    assert smallest_relative_gap(logits) < 10 * NEAR_TIE
+    for drafter_name in ("oracle", "noisy", "ngram"):
+        for block_size in (2, 4, 8, 16):
+            for budget in (0, 1, 5, 64):
+                drafter = make_drafter(drafter_name, engine, prompt, expected.size, continuation=expected)
+                tokens, _ = engine_decode.generate_ddtree(engine, prompt, expected.size, drafter,
+                                                          block_size=block_size, budget=budget)
+                assert_exact(tokens, expected, name=f"engine DDTree[{drafter_name}, block {block_size}, "
+                                                    f"budget {budget}] on a near-tie target")
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,14 @@ def main(argv=None) -> int:
         from kernels.bench import engine
 
         return engine.main(argv[1:])
+    if argv[:1] == ["profile"]:                         # per-kernel device time in a forward
+        from kernels.bench import profile
+
+        return profile.main(argv[1:])
+    if argv[:1] == ["digest"]:                          # fingerprints of every result, run to run
+        from kernels.bench import digest
+
+        return digest.main(argv[1:])
     args = parse_args(argv)
     sizes = quick_sizes() if args.quick else full_sizes()
     cases = make_cases(sizes)

@@ -258,8 +258,8 @@ def tree_size_sweep(model, prompt) -> list[dict]:
             record = engine_decode.ddtree_round(model, cache, context, drafter, block, budget, None)
             times.append(model.round_timings["verify"])
             model.round_timings = None
-            ids = model.buffers.expert_ids.copy_to_host()[:, :record.tokens.size]
-            woken.append(np.mean([np.unique(ids[layer]).size for layer in moe_layers]))
+            woken.append(np.mean([np.unique(model.moe_scratch[layer].ids.copy_to_host()[:record.tokens.size]).size
+                                  for layer in moe_layers]))
         rows.append({"nodes": nodes, "verify_us": 1e6 * statistics.median(times),
                      "experts_per_layer": float(np.mean(woken))})
     return rows
