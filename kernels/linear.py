@@ -4,11 +4,14 @@ Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden
 TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
 ``y = x @ W.T``.
 
-``linear`` has three kernel versions; ``version=None`` picks by the number of rows:
+``linear`` has four kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
     version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
     version "rows": one block per output column n for every row, the GEMV's reduction per row;
-                    batch-invariant (what the engine runs: never picked by ``version=None``)
+                    batch-invariant
+    version "tiles": one lane per output column, 32 columns per block, rows in registers, Din
+                    cut into fixed slices summed in order; batch-invariant and far fewer blocks
+                    (what the engine runs: never picked by ``version=None``)
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
@@ -17,6 +20,15 @@ blocks sharing a row run back to back, so the rows after the first find it in L2
 between them changes the order of each sum with T, so a row's result depends on how many rows
 run with it. "rows" sums every y[t, n] exactly as "gemv" does (bit for bit) whatever T is: the
 engine's tree rows then equal its AR rows.
+
+"rows" pays for that with one block per output column and a log2(TPB)-step tree per output: on
+the H200, a tiny model's expert and projection kernels spent their time scheduling tens of
+thousands of small blocks, and a 40-row verify cost 1.6 AR steps. "tiles" keeps the invariance
+with fewer, fuller blocks: a warp's 32 lanes own 32 output columns, and each lane sums its column
+sequentially along a slice of Din for ROWS_PER_PASS rows at once (the W tile is staged through
+shared memory so that the loads stay coalesced, and every staged weight serves all the rows);
+the block's warps take Din's slices 0, S, 2S, ... / 1, S + 1, ... and their S partial sums are
+added in slice order. S depends on Din only (``k_slices``), never on T.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
@@ -63,11 +75,23 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows")
+VERSIONS = ("gemm", "gemv", "rows", "tiles")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
 COLUMNS_PER_BLOCK = 8 if SIMULATOR else 1
+
+
+LANES = 32          # "tiles": output columns per block (one per lane) and Din per staged chunk
+MAX_SLICES = 4      # "tiles": warps per block, each summing every S-th chunk of Din
+LANES_PADDED = 33   # "tiles": a W tile row, one float longer than LANES (no bank conflicts)
+
+
+def k_slices(depth: int) -> int:
+    """"tiles": the warps (S) that split a sum over ``depth`` (Din) terms; a function of Din only,
+    so a row's sums never depend on T. One in the simulator's small shapes would skip the slice
+    merge, so it uses up to two."""
+    return max(1, min(2 if SIMULATOR else MAX_SLICES, -(-depth // LANES)))
 
 
 def row_passes(rows: int) -> int:
@@ -184,6 +208,87 @@ def rows_pass(x, weight, out, n, t0, partial, acc):
 # --8<-- [end:rows_kernel]
 
 
+# --8<-- [start:tile_dots]
+@functools.cache
+def tile_dots(rows: int):
+    """The device function of "tiles" for ``rows`` rows per pass (a literal: the sums live in registers)."""
+
+    @cuda.jit(device=True)
+    def dots(x, t0, count, weight, n0, acc, w_tile, x_tile, partial):
+        """acc[r] = weight[n0 + lane] . x[t0 + r] for r < count, in lane's thread of slice 0.
+
+        Thread (slice s, lane) sums chunks s, s + S, ... of Din, each sequentially in k, for
+        every row at once; then slice 0 adds the S partial sums in slice order."""
+        lane = cuda.threadIdx.x % LANES
+        part = cuda.threadIdx.x // LANES
+        parts = cuda.blockDim.x // LANES
+        depth, outputs = x.shape[1], weight.shape[0]
+        last_row = t0 + count - 1
+        staged = cuda.local.array(LANES, float32)
+        for r in range(rows):
+            acc[r] = float32(0.0)
+        for c0 in range(0, -(-depth // LANES), parts):       # the same trip count in every warp
+            k0 = (c0 + part) * LANES
+            width = min(LANES, depth - k0)                   # <= 0: this warp has no chunk left
+            if lane < width:                                 # stage: lane = k, coalesced rows
+                # all loads first, into registers, then all stores: the loads overlap instead of
+                # waiting one by one (rows past the end re-read the last one, never used)
+                for i in range(LANES):
+                    staged[i] = weight[min(n0 + i, outputs - 1), k0 + lane]
+                for i in range(LANES):
+                    w_tile[part, i, lane] = staged[i]
+                for r in range(rows):
+                    staged[r] = x[min(t0 + r, last_row), k0 + lane]
+                for r in range(rows):
+                    x_tile[part, r, lane] = staged[r]
+            cuda.syncthreads()
+            if n0 + lane < outputs:
+                for kk in range(width):
+                    w = w_tile[part, lane, kk]
+                    for r in range(rows):
+                        acc[r] += x_tile[part, r, kk] * w
+            cuda.syncthreads()
+        for r in range(rows):
+            partial[part, r, lane] = acc[r]
+        cuda.syncthreads()
+        if part == 0:
+            for r in range(rows):
+                total = partial[0, r, lane]
+                for other in range(1, parts):
+                    total += partial[other, r, lane]
+                acc[r] = total
+        cuda.syncthreads()                                   # tiles and partials are reused next
+
+    return dots
+
+
+tile_dots_rows = tile_dots(ROWS_PER_PASS)                      # linear's: rows share each W tile
+# --8<-- [end:tile_dots]
+
+
+# --8<-- [start:tiles_kernel]
+@cuda.jit
+def tiles_kernel(x, weight, out):
+    # one block = output columns n0 .. n0 + 31 (blockIdx.x; lane = column) for the passes of
+    # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; the block's S warps split Din
+    # (tile_dots); shared memory: per warp a 32 x 33 W tile, the rows' 32-wide x chunk and the
+    # partial sums
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    acc = cuda.local.array(ROWS_PER_PASS, float32)
+    lane = cuda.threadIdx.x % LANES
+    n = cuda.blockIdx.x * LANES + lane
+    for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, x.shape[0], cuda.gridDim.y * ROWS_PER_PASS):
+        count = min(ROWS_PER_PASS, x.shape[0] - t0)
+        tile_dots_rows(x, t0, count, weight, cuda.blockIdx.x * LANES, acc, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and n < weight.shape[0]:
+            for r in range(ROWS_PER_PASS):
+                if r < count:
+                    out[t0 + r, n] = acc[r]
+# --8<-- [end:tiles_kernel]
+
+
 # --8<-- [start:pick_version]
 def pick_version(rows: int) -> str:
     """The ``linear`` version for ``rows`` rows when none is forced: GEMV for a few rows, else GEMM."""
@@ -209,9 +314,9 @@ def check_linear(x, weight, *, version=None, threads=None, out=None):
 def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows" is the
-    batch-invariant one; ``threads`` is the GEMV / rows block size (default: the smallest power of
-    two covering Din, at most 128). ``out`` receives
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows" and "tiles" are
+    the batch-invariant ones; ``threads`` is the GEMV / rows block size (default: the smallest
+    power of two covering Din, at most 128; "tiles" sizes its own blocks). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
@@ -223,7 +328,10 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
         d_weight, d_y = to_device(weight, np.float32), as_rows(d_out, "out")   # [Dout, Din], [T, Dout]
         version = version or pick_version(rows)
         threads = threads or (reduction_threads(depth) if version == "rows" else pow2_threads(depth))
-        if version == "gemm":
+        if version == "tiles":                                            # x over Dout, y over T
+            grid = (blocks(outputs, LANES), row_passes(rows))
+            tiles_kernel[grid, LANES * k_slices(depth), stream](d_x, d_weight, d_y)
+        elif version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
         elif version == "gemv":

@@ -36,6 +36,7 @@ from numba import cuda, float32, int32  # the package __init__ has already chose
 from ddtree import mla as reference
 from kernels.blocks import MAX_TPB, block_max, block_sum, blocks, check_threads, pow2_threads, row_threads
 from kernels.device import (
+    SIMULATOR,
     check_float32,
     check_out,
     deliver,
@@ -45,6 +46,10 @@ from kernels.device import (
     to_device,
 )
 
+# attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
+# enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
+PATHS_THREADS = 128
+STAGE_BATCH = 8         # attention_paths: cache loads a thread issues before it stores them
 MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the size of p and red
 F32 = 4
 
@@ -307,28 +312,30 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
 
 # --8<-- [start:attention_paths_kernel]
 @cuda.jit
-def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, o_lat):
+def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile, o_lat):
     """One block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
 
     The keys of row i are the prefix (slots 0 .. P-1, P = prefix[0]) and then its path root..i,
     at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by their
-    logical index j (= their position). Tiles of TPB keys start at fixed logical indices, so a
+    logical index j (= their position). Tiles of ``tile`` keys start at fixed logical indices, so a
     tree node and the AR step at the same position combine the same keys in the same tiles:
     bit-identical outputs. Masked keys are never enumerated (no -inf arithmetic, no reads of other
     branches' rows).
 
-    Per tile: the block copies the tile's key rows (R + dr floats each) into shared memory with
-    coalesced loads, thread j scores key j from there, the block reduces the tile's max and
+    Per tile: the block's TPB >= tile threads copy the tile's key rows (R + dr floats each) into
+    shared memory with coalesced loads (more threads than keys: more loads in flight, which one
+    row's few blocks need), thread j < tile scores key j from there, the block reduces the tile's max and
     (after rescaling to the new running max) its sum of exp, and thread i updates acc[r] for
     r = i, i + TPB, ... from the same shared rows: the cache is read once per (row, head).
     Shared memory (dynamic): the query (R + dr), the accumulator (R) and the tile's keys
-    (TPB x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
-    the tile's slots (TPB ints).
+    (tile x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
+    the tile's slots. The reductions run over all TPB entries, the ones past the tile neutral
+    (-inf, 0), which leaves every max and sum as a tile-wide tree gives it.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     tid = cuda.threadIdx.x
-    tile = cuda.blockDim.x
+    threads = cuda.blockDim.x
     rank = q_lat.shape[2]
     width = rank + q_pe.shape[2]
     keys = prefix[0] + depths[row] + 1
@@ -341,10 +348,10 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
 
-    for i in range(tid, rank, tile):
+    for i in range(tid, rank, threads):
         query[i] = q_lat[row, head, i]
         acc[i] = float32(0.0)
-    for i in range(tid, width - rank, tile):
+    for i in range(tid, width - rank, threads):
         query[rank + i] = q_pe[row, head, i]
     run_max = float32(0.0)
     run_sum = float32(0.0)
@@ -364,13 +371,13 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
         block_sum(red)                                    # also publishes p to the block
         run_sum = run_sum * alpha + red[0]
         run_max = new_max
-        for i in range(tid, rank, tile):
+        for i in range(tid, rank, threads):
             total = acc[i] * alpha
             for key in range(count):
                 total += p[key] * tile_keys[key * (width + 1) + i]
             acc[i] = total
         cuda.syncthreads()                                # the tile's keys, p, red rewritten next
-    for i in range(tid, rank, tile):
+    for i in range(tid, rank, threads):
         o_lat[row, head, i] = acc[i] / run_sum
 
 
@@ -385,13 +392,21 @@ def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slot
     if tid < count:
         slots[tid] = j if j < prefix else prefix + paths[row, j - prefix]
     cuda.syncthreads()
-    for index in range(tid, count * width, cuda.blockDim.x):
-        key = index // width
-        column = index % width
-        if column < rank:
-            tile_keys[key * (width + 1) + column] = cache_latent[slots[key], column]
-        else:
-            tile_keys[key * (width + 1) + column] = cache_rope[slots[key], column - rank]
+    total = count * width
+    threads = cuda.blockDim.x
+    staged = cuda.local.array(STAGE_BATCH, float32)
+    for base in range(0, total, threads * STAGE_BATCH):
+        # STAGE_BATCH loads first, into registers, then their stores: the loads overlap instead
+        # of waiting one by one (indices past the tile re-read its last element, never stored)
+        for b in range(STAGE_BATCH):
+            index = min(base + b * threads + tid, total - 1)
+            key, column = index // width, index % width
+            staged[b] = cache_latent[slots[key], column] if column < rank \
+                else cache_rope[slots[key], column - rank]
+        for b in range(STAGE_BATCH):
+            index = base + b * threads + tid
+            if index < total:
+                tile_keys[(index // width) * (width + 1) + index % width] = staged[b]
     cuda.syncthreads()
 
 
@@ -455,8 +470,9 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     tile = paths_tile(rank, rope_dim)
-    attention_paths_kernel[(heads, rows), tile, stream, paths_shared_bytes(rank, rope_dim, tile)](
-        q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), d_out)
+    threads = tile if SIMULATOR else PATHS_THREADS
+    attention_paths_kernel[(heads, rows), threads, stream, paths_shared_bytes(rank, rope_dim, tile)](
+        q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), tile, d_out)
     return d_out
 # --8<-- [end:attention_paths]
 

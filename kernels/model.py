@@ -21,7 +21,7 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear`` version "rows", ``attention_paths``, the MoE
+runs in an order fixed by its own row (``linear`` version "tiles", ``attention_paths``, the MoE
 kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
 DDTree == AR holds exactly in the engine, for any weights.
 
@@ -407,7 +407,7 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             self.decoder_layer(stream, index, layer, rows)
         rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream)   # [T, D]
-        linear(b.a[:rows], self.lm_head, version="rows", out=b.logits[:rows], stream=stream)  # [T, V]
+        linear(b.a[:rows], self.lm_head, version="tiles", out=b.logits[:rows], stream=stream)  # [T, V]
         if sampling:                                                               # [T]
             add_one_kernel[blocks(rows, TPB), TPB, stream](b.positions[:rows], b.draw_positions[:rows])
             sample(b.logits[:rows], b.draw_positions[:rows], b.temperature, b.seed, out=b.posterior[:rows],
@@ -423,18 +423,18 @@ class Transformer:
         rmsnorm(h, layer.input_norm, c.rms_norm_eps, out=a, stream=s)
         a_q = a
         if layer.q_a_proj is not None:
-            linear(a, layer.q_a_proj, version="rows", out=b.q_a[:rows], stream=s)  # [T, Rq]
+            linear(a, layer.q_a_proj, version="tiles", out=b.q_a[:rows], stream=s)  # [T, Rq]
             a_q = rmsnorm(b.q_a[:rows], layer.q_a_norm, LATENT_NORM_EPS, out=b.q_a_normed[:rows],
                           stream=s)                                                # [T, Rq]
         q_nope, q_pe = b.q_nope[:rows], b.q_pe[:rows]                              # [T, H, dn], [T, H, dr]
-        linear(a_q, layer.q_nope_proj, version="rows", out=q_nope.reshape(rows, q_nope.size // rows),
+        linear(a_q, layer.q_nope_proj, version="tiles", out=q_nope.reshape(rows, q_nope.size // rows),
                stream=s)
-        linear(a_q, layer.q_rope_proj, version="rows", out=q_pe.reshape(rows, q_pe.size // rows),
+        linear(a_q, layer.q_rope_proj, version="tiles", out=q_pe.reshape(rows, q_pe.size // rows),
                stream=s)
         apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
-        linear(a, layer.kv_latent_proj, version="rows", out=b.kv_latent[:rows], stream=s)   # [T, R]
+        linear(a, layer.kv_latent_proj, version="tiles", out=b.kv_latent[:rows], stream=s)   # [T, R]
         latent = rmsnorm(b.kv_latent[:rows], layer.kv_a_norm, LATENT_NORM_EPS, out=b.latent[:rows], stream=s)
-        k_pe = linear(a, layer.kv_rope_proj, version="rows", out=b.k_pe[:rows], stream=s)   # [T, dr]
+        k_pe = linear(a, layer.kv_rope_proj, version="tiles", out=b.k_pe[:rows], stream=s)   # [T, dr]
         apply_rope(k_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=k_pe, stream=s)
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
         write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
@@ -442,7 +442,7 @@ class Transformer:
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
                                 b.paths[:rows], self.softmax_scale, out=b.o_lat[:rows], stream=s)
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
-        linear(o.reshape(rows, o.size // rows), layer.o_proj, version="rows", out=delta, stream=s)
+        linear(o.reshape(rows, o.size // rows), layer.o_proj, version="tiles", out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, out=b.f[:rows], stream=s)  # [T, D]
         if layer.moe is not None:

@@ -4,14 +4,15 @@ Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token
 F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
 Kernels (one version each):
-- the router's logits x . gate[e] come from ``kernels.linear`` (version "rows"); then
+- the router's logits x . gate[e] come from ``kernels.linear`` (version "tiles"); then
   ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
   (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
   index), normalised and scaled weights (``_weigh``).
 - ``expert_hidden_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
-  e = ids[t, j]: one block per feature f for every (token, slot) pair, a block reduction over D.
+  e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
+  products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
 - ``expert_down_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
-  output feature d for every token; the k slots are added in slot order, so the result is
+  32 output features and token; the k slots are added in slot order, so the result is
   deterministic without atomics.
 Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
 routed beside it (the engine's tree rows equal its AR rows, bit for bit).
@@ -33,7 +34,6 @@ each operation's cost model.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import typing
 
@@ -46,7 +46,6 @@ from ddtree.moe import MoEParams
 from kernels.blocks import (
     MAX_TPB,
     block_argmax,
-    block_sums,
     blocks,
     check_threads,
     comes_first,
@@ -62,17 +61,12 @@ from kernels.device import (
     is_device_array,
     output,
     poisoned,
-    reduction_threads,
     to_device,
 )
-from kernels.linear import linear
+from kernels.linear import LANES, LANES_PADDED, MAX_SLICES, ROWS_PER_PASS, k_slices, linear, tile_dots
 
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
-PAIRS_PER_PASS = 8      # (token, slot) pairs whose partial sums a thread keeps in registers at once
-                        # (expert_down_kernel: one token's k slots, so k <= PAIRS_PER_PASS)
-# features per block of the expert kernels: one on a GPU (parallelism); several in the simulator,
-# where every block costs Python threads. Each output's sum is the same either way.
-FEATURES_PER_BLOCK = 8 if SIMULATOR else 1
+tile_dots_one = tile_dots(1)     # the expert kernels' dot products: one (token, slot) pair at a time
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 F32, I64 = 4, 8
 
@@ -214,99 +208,52 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
 
 
 # --8<-- [start:expert_hidden_kernel]
-@functools.cache
-def expert_hidden_kernel(threads: int):
-    """The expert hidden-state kernel for blocks of ``threads`` threads (a power of two)."""
-
-    @cuda.jit
-    def kernel(x, gate_proj, up_proj, ids, hidden):
-        # hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j]
-        # one block = feature f (blockIdx.x) for the passes of PAIRS_PER_PASS (token, slot) pairs
-        # blockIdx.y, blockIdx.y + gridDim.y, ...; one thread = d = tid, tid + TPB, ... of the
-        # pair's two dot products (coalesced weight rows);
-        # shared memory: 2 x PAIRS_PER_PASS x TPB partial sums, one tree per pair and product
-        gate_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
-        up_partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
-        gate_acc = cuda.local.array(PAIRS_PER_PASS, float32)
-        up_acc = cuda.local.array(PAIRS_PER_PASS, float32)
-        first = cuda.blockIdx.x * FEATURES_PER_BLOCK
-        pairs = ids.shape[0] * ids.shape[1]
-        for f in range(first, min(first + FEATURES_PER_BLOCK, hidden.shape[2])):
-            for p0 in range(cuda.blockIdx.y * PAIRS_PER_PASS, pairs, cuda.gridDim.y * PAIRS_PER_PASS):
-                _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_partial,
-                             gate_acc, up_acc)
-
-    return kernel
-
-
-@cuda.jit(device=True)
-def _hidden_pass(x, gate_proj, up_proj, ids, hidden, f, p0, gate_partial, up_partial, gate_acc, up_acc):
-    """hidden[pair, f] for pairs p0 .. p0 + PAIRS_PER_PASS - 1 (pair = token * k + slot)."""
-    tid = cuda.threadIdx.x
+@cuda.jit
+def expert_hidden_kernel(x, gate_proj, up_proj, ids, hidden):
+    # hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j]
+    # one block = features f0 .. f0 + 31 (blockIdx.x; lane = f) of the (token, slot) pairs
+    # blockIdx.y, blockIdx.y + gridDim.y, ...; the block's warps split D (kernels.linear's
+    # tile_dots: the expert's W tile staged in shared memory, each lane's sums sequential in d)
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    gate = cuda.local.array(1, float32)
+    up = cuda.local.array(1, float32)
     slots = ids.shape[1]
-    pairs = min(PAIRS_PER_PASS, ids.shape[0] * slots - p0)
-    for r in range(PAIRS_PER_PASS):
-        gate_acc[r] = float32(0.0)
-        up_acc[r] = float32(0.0)
-    for r in range(pairs):
-        token = (p0 + r) // slots
-        expert = ids[token, (p0 + r) % slots]
-        for d in range(tid, x.shape[1], cuda.blockDim.x):
-            gate_acc[r] += gate_proj[expert, f, d] * x[token, d]
-            up_acc[r] += up_proj[expert, f, d] * x[token, d]
-    for r in range(PAIRS_PER_PASS):
-        gate_partial[r, tid] = gate_acc[r]
-        up_partial[r, tid] = up_acc[r]
-    block_sums(gate_partial)
-    block_sums(up_partial)
-    if tid < pairs:
-        gate = gate_partial[tid, 0]
-        hidden[(p0 + tid) // slots, (p0 + tid) % slots, f] = gate * sigmoid_scalar(gate) * up_partial[tid, 0]
-    cuda.syncthreads()                       # the partials are rewritten by the next pass
+    f0 = cuda.blockIdx.x * LANES
+    f = f0 + cuda.threadIdx.x
+    for pair in range(cuda.blockIdx.y, ids.shape[0] * slots, cuda.gridDim.y):
+        token, slot = pair // slots, pair % slots
+        expert = ids[token, slot]
+        tile_dots_one(x, token, 1, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
+        tile_dots_one(x, token, 1, up_proj[expert], f0, up, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and f < hidden.shape[2]:
+            hidden[token, slot, f] = gate[0] * sigmoid_scalar(gate[0]) * up[0]
 # --8<-- [end:expert_hidden_kernel]
 
 
 # --8<-- [start:expert_down_kernel]
-@functools.cache
-def expert_down_kernel(threads: int):
-    """The expert down-projection kernel for blocks of ``threads`` threads (a power of two)."""
-
-    @cuda.jit
-    def kernel(hidden, down_proj, ids, weights, accumulate, out):
-        # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j])
-        # one block = output feature d (blockIdx.x) for tokens blockIdx.y, blockIdx.y + gridDim.y,
-        # ...: a token's k (slot) dot products in one pass as in expert_hidden_kernel, then
-        # thread 0 adds them in slot order: one writer per element, no atomics
-        partial = cuda.shared.array((PAIRS_PER_PASS, threads), float32)
-        acc = cuda.local.array(PAIRS_PER_PASS, float32)
-        first = cuda.blockIdx.x * FEATURES_PER_BLOCK
-        for d in range(first, min(first + FEATURES_PER_BLOCK, out.shape[1])):
-            for token in range(cuda.blockIdx.y, ids.shape[0], cuda.gridDim.y):
-                _down_token(hidden, down_proj, ids, weights, accumulate, out, d, token, partial, acc)
-
-    return kernel
-
-
-@cuda.jit(device=True)
-def _down_token(hidden, down_proj, ids, weights, accumulate, out, d, token, partial, acc):
-    """out[token, d]: the token's slots' dot products (a tree each), added in slot order."""
-    tid = cuda.threadIdx.x
-    slots = ids.shape[1]
-    for r in range(PAIRS_PER_PASS):
-        acc[r] = float32(0.0)
-    for r in range(slots):
-        expert = ids[token, r]
-        for f in range(tid, hidden.shape[2], cuda.blockDim.x):
-            acc[r] += down_proj[expert, d, f] * hidden[token, r, f]
-    for r in range(PAIRS_PER_PASS):
-        partial[r, tid] = acc[r]
-    block_sums(partial)
-    if tid == 0:
-        total = out[token, d] if accumulate else float32(0.0)
-        for r in range(slots):
-            total += weights[token, r] * partial[r, 0]
-        out[token, d] = total
-    cuda.syncthreads()                       # the partials are rewritten for the next token
+@cuda.jit
+def expert_down_kernel(hidden, down_proj, ids, weights, accumulate, out):
+    # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j])
+    # one block = output features d0 .. d0 + 31 (blockIdx.x; lane = d) of tokens blockIdx.y,
+    # blockIdx.y + gridDim.y, ...: the token's k slot dot products one after another (tile_dots),
+    # each added in slot order by the lane's thread: one writer per element, no atomics
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    dot = cuda.local.array(1, float32)
+    d0 = cuda.blockIdx.x * LANES
+    d = d0 + cuda.threadIdx.x
+    writer = cuda.threadIdx.x < LANES and d < out.shape[1]
+    for token in range(cuda.blockIdx.y, ids.shape[0], cuda.gridDim.y):
+        total = out[token, d] if writer and accumulate else float32(0.0)
+        for slot in range(ids.shape[1]):
+            expert = ids[token, slot]
+            tile_dots_one(hidden[token], slot, 1, down_proj[expert], d0, dot, w_tile, x_tile, partial)
+            total += weights[token, slot] * dot[0]
+        if writer:
+            out[token, d] = total
 # --8<-- [end:expert_down_kernel]
 
 
@@ -347,7 +294,7 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
 def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream) -> None:
     """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> logits (T, E), then
     ids and weights (T, k)."""
-    linear(x, gate, version="rows", out=logits, stream=stream)
+    linear(x, gate, version="tiles", out=logits, stream=stream)
     threads = threads or pow2_threads(config.n_routed_experts)
     route_kernel[x.shape[0], threads, stream](
         logits, bias, config.n_group, config.topk_group, config.norm_topk_prob,
@@ -358,12 +305,11 @@ def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, hidden, out,
     """Both expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F), ids (T, k)."""
     (rows, slots), features, width = ids.shape, gate_proj.shape[1], out.shape[1]
     spread = 1 if SIMULATOR else 0        # the simulator: one block walks all rows (fewer threads)
-    threads = reduction_threads(width)
-    grid = (blocks(features, FEATURES_PER_BLOCK), spread or blocks(rows * slots, PAIRS_PER_PASS))
-    expert_hidden_kernel(threads)[grid, threads, stream](x, gate_proj, up_proj, ids, hidden)
-    threads = reduction_threads(features)
-    grid = (blocks(width, FEATURES_PER_BLOCK), spread or rows)
-    expert_down_kernel(threads)[grid, threads, stream](hidden, down_proj, ids, weights, accumulate, out)
+    grid = (blocks(features, LANES), spread or rows * slots)                 # x over F, y over pairs
+    expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, ids, hidden)
+    grid = (blocks(width, LANES), spread or rows)                            # x over D, y over tokens
+    expert_down_kernel[grid, LANES * k_slices(features), stream](hidden, down_proj, ids, weights,
+                                                                 accumulate, out)
 
 
 def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, accumulate, stream) -> None:
@@ -380,12 +326,6 @@ def _check_router_limits(config: ModelConfig, threads) -> None:
                          f"groups, got {config.n_routed_experts} and {config.n_group}")
     if threads is not None:
         check_threads(threads, MAX_TPB)
-
-
-def _check_slots(slots: int) -> None:
-    if slots > PAIRS_PER_PASS:
-        raise ValueError(f"num_experts_per_tok must be <= {PAIRS_PER_PASS} (expert_down_kernel adds a "
-                         f"token's slots in one pass), got {slots}")
 
 
 def _check_scratch(scratch, name: str, **expected) -> None:
@@ -493,7 +433,6 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
     x = host_or_device(x, np.float32)
     reference.check_moe(x, params, config)
     _check_router_limits(config, None)
-    _check_slots(config.num_experts_per_tok)
     check_float32(x=x, **_arrays(params))
     check_out(out, x.shape)
     if scratch is not None:

@@ -229,6 +229,22 @@ def test_moe_matches_numpy(name):
     assert_close(actual, ref.moe(x, params, config), rtol=RTOL, atol=ATOL, name=f"moe {name}")
 
 
+def test_moe_token_alone_equals_token_in_a_batch():
+    """A token's MoE output is bit-identical run alone or beside other tokens (the engine's tree
+    rows equal its AR rows): D = 70 spans three 32-wide chunks (two warps split them), F = 40 two
+    feature tiles."""
+    config = config_with(moe_intermediate_size=40)
+    host_params = random_params(config, 70, seed=9)
+    params = gpu.device_params(host_params)
+    x = np.random.default_rng(10).standard_normal((5, 70)).astype(np.float32)
+    assert_well_separated(x, host_params.gate, host_params.bias, config)
+    together = gpu.moe(x, params, config)
+    assert_close(together, ref.moe(x, host_params, config), rtol=RTOL, atol=ATOL)
+    for t in (0, 3, 4):
+        alone = gpu.moe(x[t:t + 1], params, config)
+        assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
+
+
 def test_moe_device_path_is_deterministic():
     config = config_with(moe_intermediate_size=11)
     params = random_params(config, 19, seed=4)

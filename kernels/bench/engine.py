@@ -366,6 +366,35 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> di
     return result
 
 
+def floor_only(name: str, log) -> dict:
+    """The AR step against its floor and verify time against tree size, without the tok/s grid
+    (``--floor-only``: what ``small`` needs, in minutes instead of an hour). AR: one warmed-up
+    generation of NEW_TOKENS tokens, timed."""
+    from kernels.model import Transformer
+    from kernels.weights import init_weights as device_init_weights
+
+    config = preset(name)
+    begin = time.perf_counter()
+    weights = device_init_weights(config, golden.WEIGHT_SEED)
+    device.cuda.synchronize()
+    log(f"{name}: weights made in {time.perf_counter() - begin:.1f} s (GPU)")
+    model = Transformer(config, weights)
+    prompt = prompt_for(name, config)
+    engine_decode.generate_ar(model, prompt, NEW_TOKENS)                        # compile and capture
+    begin = time.perf_counter()
+    engine_decode.generate_ar(model, prompt, NEW_TOKENS)
+    ar_step = (time.perf_counter() - begin) / NEW_TOKENS
+    bandwidth = 2 * (1 << 30) / measure_copy(1 << 30, quick=False)
+    floor = weight_bytes_per_token(config) / bandwidth
+    result = {"preset": name, "floor": {"copy_bandwidth": bandwidth, "floor_us": 1e6 * floor,
+                                        "ar_step_us": 1e6 * ar_step,
+                                        "weight_bytes_per_token": weight_bytes_per_token(config)}}
+    log(f"  floor {result['floor']}")
+    result["tree_sizes"] = tree_size_sweep(model, prompt)
+    log(f"  tree sizes {result['tree_sizes']}")
+    return result
+
+
 def targets(result: dict) -> list[str]:
     """Issue 7's two targets for a preset, each as measured: engine AR / transformers >= 5;
     DDTree / engine AR >= 0.8 x (AR forwards / DDTree forwards)."""
@@ -387,42 +416,67 @@ def targets(result: dict) -> list[str]:
     return lines
 
 
+def section(name: str, lines: list[str]) -> list[str]:
+    """``lines`` between snippet markers, so the site includes the record's tables by name."""
+    return [f"<!-- --8<-- [start:{name}] -->", *lines, f"<!-- --8<-- [end:{name}] -->"]
+
+
 def format_report(results: list[dict], header: list, command: str) -> str:
+    """The markdown record; each preset's tables are snippet sections (engine-, targets-, split-,
+    floor-<preset>) for the site."""
     lines = ["# Engine benchmark", "", f"Command: `{command}`", ""]
     lines += [f"- {key}: {value}" for key, value in header]
-    lines += ["", f"{NEW_TOKENS} new tokens after a {PROMPT_TOKENS}-token prompt, block {BLOCK}; median of "
-              f"{REPEATS} runs after a warm-up run (compiled, graphs captured). Forwards: target forwards "
-              f"per run, prefill included.", ""]
+    if any(result.get("runs") for result in results):
+        lines += ["", f"{NEW_TOKENS} new tokens after a {PROMPT_TOKENS}-token prompt, block {BLOCK}; median "
+                  f"of {REPEATS} runs after a warm-up run (compiled, graphs captured). Forwards: target "
+                  f"forwards per run, prefill included."]
+    lines.append("")
     for result in results:
-        lines += [f"## {result['preset']}", "",
-                  "| system | decoder | budget | tok/s | forwards | tokens per forward |",
-                  "|---|---|---|---|---|---|"]
-        for r in result["runs"]:
-            rate, forwards = r["tokens_per_second"], r["forwards"]
-            lines.append(f"| {r['system']} | {r['decoder']} | {r['budget'] or '-'} | {rate:.0f} | "
-                         f"{forwards} | {NEW_TOKENS / forwards:.2f} |")
-        lines += ["", "Targets:", ""] + [f"- {line}" for line in targets(result)]
-        if "transformers_same_tokens" in result:
-            lines.append(f"- transformers generated the engine's tokens: "
-                         f"{'yes' if result['transformers_same_tokens'] else 'no'}")
-        lines += ["", "Kernel launches: " + ", ".join(f"{k} {v}" for k, v in result["launches"].items()), "",
-                  f"Round split at budget {SPLIT_BUDGET} (µs per round; device phases between CUDA events):",
-                  "",
-                  "| drafter | rounds | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 2) + "|"]
-        for drafter_name, split in result["split"].items():
-            lines.append(f"| {drafter_name} | {split['rounds']} | "
-                         + " | ".join(f"{split[p]:.0f}" for p in PHASES) + " |")
+        name = result["preset"]
+        lines += [f"## {name}", ""]
+        if result.get("runs"):
+            table = ["| system | decoder | budget | tok/s | forwards | tokens per forward |",
+                     "|---|---|---|---|---|---|"]
+            for r in result["runs"]:
+                rate, forwards = r["tokens_per_second"], r["forwards"]
+                table.append(f"| {r['system']} | {r['decoder']} | {r['budget'] or '-'} | {rate:.0f} | "
+                             f"{forwards} | {NEW_TOKENS / forwards:.2f} |")
+            lines += section(f"engine-{name}", table)
+            verdicts = [f"- {line}" for line in targets(result)]
+            if "transformers_same_tokens" in result:
+                verdicts.append(f"- transformers generated the engine's tokens: "
+                                f"{'yes' if result['transformers_same_tokens'] else 'no'}")
+            lines += ["", "Targets:", ""] + section(f"targets-{name}", verdicts)
+        if "launches" in result:
+            lines += ["", "Kernel launches: " + ", ".join(f"{k} {v}" for k, v in result["launches"].items())]
+        if "split" in result:
+            split = ["| drafter | rounds | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 2) + "|"]
+            split += [f"| {drafter_name} | {row['rounds']} | " + " | ".join(f"{row[p]:.0f}" for p in PHASES)
+                      + " |" for drafter_name, row in result["split"].items()]
+            lines += ["", f"Round split at budget {SPLIT_BUDGET} (µs per round; device phases between CUDA "
+                      "events):", ""] + section(f"split-{name}", split)
         if "floor" in result:
             f = result["floor"]
-            lines += ["", f"AR step: {f['ar_step_us']:.0f} µs; floor {f['floor_us']:.0f} µs "
-                      f"({f['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token at "
-                      f"{f['copy_bandwidth'] / 1e9:.0f} GB/s copy bandwidth measured in this run): "
-                      f"{f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
-                      "| tree nodes | verify µs | distinct experts per MoE layer |", "|---|---|---|"]
-            lines += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['experts_per_layer']:.1f} |"
+            floor = [f"AR step: {f['ar_step_us']:.0f} µs; floor {f['floor_us']:.0f} µs "
+                     f"({f['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token at "
+                     f"{f['copy_bandwidth'] / 1e9:.0f} GB/s copy bandwidth measured in this run): "
+                     f"{f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
+                     "| tree nodes | verify µs | distinct experts per MoE layer |", "|---|---|---|"]
+            floor += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['experts_per_layer']:.1f} |"
                       for row in result["tree_sizes"]]
+            lines += [""] + section(f"floor-{name}", floor)
         lines.append("")
     return "\n".join(lines)
+
+
+def write_record(path, results: list[dict], header: list, command: str) -> str:
+    """The markdown report at ``path`` and the measurements as JSON beside it; returns the report."""
+    report = format_report(results, header, command)
+    if path:
+        path.write_text(report)
+        path.with_suffix(".json").write_text(json.dumps({"header": header, "command": command,
+                                                         "results": results}, indent=1))
+    return report
 
 
 def parse_args(argv):
@@ -430,6 +484,8 @@ def parse_args(argv):
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--floor-only", action="store_true",
+                        help="only the AR step against its floor and verify time against tree size")
     parser.add_argument("--out", type=pathlib.Path,
                         help="write the markdown report here (and a .json beside it)")
     return parser.parse_args(argv)
@@ -445,22 +501,21 @@ def main(argv=None) -> int:
     for n in names:
         preset(n)                                              # unknown names fail before any work
     log = lambda text: print(text, file=sys.stderr, flush=True)
+    command = "python -m kernels.bench engine " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.floor_only:
+        print(write_record(args.out, [floor_only(n, log) for n in names], versions(), command))
+        return 0
     numpy_results = numpy_runs([n for n in names if n in HOST_PRESETS], args.repeats, log)
     peers, missing = load_transformers()
     if missing:
         log(f"note: {missing}")
-    command = "python -m kernels.bench engine " + shlex.join(argv if argv is not None else sys.argv[1:])
     header = versions()
     if peers is not None:
         header.append(("peer", f"torch {peers[0].__version__}, transformers {peers[1].__version__}"))
     results = []
     for n in names:                               # the report is rewritten after every preset
         results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log))
-        report = format_report(results, header, command)
-        if args.out:
-            args.out.write_text(report)
-            args.out.with_suffix(".json").write_text(json.dumps({"header": header, "results": results},
-                                                                indent=1))
+        report = write_record(args.out, results, header, command)
     print(report)
     return 0
 
