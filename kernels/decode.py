@@ -62,14 +62,16 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
 
 
 # --8<-- [start:ddtree_round]
-def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> RoundTrace:
-    """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length."""
+def ddtree_round(model, cache, context, drafter, block_size, budget, topk, verifier="node") -> RoundTrace:
+    """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length;
+    ``verifier="rejection"`` (at temperature > 0): the sampled tree, as in the reference."""
     vocab = model.config.vocab_size
     start, root = cache.length, int(context[-1])
     depths = block_size - 1
     draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V] host
     k = candidates_per_depth(budget, topk, vocab)                                  # K
-    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, root, draft, k, budget)
+    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, root, draft, k, budget,
+                                                                       verifier)
     return RoundTrace(start, tokens, parents, node_depths, accepted, bonus, int(accepted.size))
 # --8<-- [end:ddtree_round]
 
@@ -78,16 +80,17 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk) -> Ro
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
                     budget: int = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
-                    seed: int = 0):
+                    seed: int = 0, verifier: str = "node"):
     """Speculative decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
 
     The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed`` for any drafter,
     bit for bit: every row of a verify forward is computed exactly as the AR step at its position
-    would compute it, and draws its token with that position's numbers. (The reference's sampled
-    tree, ``verifier="rejection"``, has no engine twin yet.)
+    would compute it, and draws its token with that position's numbers. ``verifier="rejection"``:
+    the reference's sampled tree (children redrawn from the drafter, recursive rejection
+    sampling), equal to AR in distribution, and to the reference's rejection run token for token.
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
-                                  seed)
+                                  seed, verifier)
     model.check_budget(budget)
     check_drafter(drafter, model.config.vocab_size)
     tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
@@ -101,7 +104,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     generated: list[int] = []
     while len(generated) < max_new_tokens:
         block = min(block_size, max_new_tokens - len(generated))
-        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk)
+        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk, verifier)
         new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
         context += new
         generated += new

@@ -44,6 +44,8 @@ from ddtree.kv_cache import CacheOverflowError, LatentKVCache
 from ddtree.model import LATENT_NORM_EPS, check_tokens
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
+from ddtree.sampling import KeyedRandom, child_tokens, draw_children
+from ddtree.tree import DraftTree
 from ddtree.weights import check_weights
 from kernels.accept import accept_batch
 from kernels.blocks import blocks
@@ -55,7 +57,7 @@ from kernels.mla import absorb_output, absorb_query, attention_paths
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
-from kernels.sampling import sample
+from kernels.sampling import rejection_step, sample
 from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
@@ -320,6 +322,10 @@ class Buffers:
         self.accepted_count = poisoned((1,), np.int64)                 # m
         self.bonus = poisoned((1,), np.int64)
         self.record = poisoned((3 + 4 * t,), np.int64)                 # what the host reads per round
+        # the sampled tree (verifier="rejection"): each node's children's tokens, -1 padded, flat
+        # and viewed (W, K) per round shape
+        self.children = poisoned((t * (t - 1),), np.int64)             # [Tmax * Kmax]
+        self.rejection_work = None                                     # [Tmax, 2, V] float64, on first use
 
     def rows(self, name: str, rows: int):
         """Field ``name`` of the tree buffers as (1, T) for the tree functions."""
@@ -387,6 +393,7 @@ class Transformer:
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
         self.made = {}                # launch sequences and buffer views by key, made once
         self.sampling = False         # temperature > 0 (set_sampling): rows draw instead of argmax
+        self.temperature, self.seed = 0.0, 0
 
     def cached(self, key, make):
         """``make()`` the first time ``key`` is asked for, the same object after: the views and
@@ -396,9 +403,10 @@ class Transformer:
         return self.made[key]
 
     # --8<-- [start:forward_rows]
-    def forward_rows(self, stream, rows: int, sampling: bool = False) -> None:
+    def forward_rows(self, stream, rows: int, sampling: bool = False, outcome: bool = True) -> None:
         """Launch a forward over ``rows`` rows (a bucket) into buffers.logits and .posterior: each
-        row's argmax, or with ``sampling`` its token drawn at temperature (``kernels.sampling``)."""
+        row's argmax, or with ``sampling`` its token drawn at temperature (``kernels.sampling``);
+        without ``outcome``, the logits only."""
         b, c = self.buffers, self.config
         positions_and_paths(b.tree.parents[:rows], b.tree.depths[:rows], b.prefix,
                             positions=b.positions[:rows], paths=b.paths[:rows], stream=stream)
@@ -408,6 +416,8 @@ class Transformer:
             self.decoder_layer(stream, index, layer, rows)
         rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream)   # [T, D]
         linear(b.a[:rows], self.lm_head, version="tiles", out=b.logits[:rows], stream=stream)  # [T, V]
+        if not outcome:
+            return
         if sampling:                                                               # [T]
             add_one_kernel[blocks(rows, TPB), TPB, stream](b.positions[:rows], b.draw_positions[:rows])
             sample(b.logits[:rows], b.draw_positions[:rows], b.temperature, b.seed, out=b.posterior[:rows],
@@ -484,10 +494,13 @@ class Transformer:
         return sequence
 
     # --8<-- [start:round_phases]
-    def round_phases(self, rows: int, depths: int, k: int, budget: int, sampling: bool = False):
+    def round_phases(self, rows: int, depths: int, k: int, budget: int, sampling: bool = False,
+                     rejection: bool = False):
         """One DDTree round after the drafter's logits are uploaded, as named phases of launches:
         top-K, build, verify, accept, compact (which also commits). ``rows`` is the bucket (W),
-        ``depths`` (L) and ``k`` (K) the candidates per depth, ``budget`` (B) the drafted nodes."""
+        ``depths`` (L) and ``k`` (K) the candidates per depth, ``budget`` (B) the drafted nodes.
+        With ``rejection`` (the sampled tree) the phases after the host has redrawn the children:
+        verify (logits, then ``rejection_step`` per node), accept, compact."""
         b = self.buffers
         top_logprobs = b.top_logprobs[:depths * k].reshape((1, depths, k))           # [1, L, K]
         top_ids = b.top_ids[:depths * k].reshape((1, depths, k))
@@ -505,6 +518,13 @@ class Transformer:
         def verify(stream):
             self.forward_rows(stream, rows, sampling)                                # posterior [W]
 
+        def verify_rejection(stream):                                                # the drawn tree
+            self.forward_rows(stream, rows, outcome=False)                           # logits [W, V]
+            add_one_kernel[blocks(rows, TPB), TPB, stream](b.positions[:rows], b.draw_positions[:rows])
+            rejection_step(b.logits[:rows], b.draw_positions[:rows], self.children_view(rows, k),
+                           b.draft[:max(depths, 1)], b.tree.depths[:rows], b.temperature, b.seed,
+                           out=b.posterior[:rows], work=b.rejection_work[:rows], stream=stream)
+
         def accept(stream):
             accept_batch(tree.tokens, tree.parents, tree.sizes, b.posterior[:rows].reshape((1, rows)),
                          out=(accepted, b.accepted_count, b.bonus), stream=stream)  # path + bonus
@@ -516,6 +536,8 @@ class Transformer:
                 b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, accepted, b.accepted_count,
                 b.bonus, b.root, b.record[:3 + 4 * rows])
 
+        if rejection:
+            return [("verify", verify_rejection), ("accept", accept), ("compact", compact)]
         return [("top-k", top_k), ("build", build), ("verify", verify), ("accept", accept),
                 ("compact", compact)]
     # --8<-- [end:round_phases]
@@ -547,6 +569,7 @@ class Transformer:
         """Greedy at temperature 0; otherwise every forward draws each row's token with the numbers
         of (seed, position) (``kernels.sampling``). Two 8-byte uploads; graphs are kept per mode."""
         self.sampling = temperature > 0
+        self.temperature, self.seed = temperature, seed        # the host's copies (the sampled tree)
         self.graphs.upload(np.array([temperature], np.float64), self.buffers.temperature)
         self.graphs.upload(np.array([seed], np.int64), self.buffers.seed)
 
@@ -604,12 +627,15 @@ class Transformer:
         cache.length += 1
         self.forward_count += 1
 
-    def verify_round(self, cache: DeviceCache, root: int, draft: np.ndarray, k: int, budget: int):
+    def verify_round(self, cache: DeviceCache, root: int, draft: np.ndarray, k: int, budget: int,
+                     verifier: str = "node"):
         """Upload the drafter's logits, run the round on the device, read back its record.
 
         Returns (accepted node indices, bonus, tree tokens, parents, depths) as numpy arrays. While
         ``round_timings`` is a dict (GPU only), each phase runs as its own graph between CUDA events
         and its device seconds are added to round_timings[phase] (the benchmark's round split).
+        ``verifier="rejection"`` at temperature > 0: after top-K and the build, the host redraws the
+        children (``redraw_children``, the reference's draw) and the verify ends in rejection steps.
         """
         self.check_budget(budget)
         depths = min(draft.shape[0], budget)          # deeper rows can never be reached
@@ -625,11 +651,13 @@ class Transformer:
         key = ("round", rows, depths, k, budget, self.sampling)
         phases = self.cached(("phases", *key),
                              lambda: self.round_phases(rows, depths, k, budget, self.sampling))
-        if self.round_timings is None:
-            self.graphs.run(key, self.cached(key, lambda: self.round_sequence(phases)))
-        else:
-            for phase, seconds in self.graphs.run_timed(key, phases).items():
-                self.round_timings[phase] = self.round_timings.get(phase, 0.0) + seconds
+        if verifier == "rejection" and self.sampling:
+            self.run_phases(("draft tree", *key), phases[:2])                      # top-K, build
+            self.redraw_children(rows, k, draft, cache.length)
+            key = ("rejection", *key)
+            phases = self.cached(("phases", *key),
+                                 lambda: self.round_phases(rows, depths, k, budget, True, rejection=True))
+        self.run_phases(key, phases)
         record_view = self.cached(("record", rows), lambda: self.buffers.record[:3 + 4 * rows])
         record = self.graphs.download(record_view)
         self.forward_count += 1
@@ -638,3 +666,37 @@ class Transformer:
         cache.length += kept
         self.device_root = bonus
         return accepted[:kept].copy(), bonus, tokens.copy(), parents.copy(), node_depths.copy()
+
+    def run_phases(self, key, phases) -> None:
+        """The phases as one graph, or (``round_timings``) each timed as its own."""
+        if self.round_timings is None:
+            self.graphs.run(key, self.cached(key, lambda: self.round_sequence(phases)))
+        else:
+            for phase, seconds in self.graphs.run_timed(key, phases).items():
+                self.round_timings[phase] = self.round_timings.get(phase, 0.0) + seconds
+
+    def children_view(self, rows: int, k: int):
+        """The (W, K) view of the children buffer for a round of ``rows`` rows and K = ``k``."""
+        width = max(k, 1)
+        return self.cached(("children", rows, width),
+                           lambda: self.buffers.children[:rows * width].reshape((rows, width)))
+
+    def redraw_children(self, rows: int, k: int, draft: np.ndarray, start: int) -> None:
+        """The sampled tree's tokens, drawn on the host as the reference draws them
+        (``ddtree.sampling.draw_children``: the built tree's shape, each depth's tokens one draw
+        without replacement from the drafter at that position), then uploaded with each node's
+        children (-1 padded) for ``rejection_step``. One download of the built tree, two uploads."""
+        b = self.buffers
+        size = int(self.graphs.download(b.tree.sizes)[0])
+        fields = {name: self.graphs.download(getattr(b.tree, name)[:rows])[:size]
+                  for name in ("tokens", "parents", "depths", "ranks", "logprobs")}
+        tree = draw_children(DraftTree(**fields), draft, start, self.temperature, KeyedRandom(self.seed))
+        tokens = np.zeros(rows, np.int64)                                           # padding rows: 0
+        tokens[:size] = tree.tokens
+        self.graphs.upload(tokens, self.cached(("tokens", rows), lambda: b.tree.tokens[:rows]))
+        kids = child_tokens(tree)                                                   # [N, c] c <= K
+        children = np.full((rows, max(k, 1)), -1, np.int64)                        # [W, K]
+        children[:size, :kids.shape[1]] = kids
+        self.graphs.upload(children, self.children_view(rows, k))
+        if b.rejection_work is None:
+            b.rejection_work = poisoned((self.max_rows, 2, self.config.vocab_size), np.float64)

@@ -120,6 +120,20 @@ def test_sampled_ddtree_matches_numpy_ar():
     assert trace.verify_forwards == 1                     # the oracle's draft: both tokens in one round
 
 
+def test_rejection_verifier_matches_numpy():
+    """The sampled tree (``verifier="rejection"``): children redrawn from the drafter and verified by
+    recursive rejection sampling; the engine's rounds equal the reference's, tree for tree."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
+    options = dict(block_size=3, budget=4, temperature=1.0, seed=3, verifier="rejection")
+    drafter = make_drafter("noisy", ref, prompt, 3, continuation=reference_decode.generate_ar(ref, prompt, 3))
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, 3, drafter, **options)
+    expected, expected_trace = reference_decode.generate_ddtree(ref, prompt, 3, drafter, **options)
+    assert_exact(tokens, expected)
+    for actual, wanted in zip(trace.rounds, expected_trace.rounds, strict=True):
+        assert_same_round(actual, wanted)
+
+
 def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
@@ -234,6 +248,29 @@ def test_sampled_ddtree_equals_sampled_ar(name):
                         seed=seed)
                     assert_exact(tokens, expected, name=f"T={temperature} seed {seed} {drafter_name} "
                                                         f"block {block} budget {budget}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_rejection_verifier_equals_numpy_on_hardware(name):
+    """On hardware: the engine's sampled tree equals the reference's, round for round, across
+    temperatures, seeds, drafters and block/budget pairs."""
+    model, ref = engine(name), reference(name)
+    prompt = golden.default_prompt(name)
+    for temperature, seed in ((0.5, 0), (1.0, 7), (2.0, 3)):
+        continuation = reference_decode.generate_ar(ref, prompt, 16, temperature=temperature, seed=seed)
+        for drafter_name in ("noisy", "ngram"):
+            for block, budget in ((4, 5), (8, 32)):
+                options = dict(block_size=block, budget=budget, temperature=temperature, seed=seed,
+                               verifier="rejection")
+                drafter = make_drafter(drafter_name, ref, prompt, 16, continuation=continuation)
+                tokens, trace = engine_decode.generate_ddtree(model, prompt, 16, drafter, **options)
+                expected, expected_trace = reference_decode.generate_ddtree(ref, prompt, 16, drafter,
+                                                                            **options)
+                where = f"T={temperature} seed {seed} {drafter_name} block {block} budget {budget}"
+                assert_exact(tokens, expected, name=where)
+                for actual, wanted in zip(trace.rounds, expected_trace.rounds, strict=True):
+                    assert_same_round(actual, wanted, where=where + ": ")
 
 
 @pytest.mark.gpu
