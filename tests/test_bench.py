@@ -164,7 +164,8 @@ def test_digest_hashes_values_not_where_they_live():
 
 
 @pytest.mark.skipif(not device.SIMULATOR, reason="the refusal applies to the simulator")
-def test_profile_is_refused_in_the_simulator(capsys):
+@pytest.mark.parametrize("command", ["profile", "sweep"])
+def test_device_timings_are_refused_in_the_simulator(command, capsys):
     with pytest.raises(SystemExit):
-        main(["profile"])
+        main([command])
     assert "needs a GPU" in capsys.readouterr().err

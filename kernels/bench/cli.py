@@ -37,6 +37,10 @@ def main(argv=None) -> int:
         from kernels.bench import profile
 
         return profile.main(argv[1:])
+    if argv[:1] == ["sweep"]:                           # tokens/s against context length
+        from kernels.bench import sweep
+
+        return sweep.main(argv[1:])
     if argv[:1] == ["digest"]:                          # fingerprints of every result, run to run
         from kernels.bench import digest
 
