@@ -1,0 +1,220 @@
+"""Performance: every kernel against its floor, the engine's forward kernel by kernel, and the
+engine against tree size and context length. Everything here is read from the committed H200
+records under docs/results/ (nothing is measured on this machine):
+
+* bench-h200-2026-11-29.md: each kernel's public call at Kimi K2.6 shapes (``python -m
+  kernels.bench``), against its floor: max(bytes / copy bandwidth, FLOPs / fp32 rate);
+* profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
+  after the "tiles" kernels (``python -m kernels.bench profile``);
+* engine-small-h200-2026-11-30.json: ``small``'s AR step against its floor, and the verify time
+  against the tree's size (``python -m kernels.bench engine --floor-only``);
+* sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
+  sweep``).
+
+Run: python walkthrough/16_performance.py
+
+Writes docs/assets/figures/16_performance_*.png and 16_performance_report.txt (what it prints).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
+import matplotlib.pyplot as plt
+import numpy as np
+
+STEM = "16_performance"
+RESULTS = chapter.ROOT / "docs" / "results"
+BENCH = RESULTS / "bench-h200-2026-11-29.md"
+PROFILE = RESULTS / "profile-h200-2026-11-30.md"
+SMALL = RESULTS / "engine-small-h200-2026-11-30.json"
+SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
+PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
+
+
+# --8<-- [start:read_table]
+def read_table(text: str, first_column: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table in ``text`` whose header starts with ``first_column``,
+    as dicts keyed by the header's cells."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_column:
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")),
+                                     strict=True)))
+            return rows
+    raise ValueError(f"no table with a {first_column!r} column")
+
+
+def snippet(text: str, name: str) -> str:
+    """The lines between a record's snippet markers ``name``."""
+    match = re.search(rf"\[start:{re.escape(name)}\] -->\n(.*?)<!-- --8<-- \[end:{re.escape(name)}\]",
+                      text, re.S)
+    if match is None:
+        raise ValueError(f"no snippet section {name!r}")
+    return match.group(1)
+# --8<-- [end:read_table]
+
+
+def number(cell: str) -> float:
+    return float("nan") if cell in ("-", "") else float(cell)
+
+
+# --8<-- [start:kernel_floors]
+def kernel_floors() -> list[dict]:
+    """Each benchmark case's time against its floor, from the record's time, GB/s and GFLOP/s."""
+    hw = chapter.h200()
+    cases = []
+    for row in read_table(BENCH.read_text(encoding="utf-8"), "case"):
+        seconds = number(row["median µs"]) * 1e-6
+        moved = number(row["GB/s"]) * 1e9 * seconds                            # bytes
+        flops = number(row["GFLOP/s"]) * 1e9 * seconds if row["GFLOP/s"] != "-" else 0.0
+        floor = max(moved / hw.bandwidth, flops / hw.fp32)
+        cases.append({"case": row["case"], "seconds": seconds, "bytes": moved, "flops": flops,
+                      "floor": floor, "of_floor": floor / seconds})
+    return cases
+# --8<-- [end:kernel_floors]
+
+
+def floors_report(cases) -> None:
+    with chapter.section("floors"):
+        print(f"{'case':<24} {'time':>10} {'floor':>10} {'of floor':>9}  bound by")
+        for c in cases:
+            bound = "FLOPs" if c["flops"] / chapter.h200().fp32 > c["bytes"] / chapter.h200().bandwidth \
+                else "bytes"
+            print(f"{c['case']:<24} {c['seconds'] * 1e6:>8.0f}us {c['floor'] * 1e6:>8.1f}us "
+                  f"{100 * c['of_floor']:>8.2f}%  {bound}")
+
+
+def plot_floors(cases) -> None:
+    fig, axis = plt.subplots(figsize=(9.5, 5.5))
+    names = [c["case"] for c in cases]
+    axis.barh(names, [100 * c["of_floor"] for c in cases], color="tab:blue")
+    axis.set_xscale("log")
+    axis.set_xlabel("share of the floor reached (%), log scale: 100% = max(bytes/BW, FLOPs/fp32)")
+    axis.invert_yaxis()
+    axis.set_title("Each kernel's public call at Kimi K2.6 shapes (H200, 2026-11-29)")
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "floors")
+
+
+# --8<-- [start:profile]
+def profile(part: str) -> dict[str, dict[str, float]]:
+    """Device µs per kernel in the forward (``part``: "before" or "after"), by T column."""
+    rows = read_table(snippet(PROFILE.read_text(encoding="utf-8"), f"{part}-tiny"), "kernel")
+    return {r["kernel"].strip("*"): {t: number(r[t]) for t in PROFILE_ROWS} for r in rows}
+# --8<-- [end:profile]
+
+
+def profile_report(before, after) -> None:
+    with chapter.section("profile"):
+        print("tiny, device us per forward; T=1 is the AR step, T=40 a budget-32 tree")
+        print(f"{'kernel':<24} {'before T=1':>11} {'T=40':>8} {'after T=1':>10} {'T=40':>8}")
+        totals = ("sum of kernels", "graph replay")
+        def largest(name):
+            return -max(table.get(name, {"T=40": 0})["T=40"] for table in (before, after))
+
+        names = sorted((set(before) | set(after)) - set(totals), key=largest)
+        for name in [*names, *totals]:
+            b, a = before.get(name), after.get(name)
+            cells = [f"{row[t]:>8.0f}" if row else f"{'-':>8}" for row in (b, a) for t in PROFILE_ROWS]
+            print(f"{name:<24} {cells[0]:>11} {cells[1]:>8} {cells[2]:>10} {cells[3]:>8}")
+        for part, table in (("before", before), ("after", after)):
+            replay = table["graph replay"]
+            print(f"{part}: one graph replay {replay['T=1']:.0f} us at T=1, {replay['T=40']:.0f} us at T=40: "
+                  f"the tree costs {replay['T=40'] / replay['T=1']:.2f} AR steps")
+
+
+def plot_profile(before, after) -> None:
+    kernels = [n for n in sorted(before, key=lambda n: -before[n]["T=40"])
+               if n not in ("sum of kernels", "graph replay")][:8]
+    renamed = {"rows_kernel": "tiles_kernel"}                   # the linear layers, before and after
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
+    for axis, column in zip(axes, PROFILE_ROWS, strict=True):
+        y = np.arange(len(kernels))
+        axis.barh(y - 0.2, [before[k][column] for k in kernels], 0.4, label="before")
+        axis.barh(y + 0.2, [after.get(renamed.get(k, k), {column: 0})[column] for k in kernels], 0.4,
+                  label="after")
+        axis.set_yticks(y, ["linear (rows, then tiles)" if k == "rows_kernel" else k.replace("_kernel", "")
+                            for k in kernels])
+        axis.set_title(f"{column} ({'AR step' if column == 'T=1' else 'a 40-row verify'})")
+        axis.set_xlabel("device µs per forward (all layers)")
+    axes[0].invert_yaxis()
+    axes[0].legend()
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "profile")
+
+
+def small_report(record) -> dict:
+    result = record["results"][0]
+    floor, sizes = result["floor"], result["tree_sizes"]
+    with chapter.section("small"):
+        weights, bandwidth = floor["weight_bytes_per_token"] / 1e9, floor["copy_bandwidth"] / 1e9
+        print(f"small: AR step {floor['ar_step_us'] / 1e3:.2f} ms, floor {floor['floor_us'] / 1e3:.2f} ms "
+              f"({weights:.2f} GB at {bandwidth:.0f} GB/s): {floor['ar_step_us'] / floor['floor_us']:.1f}x")
+        print(f"{'tree nodes':>10} {'verify ms':>10} {'per node':>9} {'experts/layer':>14}")
+        for row in sizes:
+            verify = row["verify_us"] / 1e3
+            print(f"{row['nodes']:>10} {verify:>10.2f} {verify / row['nodes']:>9.2f} "
+                  f"{row['experts_per_layer']:>14.1f}")
+    return result
+
+
+def sweep_report(record) -> list[dict]:
+    rows = record["result"]["rows"]
+    with chapter.section("sweep"):
+        print(f"{'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} {'attention':>10}")
+        for r in rows:
+            oracle, noisy = r["ddtree_oracle"]["tokens_per_second"], r["ddtree_noisy"]["tokens_per_second"]
+            print(f"{r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} {noisy:>8.1f} "
+                  f"{100 * r['attention_share']:>9.0f}%")
+    return rows
+
+
+def plot_small(result, rows) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    sizes = result["tree_sizes"]
+    left.plot([s["nodes"] for s in sizes], [s["verify_us"] / 1e3 for s in sizes], "o-", label="verify")
+    left.axhline(result["floor"]["ar_step_us"] / 1e3, color="gray", ls="--", label="AR step")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("tree nodes")
+    left.set_ylabel("ms")
+    left.set_title("small: verify time against tree size")
+    left.legend()
+    contexts = [r["context"] for r in rows]
+    right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], "o-", label="AR")
+    for drafter, marker in (("oracle", "s-"), ("noisy", "^-")):
+        right.plot(contexts, [r[f"ddtree_{drafter}"]["tokens_per_second"] for r in rows], marker,
+                   label=f"DDTree, {drafter}")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("context (tokens)")
+    right.set_ylabel("tokens/s")
+    right.set_title("small: tokens/s against context")
+    right.legend()
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "small")
+
+
+def main() -> None:
+    chapter.print_h200()
+    cases = kernel_floors()
+    floors_report(cases)
+    plot_floors(cases)
+    before, after = profile("before"), profile("after")
+    profile_report(before, after)
+    plot_profile(before, after)
+    result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
+    rows = sweep_report(json.loads(SWEEP.read_text(encoding="utf-8")))
+    plot_small(result, rows)
+
+
+if __name__ == "__main__":
+    with chapter.report(STEM):
+        main()
