@@ -29,6 +29,14 @@ def model_for(name):
     return Transformer(config, init_weights(config, golden.WEIGHT_SEED))
 
 
+@functools.cache
+def ar_continuation(name, new_tokens):
+    """The model's AR continuation of the bundle's prompt: what make_drafter would run once per
+    oracle or noisy drafter without ``continuation`` (OracleDrafter.from_model, tested in
+    tests/test_drafters.py), run once per preset for the whole grid."""
+    return generate_ar(model_for(name), golden.load_bundle(name)["prompt"], new_tokens)
+
+
 @pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
@@ -36,7 +44,8 @@ def model_for(name):
 def test_ddtree_equals_ar_equals_golden(name, drafter_name, block_size, budget):
     model, bundle = model_for(name), golden.load_bundle(name)
     prompt, expected = bundle["prompt"], bundle["tokens"]
-    drafter = make_drafter(drafter_name, model, prompt, expected.size)
+    drafter = make_drafter(drafter_name, model, prompt, expected.size,
+                           continuation=ar_continuation(name, expected.size))
     tokens, trace = generate_ddtree(model, prompt, expected.size, drafter, block_size=block_size,
                                     budget=budget)
     assert_exact(tokens, expected, name="DDTree tokens")

@@ -66,14 +66,19 @@ def test_buckets_and_candidate_counts():
     assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
 
 
-# a 4-token prompt: the prefill runs a bucket of 4 rows (3 real, 1 padding) in the simulator
-SHORT_PROMPT = 4
+# Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
+# below run as few and as narrow forwards as still reach their paths: the prompts are short (a
+# 1-token prompt has no prefill), the trees have budget 3 (verify buckets of 4 rows), and the one
+# prefill of each kind runs once (emit_token=True in the AR test, with a padding row;
+# emit_token=False in the greedy DDTree test; the sampled and rejection tests' prefill would launch
+# exactly the greedy one's: a prefill emits no token, so it never samples).
 
 
 def test_prompt_then_ar_steps_match_numpy():
     """A prompt (one bucketed forward with a padding row), then an AR step replayed on the device."""
     model, ref = engine("micro", max_tree_nodes=8), reference("micro")
-    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
+    prompt = golden.default_prompt("micro")[:3]                  # 3 tokens: a bucket of 4, 1 padding row
+    assert bucket_rows(prompt.size, model.max_rows) > prompt.size
     tokens, logits = engine_decode.generate_ar(model, prompt, 2, return_logits=True)
     expected_tokens, expected_logits = reference_decode.generate_ar(ref, prompt, 2, return_logits=True)
     assert_exact(tokens, expected_tokens)
@@ -85,18 +90,22 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     """A branching round and its compaction: the same tree, path and tokens as numpy (and AR), and
     the engine's cache rows equal numpy's within the kernels' tolerance."""
     model, ref = engine("micro", max_tree_nodes=8), reference("micro")
-    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
-    expected = reference_decode.generate_ar(ref, prompt, 3)
-    drafter = make_drafter("noisy", ref, prompt, 3, continuation=expected)
-    tokens, trace = engine_decode.generate_ddtree(model, prompt, 3, drafter, block_size=4, budget=6)
-    wanted_tokens, wanted = reference_decode.generate_ddtree(ref, prompt, 3, drafter, block_size=4, budget=6)
+    prompt = golden.default_prompt("micro")[:2]                  # a 1-row prefill, then the rounds
+    # noisy seed 26, block 3, budget 3 (a verify bucket of 4 rows): round 1 branches and accepts the
+    # root's second child (path [0, 3]), so its compaction moves a row; round 2 verifies one row
+    new, options = 3, dict(block_size=3, budget=3)
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    drafter = make_drafter("noisy", ref, prompt, new, continuation=expected, seed=26)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    wanted_tokens, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
     assert_exact(tokens, expected)
     assert_exact(wanted_tokens, expected)
-    assert len(trace.rounds) == len(wanted.rounds)
+    assert len(trace.rounds) == len(wanted.rounds) >= 2
     for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
         assert_same_round(actual_round, wanted_round)
     first = trace.rounds[0]
     assert first.tokens.size > 3 and len(set(first.parents.tolist())) > 2          # it branched
+    assert any(np.any(r.accepted != np.arange(r.accepted.size)) for r in trace.rounds)   # a row moved
     ref_cache = ref.new_cache(16)
     ref.forward(ref_cache, np.concatenate([prompt, expected[:-1]]))
     host, rows = model.cache.to_host(), slice(0, model.cache.length)
@@ -108,30 +117,45 @@ def test_ddtree_generation_matches_numpy_round_by_round():
 def test_sampled_ddtree_matches_numpy_ar():
     """At temperature > 0 every verify row draws its token with its position's numbers: the
     engine's DDTree equals numpy's sampled AR token for token. (The engine's sampled AR step runs
-    in the GPU tests: each simulated forward costs seconds here.)"""
+    in the GPU tests: each simulated forward costs seconds here.) A one-token prompt: no prefill,
+    one verify forward."""
     model, ref = engine("micro", max_tree_nodes=8), reference("micro")
-    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
+    prompt = golden.default_prompt("micro")[:1]
     options = dict(temperature=1.0, seed=5)
     expected = reference_decode.generate_ar(ref, prompt, 2, **options)
     drafter = make_drafter("oracle", ref, prompt, 2, continuation=expected)
     tokens, trace = engine_decode.generate_ddtree(model, prompt, 2, drafter, block_size=3, budget=3,
                                                   **options)
     assert_exact(tokens, expected)
-    assert trace.verify_forwards == 1                     # the oracle's draft: both tokens in one round
+    assert trace.verify_forwards == 1 and trace.prefill_forwards == 0   # the oracle: both tokens, one round
 
 
 def test_rejection_verifier_matches_numpy():
     """The sampled tree (``verifier="rejection"``): children redrawn from the drafter and verified by
-    recursive rejection sampling; the engine's rounds equal the reference's, tree for tree."""
+    recursive rejection sampling; the engine's rounds equal the reference's, tree for tree.
+
+    A one-token prompt (no prefill) and two rounds of 4-row verifies: round 1 rejects its depth-2
+    child and draws the bonus from the residual, round 2 rejects the first child and accepts its
+    sibling (path [0, 2], so the compaction moves a row); the cache after them equals numpy's."""
     model, ref = engine("micro", max_tree_nodes=8), reference("micro")
-    prompt = golden.default_prompt("micro")[:SHORT_PROMPT]
-    options = dict(block_size=3, budget=4, temperature=1.0, seed=3, verifier="rejection")
-    drafter = make_drafter("noisy", ref, prompt, 3, continuation=reference_decode.generate_ar(ref, prompt, 3))
-    tokens, trace = engine_decode.generate_ddtree(model, prompt, 3, drafter, **options)
-    expected, expected_trace = reference_decode.generate_ddtree(ref, prompt, 3, drafter, **options)
+    prompt = golden.default_prompt("micro")[:1]
+    new, options = 4, dict(block_size=3, budget=3, temperature=1.0, seed=7, verifier="rejection")
+    drafter = make_drafter("noisy", ref, prompt, new,
+                           continuation=reference_decode.generate_ar(ref, prompt, new))
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    expected, expected_trace = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
     assert_exact(tokens, expected)
     for actual, wanted in zip(trace.rounds, expected_trace.rounds, strict=True):
         assert_same_round(actual, wanted)
+    later_sibling = [any(np.flatnonzero(r.parents == r.parents[a])[0] != a for a in r.accepted[1:])
+                     for r in expected_trace.rounds]
+    assert len(later_sibling) >= 2 and any(later_sibling)        # a first child rejected, a sibling taken
+    ref_cache = ref.new_cache(16)                                 # the compacted cache: the committed rows
+    ref.forward(ref_cache, np.concatenate([prompt, expected[:-1]]))
+    host, rows = model.cache.to_host(), slice(0, model.cache.length)
+    assert model.cache.length == ref_cache.length
+    assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5, name="latent")
+    assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name="rope")
 
 
 def test_engine_refuses_bad_input_before_running():
