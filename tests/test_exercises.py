@@ -27,7 +27,7 @@ TIMEOUT = 120                      # seconds per command; every one takes a few 
 PAGES_WITH_EXERCISES = [f"{page}.md" for page in (
     "00_linear", "01_rmsnorm", "02_rope", "03_mla", "04_moe", "05_model", "06_drafters", "07_tree_build",
     "08_tree_attention", "09_accept", "10_kv_compaction", "11_ddtree_loop", "generation", "12_engine",
-    "15_sampling", "debugging", "kimi_scale")]
+    "15_sampling", "16_performance", "debugging", "kimi_scale")]
 
 
 def exercise_sections() -> dict[str, str]:
