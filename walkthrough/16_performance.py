@@ -84,6 +84,7 @@ def kernel_floors() -> list[dict]:
 
 def floors_report(cases) -> None:
     with chapter.section("floors"):
+        chapter.print_h200()
         print(f"{'case':<24} {'time':>10} {'floor':>10} {'of floor':>9}  bound by")
         for c in cases:
             bound = "FLOPs" if c["flops"] / chapter.h200().fp32 > c["bytes"] / chapter.h200().bandwidth \
@@ -203,7 +204,6 @@ def plot_small(result, rows) -> None:
 
 
 def main() -> None:
-    chapter.print_h200()
     cases = kernel_floors()
     floors_report(cases)
     plot_floors(cases)
