@@ -48,6 +48,22 @@ def engine(name: str, graphs: bool = True, max_tree_nodes: int = 128) -> EngineT
                              max_tree_nodes=max_tree_nodes)
 
 
+def assert_cache_rows_close(cache, ref_cache, name=""):
+    """The engine's committed cache rows against the reference cache's: same length, rows within
+    the kernels' tolerance."""
+    host, rows = cache.to_host(), slice(0, cache.length)
+    assert cache.length == ref_cache.length, f"{name}cache length"
+    assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5, name=f"{name}latent")
+    assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name=f"{name}rope")
+
+
+def assert_cache_holds(model, ref, tokens):
+    """The engine's cache holds what the reference caches for a causal forward over ``tokens``."""
+    ref_cache = ref.new_cache(tokens.size + 1)
+    ref.forward(ref_cache, tokens)
+    assert_cache_rows_close(model.cache, ref_cache)
+
+
 def assert_same_round(actual, expected, where=""):
     for field in ("start", "bonus", "committed"):
         assert getattr(actual, field) == getattr(expected, field), f"{where}{field}"
@@ -106,12 +122,7 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     first = trace.rounds[0]
     assert first.tokens.size > 3 and len(set(first.parents.tolist())) > 2          # it branched
     assert any(np.any(r.accepted != np.arange(r.accepted.size)) for r in trace.rounds)   # a row moved
-    ref_cache = ref.new_cache(16)
-    ref.forward(ref_cache, np.concatenate([prompt, expected[:-1]]))
-    host, rows = model.cache.to_host(), slice(0, model.cache.length)
-    assert model.cache.length == ref_cache.length
-    assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5, name="latent")
-    assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name="rope")
+    assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))
 
 
 def test_sampled_ddtree_matches_numpy_ar():
@@ -150,12 +161,7 @@ def test_rejection_verifier_matches_numpy():
     later_sibling = [any(np.flatnonzero(r.parents == r.parents[a])[0] != a for a in r.accepted[1:])
                      for r in expected_trace.rounds]
     assert len(later_sibling) >= 2 and any(later_sibling)        # a first child rejected, a sibling taken
-    ref_cache = ref.new_cache(16)                                 # the compacted cache: the committed rows
-    ref.forward(ref_cache, np.concatenate([prompt, expected[:-1]]))
-    host, rows = model.cache.to_host(), slice(0, model.cache.length)
-    assert model.cache.length == ref_cache.length
-    assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5, name="latent")
-    assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5, name="rope")
+    assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))   # compacted: the committed rows
 
 
 def test_engine_refuses_bad_input_before_running():
@@ -235,10 +241,7 @@ def test_every_round_matches_numpy(name, drafter_name):
         actual = engine_decode.ddtree_round(model, cache, *args)
         wanted = reference_decode.ddtree_round(ref, ref_cache, *args)
         assert_same_round(actual, wanted, where=f"round at {wanted.start}: ")
-        assert cache.length == ref_cache.length
-        host, rows = cache.to_host(), slice(0, cache.length)
-        assert_close(host.latent[:, rows], ref_cache.latent[:, rows], rtol=1e-4, atol=1e-5)
-        assert_close(host.rope[:, rows], ref_cache.rope[:, rows], rtol=1e-4, atol=1e-5)
+        assert_cache_rows_close(cache, ref_cache, name=f"round at {wanted.start}: ")
         context += [int(t) for t in actual.tokens[actual.accepted[1:]]] + [actual.bonus]
     assert_exact(np.array(context[prompt.size:]), expected)
 

@@ -76,17 +76,16 @@ def median_seconds(calls: list[Callable[[], Any]], repeats: int) -> float:
 
 
 @contextlib.contextmanager
-def counting_launches():
-    """Counts kernel launches inside the block: ``with counting_launches() as count: ...; count[0]``.
+def patched_launches(wrap):
+    """Every kernel launch inside the block goes through ``wrap(original)``; yields False when the
+    entry point is gone (then nothing is patched).
 
     Why a patch: numba has no global launch hook (its ``pre_launch_callbacks`` list belongs to each
-    launch configuration, made anew by every ``kernel[grid, block]``), and the count is a property
-    of the public function under test, which the benchmark does not want to change. So, for the
-    warm-up call only, this wraps the one entry point every launch goes through, a private API
+    launch configuration, made anew by every ``kernel[grid, block]``), and what the benchmark
+    measures is a property of the public functions, which it does not want to change. So this
+    wraps the one entry point every launch goes through, a private API
     (``_LaunchConfiguration.__call__`` on a GPU, ``FakeCUDAKernel.__getitem__`` in the simulator),
-    and restores it afterwards; if that entry point is gone, count[0] stays None ("?" in the report).
-    """
-    count = [None]
+    and restores it afterwards."""
     try:
         if SIMULATOR:
             from numba.cuda.simulator.kernel import FakeCUDAKernel as owner
@@ -96,19 +95,31 @@ def counting_launches():
             attribute = "__call__"
         original = getattr(owner, attribute)
     except (ImportError, AttributeError):
-        yield count
+        yield False
         return
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    count[0] = 0
-    setattr(owner, attribute, counted)
+    setattr(owner, attribute, wrap(original))
     try:
-        yield count
+        yield True
     finally:
         setattr(owner, attribute, original)
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """Counts kernel launches inside the block: ``with counting_launches() as count: ...; count[0]``
+    (None, "?" in the report, if the launch entry point is gone; see ``patched_launches``)."""
+    count = [None]
+
+    def wrap(original):
+        def counted(self, *args, **kwargs):
+            count[0] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    with patched_launches(wrap) as patched:
+        if patched:
+            count[0] = 0
+        yield count
 
 
 def free_device_memory() -> None:

@@ -13,8 +13,8 @@ before it, and the idle gap would count as the kernel's time. So a ``hold_kernel
 stream busy (it sleeps) while the host queues the whole forward behind it: every kernel then
 starts the moment the one before it ends, and each event pair brackets device work only.
 
-The launch hook is ``kernels.bench.harness``'s (a private numba entry point, restored afterwards).
-GPU only: the simulator has no events.
+The launch hook is ``kernels.bench.harness.patched_launches`` (a private numba entry point,
+restored afterwards). GPU only: the simulator has no events.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from numba import cuda
 from ddtree import golden
 from ddtree.config import preset
 from ddtree.weights import init_weights
+from kernels.bench.harness import patched_launches
 from kernels.device import SIMULATOR
 
 DEFAULT_ROWS = (1, 8, 16, 40, 72)
@@ -56,27 +57,26 @@ def kernel_label(launch) -> str:
 @contextlib.contextmanager
 def timed_launches(stream, marks: list):
     """Brackets every kernel launch in the block with CUDA events recorded on ``stream``;
-    appends (kernel name, start event, end event) to ``marks``."""
+    appends (kernel label, start event, end event) to ``marks``."""
     from cuda.core import EventOptions
-    from numba.cuda.dispatcher import _LaunchConfiguration as owner
 
     device = stream.device
     options = EventOptions(timing_enabled=True)
-    original = owner.__call__
 
-    def timed(self, *args):
-        start, end = device.create_event(options=options), device.create_event(options=options)
-        stream.record(start)
-        result = original(self, *args)
-        stream.record(end)
-        marks.append((kernel_label(self), start, end))
-        return result
+    def wrap(original):
+        def timed(self, *args):
+            start, end = device.create_event(options=options), device.create_event(options=options)
+            stream.record(start)
+            result = original(self, *args)
+            stream.record(end)
+            marks.append((kernel_label(self), start, end))
+            return result
+        return timed
 
-    owner.__call__ = timed
-    try:
+    with patched_launches(wrap) as patched:
+        if not patched:
+            raise RuntimeError("numba's launch entry point moved: the profile cannot time launches")
         yield marks
-    finally:
-        owner.__call__ = original
 
 
 def kernel_times(model, rows: int) -> tuple[dict[str, float], dict[str, int]]:
