@@ -685,7 +685,8 @@ class Transformer:
         """The sampled tree's tokens, drawn on the host as the reference draws them
         (``ddtree.sampling.draw_children``: the built tree's shape, each depth's tokens one draw
         without replacement from the drafter at that position), then uploaded with each node's
-        children (-1 padded) for ``rejection_step``. One download of the built tree, two uploads."""
+        children (-1 padded) for ``rejection_step``. The built tree's fields come down (the round's
+        extra wait), two arrays go up."""
         b = self.buffers
         size = int(self.graphs.download(b.tree.sizes)[0])
         fields = {name: self.graphs.download(getattr(b.tree, name)[:rows])[:size]
