@@ -51,6 +51,8 @@ from kernels.device import (
 PATHS_THREADS = 128
 STAGE_BATCH = 8         # attention_paths: cache loads a thread issues before it stores them
 MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the size of p and red
+MAX_SPLITS = 64          # attention_paths version 2: most blocks sharing one (row, head)'s keys
+SPLIT_TILES = 16         # ... chosen so that a split walks at most this many tiles of a full cache
 F32 = 4
 
 
@@ -358,27 +360,40 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(0, keys, tile):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        score = _tile_score(query, tile_keys, count, scale)
-        red[tid] = score if tid < count else -math.inf
-        block_max(red)
-        tile_max = red[0]
-        cuda.syncthreads()                                # everyone has read red[0]
-        new_max = max(run_max, tile_max) if start > 0 else tile_max
-        alpha = math.exp(run_max - new_max) if start > 0 else float32(0.0)
-        prob = math.exp(score - new_max) if tid < count else float32(0.0)
-        p[tid] = prob
-        red[tid] = prob
-        block_sum(red)                                    # also publishes p to the block
-        run_sum = run_sum * alpha + red[0]
-        run_max = new_max
-        for i in range(tid, rank, threads):
-            total = acc[i] * alpha
-            for key in range(count):
-                total += p[key] * tile_keys[key * (width + 1) + i]
-            acc[i] = total
-        cuda.syncthreads()                                # the tile's keys, p, red rewritten next
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == 0,
+                                      run_max, run_sum)
     for i in range(tid, rank, threads):
         o_lat[row, head, i] = acc[i] / run_sum
+
+
+@cuda.jit(device=True)
+def _fold_tile(query, acc, tile_keys, p, red, count, scale, first, run_max, run_sum):
+    """One staged tile into the running softmax: score the keys, reduce the tile's max, rescale
+    (acc, run_sum) to the new running max, add the tile's exp-weights and weighted keys.
+    Returns the new (run_max, run_sum); ``acc`` is updated in place."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    rank = acc.shape[0]
+    width = query.shape[0]
+    score = _tile_score(query, tile_keys, count, scale)
+    red[tid] = score if tid < count else -math.inf
+    block_max(red)
+    tile_max = red[0]
+    cuda.syncthreads()                                # everyone has read red[0]
+    new_max = tile_max if first else max(run_max, tile_max)
+    alpha = float32(0.0) if first else math.exp(run_max - new_max)
+    prob = math.exp(score - new_max) if tid < count else float32(0.0)
+    p[tid] = prob
+    red[tid] = prob
+    block_sum(red)                                    # also publishes p to the block
+    run_sum = run_sum * alpha + red[0]
+    for i in range(tid, rank, threads):
+        total = acc[i] * alpha
+        for key in range(count):
+            total += p[key] * tile_keys[key * (width + 1) + i]
+        acc[i] = total
+    cuda.syncthreads()                                # the tile's keys, p, red rewritten next
+    return new_max, run_sum
 
 
 @cuda.jit(device=True)
@@ -424,6 +439,84 @@ def _tile_score(query, tile_keys, count, scale):
 # --8<-- [end:attention_paths_kernel]
 
 
+# --8<-- [start:attention_split_kernel]
+@cuda.jit
+def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
+                           partials):
+    """Version 2, split over the keys: block (head, row, z) of a grid with Z = gridDim.z splits
+    folds the row's tiles z, z + Z, z + 2Z, ... (the same fixed-position tiles as version 1, dealt
+    round-robin) into its own running softmax, and leaves it unnormalised in
+    partials[row, head, z] = (acc[0..R-1], run_max, run_sum). ``attention_merge_kernel`` then adds
+    the Z partials in split order. Z blocks share one row's keys, so a decode row keeps Z times
+    more of the GPU busy; a split whose first tile lies past the row's keys does nothing (the
+    merge skips it by the same rule). Which tile goes to which split depends only on the tile's
+    position and Z, so a tree row and the AR row at its position still add the same keys in the
+    same order: bit-identical. Shared memory as version 1.
+    """
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    split = cuda.blockIdx.z
+    stride = tile * cuda.gridDim.z
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    rank = q_lat.shape[2]
+    width = rank + q_pe.shape[2]
+    keys = prefix[0] + depths[row] + 1
+    first_start = split * tile
+    if first_start >= keys:                               # the whole block: no tile for this split
+        return
+
+    smem = cuda.shared.array(0, dtype=float32)
+    query = smem[:width]                                  # q_lat | q_pe
+    acc = smem[width:width + rank]                        # running sum_s p_s c_s
+    tile_keys = smem[width + rank:]                       # [TPB, R + dr + 1], row-major
+    p = cuda.shared.array(MAX_TILE, dtype=float32)
+    red = cuda.shared.array(MAX_TILE, dtype=float32)
+    slots = cuda.shared.array(MAX_TILE, dtype=int32)
+
+    for i in range(tid, rank, threads):
+        query[i] = q_lat[row, head, i]
+        acc[i] = float32(0.0)
+    for i in range(tid, width - rank, threads):
+        query[rank + i] = q_pe[row, head, i]
+    run_max = float32(0.0)
+    run_sum = float32(0.0)
+    for start in range(first_start, keys, stride):
+        count = min(tile, keys - start)
+        _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == first_start,
+                                      run_max, run_sum)
+    for i in range(tid, rank, threads):
+        partials[row, head, split, i] = acc[i]
+    if tid == 0:
+        partials[row, head, split, rank] = run_max
+        partials[row, head, split, rank + 1] = run_sum
+
+
+@cuda.jit
+def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
+    """One block per (head, row), a thread per latent column r: the splits that had keys
+    (z * tile < S_i) combined in split order, each rescaled to the largest running max:
+    o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M)."""
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    rank = o_lat.shape[2]
+    keys = prefix[0] + depths[row] + 1
+    used = min(partials.shape[2], (keys + tile - 1) // tile)
+    top = partials[row, head, 0, rank]
+    for z in range(1, used):
+        top = max(top, partials[row, head, z, rank])
+    total = float32(0.0)
+    for z in range(used):
+        total += partials[row, head, z, rank + 1] * math.exp(partials[row, head, z, rank] - top)
+    for i in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
+        value = float32(0.0)
+        for z in range(used):
+            value += partials[row, head, z, i] * math.exp(partials[row, head, z, rank] - top)
+        o_lat[row, head, i] = value / total
+# --8<-- [end:attention_split_kernel]
+
+
 def paths_tile(rank: int, rope_dim: int) -> int:
     """Keys per tile of ``attention_paths``: 32, or 16 when 32 staged rows of R + dr floats would
     pass 40 KB of shared memory (48 KB is numba's static limit). Fixed by the model's dims alone,
@@ -458,22 +551,47 @@ def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths,
 
 # --8<-- [start:attention_paths]
 def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *,
-                    out=None, stream=None):
+                    splits: int = 1, partials=None, out=None, stream=None):
     """Absorbed attention of each row over the prefix and its own path (device arrays).
 
     q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
     and paths (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for
     d = 0 .. depths[i]. Equals ``attention_absorb`` with the ancestor mask of that tree (within
     float32 rounding); unlike it, its sums do not depend on the other rows.
+
+    ``splits`` = 1: version 1, one block per (row, head) walks every tile. ``splits`` = Z > 1:
+    version 2, Z blocks per (row, head) each fold every Z-th tile into ``partials``
+    (T, H, Z, R + 2) float32 (allocated when not given), then one merge. Results depend on Z
+    (a different order of sums), never on the other rows: fix Z per engine.
     """
     check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
     (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     tile = paths_tile(rank, rope_dim)
     threads = tile if SIMULATOR else PATHS_THREADS
-    attention_paths_kernel[(heads, rows), threads, stream, paths_shared_bytes(rank, rope_dim, tile)](
-        q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), tile, d_out)
+    shared = paths_shared_bytes(rank, rope_dim, tile)
+    args = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), tile)
+    if splits == 1:
+        attention_paths_kernel[(heads, rows), threads, stream, shared](*args, d_out)
+        return d_out
+    check_out(partials, (rows, heads, splits, rank + 2), name="partials")
+    partials = output(partials, (rows, heads, splits, rank + 2), stream=stream)   # [T, H, Z, R + 2]
+    attention_split_kernel[(heads, rows, splits), threads, stream, shared](*args, partials)
+    attention_merge_kernel[(heads, rows), row_threads(rank), stream](partials, prefix, depths, tile, d_out)
     return d_out
+
+
+def paths_splits(capacity: int, rank: int, rope_dim: int) -> int:
+    """Z for an engine whose cache holds ``capacity`` keys: the power of two that leaves each split
+    at most ``SPLIT_TILES`` tiles of a full cache, in [1, MAX_SPLITS]. Fixed by the engine's sizes,
+    never by the call, so every row of every step splits its keys the same way."""
+    tiles = -(-capacity // paths_tile(rank, rope_dim))
+    splits = 1
+    while splits < MAX_SPLITS and splits * SPLIT_TILES < tiles:
+        splits *= 2
+    return splits
 # --8<-- [end:attention_paths]
 
 

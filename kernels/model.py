@@ -53,7 +53,7 @@ from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact, write_rows
 from kernels.linear import argmax, embed, linear
-from kernels.mla import absorb_output, absorb_query, attention_paths
+from kernels.mla import MAX_SPLITS, absorb_output, absorb_query, attention_paths, paths_splits
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
@@ -359,14 +359,21 @@ class Transformer:
     ``graphs=False`` launches every kernel from Python instead of replaying captured graphs (for
     debugging, and to measure what graphs save; ``graphs.enabled`` may be switched later); the
     CUDA simulator always launches directly. ``max_tree_nodes`` (Tmax) bounds the buckets and so
-    the budget (B <= Tmax - 1).
+    the budget (B <= Tmax - 1). ``attention_splits`` (Z) picks ``attention_paths``' version: None
+    chooses Z from the cache's size (``kernels.mla.paths_splits``), 1 is version 1 (one block per
+    row and head); every Z keeps DDTree == AR, but two engines with different Z round differently.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
-                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES):
+                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
+        if attention_splits is not None and (isinstance(attention_splits, bool)
+                                             or not isinstance(attention_splits, int)
+                                             or not 1 <= attention_splits <= MAX_SPLITS):
+            raise ValueError(f"attention_splits must be None or an integer in [1, {MAX_SPLITS}], "
+                             f"got {attention_splits!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
@@ -386,6 +393,12 @@ class Transformer:
         # one cache for the whole context, plus a bucket of scratch rows past its end
         self.cache = DeviceCache(config.num_hidden_layers, config.max_position_embeddings + self.max_rows,
                                  config.kv_lora_rank, config.qk_rope_head_dim)
+        # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
+        # cache's size (paths_splits), so every step and every bucket splits the keys alike
+        self.attention_splits = attention_splits or paths_splits(
+            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim)
+        self.attention_partials = None if self.attention_splits == 1 else poisoned(
+            (self.max_rows, config.num_attention_heads, self.attention_splits, config.kv_lora_rank + 2))
         self.compact_latent = poisoned((config.num_hidden_layers, self.max_rows, config.kv_lora_rank))
         self.compact_rope = poisoned((config.num_hidden_layers, self.max_rows, config.qk_rope_head_dim))
         self.device_root = None       # the root token the device holds (the last round's bonus)
@@ -449,8 +462,10 @@ class Transformer:
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
         write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
         q_lat = absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)     # [T, H, R]
+        partials = None if self.attention_partials is None else self.attention_partials[:rows]
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
-                                b.paths[:rows], self.softmax_scale, out=b.o_lat[:rows], stream=s)
+                                b.paths[:rows], self.softmax_scale, splits=self.attention_splits,
+                                partials=partials, out=b.o_lat[:rows], stream=s)     # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         linear(o.reshape(rows, o.size // rows), layer.o_proj, version="tiles", out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)

@@ -327,15 +327,20 @@ def tree_paths(parents: np.ndarray):
     return depths, paths
 
 
-def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale):
+def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1):
+    rows, heads, rank = q_lat.shape
+    partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32)) if splits > 1 else None
     out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
                               to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
-                              scale, out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+                              scale, splits=splits, partials=partials,
+                              out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
     return out.copy_to_host()
 
 
-@pytest.mark.parametrize("rows, prefix, rank, rope", [(7, 0, 24, 6), (9, 37, 13, 4), (5, 70, 9, 2)])
-def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope):
+@pytest.mark.parametrize("rows, prefix, rank, rope, splits", [
+    (7, 0, 24, 6, 1), (9, 37, 13, 4, 1), (5, 70, 9, 2, 1),
+    (5, 70, 9, 2, 2), (4, 75, 11, 3, 3), (3, 40, 7, 2, 8)])      # 3 tiles dealt to 2, 3 (1 each), 8 (5 idle)
+def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, splits):
     """A random tree's rows over prefix + path == attention_absorb under its ancestor mask."""
     rng = np.random.default_rng(rows + prefix)
     parents = random_parents(rng, rows)
@@ -344,27 +349,93 @@ def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope):
     q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
     visible = tree_visibility(parents)
     expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale)
-    assert_close(run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale), expected,
-                 rtol=RTOL, atol=ATOL)
+    assert_close(run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits),
+                 expected, rtol=RTOL, atol=ATOL)
 
 
-def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits):
     """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
-    one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2)."""
+    one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2;
+    with 2 splits, one tile each and a merge)."""
     parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
     depths, paths = tree_paths(parents)
     case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=10, rope=4)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
-    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits)
     for node in (6, 7):
         chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
         rows_used = list(range(prefix)) + chain
         latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
         alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
-                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale)
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits)
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
+    """Version 2's merge is the softmax of the concatenated tiles: with as many splits as tiles,
+    each partial is one tile's (max, sum, acc), and the merged rows match version 1 closely."""
+    parents = np.array([-1, 0, 1])
+    depths, paths = tree_paths(parents)
+    case = Case("paths", rows=3, prefix=64, mask="causal", heads=1, rank=6, rope=2)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=9)
+    one = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 1)
+    three = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 3)
+    assert_close(three, one, rtol=RTOL, atol=ATOL, name="3 splits vs 1")
+
+
+@pytest.mark.parametrize("splits", [0, 65, 2.0, True])
+def test_attention_paths_refuses_bad_splits(splits):
+    q_lat = to_device(np.zeros((1, 1, 4), np.float32))
+    arrays = (q_lat, to_device(np.zeros((1, 1, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
+              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
+              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
+    with pytest.raises(ValueError, match="splits must be an integer in"):
+        gpu.attention_paths(*arrays, 1.0, splits=splits)
+
+
+def test_attention_paths_names_a_wrong_partials_buffer():
+    q_lat = to_device(np.zeros((1, 1, 4), np.float32))
+    arrays = (q_lat, to_device(np.zeros((1, 1, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
+              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
+              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
+    with pytest.raises(ValueError, match=r"partials must be float32 of shape \(1, 1, 2, 6\)"):
+        gpu.attention_paths(*arrays, 1.0, splits=2, partials=to_device(np.zeros((1, 1, 2, 4), np.float32)))
+
+
+@pytest.mark.parametrize("capacity, rank, rope, splits", [
+    (1, 64, 16, 1), (512, 64, 16, 1), (513, 64, 16, 2), (4224, 64, 16, 16), (32896, 512, 64, 64)])
+def test_paths_splits_leave_each_split_a_bounded_walk(capacity, rank, rope, splits):
+    assert gpu.paths_splits(capacity, rank, rope) == splits
 
 
 def test_attention_paths_refuses_host_arrays():
     with pytest.raises(ValueError, match="q_lat must be a device array"):
         gpu.attention_paths(np.zeros((1, 1, 4), np.float32), *([None] * 6), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
+def test_attention_paths_kimi_dims(rows, splits):
+    """Both versions at Kimi K2.6 dims (64 heads, latent 512 + rope 64, a 4k prefix): equal to the
+    masked reference, and a tree row bit-identical to the same keys laid out as a chain."""
+    config = preset("kimi-k2.6")
+    heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    prefix = 4096 + 37
+    rng = np.random.default_rng(rows + splits)
+    parents = random_parents(rng, rows)
+    depths, paths = tree_paths(parents)
+    keys = prefix + rows
+    q_lat = rng.standard_normal((rows, heads, rank), dtype=np.float32) * np.float32(0.2)
+    q_pe = rng.standard_normal((rows, heads, rope_dim), dtype=np.float32) * np.float32(0.2)
+    latent = rng.standard_normal((keys, rank), dtype=np.float32)
+    rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
+    scale = softmax_scale(config)
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
+    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"o_lat, {splits} splits")
+    node = rows - 1
+    chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
+    alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
+                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits)
+    assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
