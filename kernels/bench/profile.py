@@ -137,14 +137,16 @@ def prepare(model, context: int, nodes: int) -> None:
                                block, nodes - 1, None)
 
 
-def profile(name: str, rows_list, context: int) -> str:
+def profile(name: str, rows_list, context: int, attention_splits: int | None = None) -> str:
     from kernels.model import Transformer
 
     config = preset(name)
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED), graphs=False)
+    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED), graphs=False,
+                        attention_splits=attention_splits)
     prepare(model, context, max(rows_list))
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
-             f"off, events around each launch; median of {REPEATS})", ""]
+             f"off, events around each launch; median of {REPEATS}; attention splits Z = "
+             f"{model.attention_splits})", ""]
     table = {}
     for rows in rows_list:
         kernel_times(model, rows)                                       # compile and warm
@@ -185,12 +187,14 @@ def main(argv=None) -> int:
                         help="comma-separated forward sizes in rows (buckets)")
     parser.add_argument("--context", type=int, default=136, help="cached tokens before the forward "
                         "(default 136: the middle of the engine benchmark's 8 + 256)")
+    parser.add_argument("--attention-splits", type=int, default=None,
+                        help="attention_paths' Z (1: version 1; default: the engine's choice)")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
     rows_list = [int(r) for r in args.rows.split(",")]
     for name in args.presets.split(","):
-        print(profile(name, rows_list, args.context), flush=True)
+        print(profile(name, rows_list, args.context, args.attention_splits), flush=True)
     return 0
 
 
