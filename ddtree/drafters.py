@@ -37,8 +37,9 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
-def check_tokens(name: str, tokens, vocab_size: int) -> np.ndarray:
-    """A non-empty 1-D array of token ids in [0, vocab_size), as int64."""
+def check_tokens(name: str, tokens, vocab_size: int, copy: bool = True) -> np.ndarray:
+    """A non-empty 1-D array of token ids in [0, vocab_size), as int64 (a copy unless ``copy=False``
+    and ``tokens`` already is one)."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{name} must be a non-empty 1-D integer sequence, got shape {tokens.shape} "
@@ -46,12 +47,12 @@ def check_tokens(name: str, tokens, vocab_size: int) -> np.ndarray:
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}) of this drafter, "
                          f"got min {tokens.min()} max {tokens.max()}")
-    return tokens.astype(np.int64)
+    return tokens.astype(np.int64, copy=copy)
 
 
 def check_block(context_tokens, block_size: int, vocab_size: int) -> tuple[np.ndarray, int]:
-    """(context as int64, L) for one ``propose`` call."""
-    context = check_tokens("context_tokens", context_tokens, vocab_size)
+    """(context as int64, L) for one ``propose`` call; no copy: the context is only read."""
+    context = check_tokens("context_tokens", context_tokens, vocab_size, copy=False)
     return context, check_positive("block_size", block_size) - 1
 
 
@@ -77,7 +78,10 @@ class OracleDrafter:
         if not 0 <= distractors < vocab_size:
             raise ValueError(f"distractors must be in [0, {vocab_size}), got {distractors}")
         self.confidence, self.distractors, self.seed = confidence, distractors, seed
-        self.ranked: dict[int, list[int]] = {}              # position -> ranked tokens, drawn once
+        # position (the noisy oracle: (position, depth)) -> (tokens, log-probabilities), drawn once:
+        # rounds draft the same positions again at smaller depths
+        self.proposals: dict = {}
+        self.logprobs: dict[int, np.ndarray] = {}           # ranking length -> float32 log-probabilities
 
     @classmethod
     def from_model(cls, model, prompt, max_new_tokens: int, **options) -> OracleDrafter:
@@ -91,34 +95,42 @@ class OracleDrafter:
     def true_token(self, position: int) -> int | None:
         return int(self.sequence[position]) if position < self.sequence.size else None
 
-    def ranked_tokens(self, position: int) -> list[int]:
-        """Tokens for one position, best first: the true token (if known), then distractors.
-
-        A pure function of the position, so it is computed once per position (rounds draft the
-        same positions again at smaller depths)."""
-        if position not in self.ranked:
-            self.ranked[position] = self.draw_ranking(position)
-        return self.ranked[position]
-
     def draw_ranking(self, position: int) -> list[int]:
         truth = self.true_token(position)
         rng = _position_rng(self.seed, position)
         others = [int(t) for t in rng.permutation(self.vocab_size)[: self.distractors + 1] if t != truth]
         return ([truth] if truth is not None else []) + others[: self.distractors]
 
-    def probabilities(self, ranked: list[int], position: int) -> list[float]:
-        rest = (1 - self.confidence) / max(len(ranked) - 1, 1)
-        return [self.confidence] + [rest] * (len(ranked) - 1)
+    def probabilities(self, count: int) -> list[float]:
+        """Probabilities of a ranking of ``count`` tokens, best first (they depend on the count only)."""
+        rest = (1 - self.confidence) / max(count - 1, 1)
+        return [self.confidence] + [rest] * (count - 1)
+
+    def scored(self, ranked: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [ranked], float32 log-probabilities [ranked]) of one ranking, best first."""
+        count = len(ranked)
+        if count not in self.logprobs:
+            # each value is np.log(p) rounded to float32, as one write of it into a float32 row rounds it
+            self.logprobs[count] = np.array([np.log(p) for p in self.probabilities(count)], np.float32)
+        logprobs = self.logprobs[count]
+        if logprobs.size != count:
+            raise ValueError(f"nothing to propose: {count} ranked tokens, {logprobs.size} probabilities")
+        return np.array(ranked, dtype=np.int64), logprobs
 
     # --8<-- [start:propose]
+    def proposal(self, position: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [ranked], float32 log-probabilities [ranked]) for the token at ``position``.
+        The oracle's ignores the depth, so each position is drawn once."""
+        if position not in self.proposals:
+            self.proposals[position] = self.scored(self.draw_ranking(position))
+        return self.proposals[position]
+
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
         context, depths = check_block(context_tokens, block_size, self.vocab_size)
         logits = np.full((depths, self.vocab_size), FLOOR_LOGIT, dtype=np.float32)  # [L, V]
         for d in range(1, depths + 1):
-            position = context.size - 1 + d
-            ranked = self.ranked_tokens(position)
-            for token, p in zip(ranked, self.probabilities(ranked, position), strict=True):
-                logits[d - 1, token] = np.log(p)
+            tokens, logprobs = self.proposal(context.size - 1 + d, d)     # [ranked], [ranked]
+            logits[d - 1, tokens] = logprobs
         return logits
     # --8<-- [end:propose]
 
@@ -146,15 +158,11 @@ class NoisyOracleDrafter(OracleDrafter):
         self.top1_rate, self.decay, self.keep_rate = top1_rate, decay, keep_rate
         self.runners_up, self.runner_up_mass = runners_up, runner_up_mass
 
-    def propose(self, context_tokens, block_size: int) -> np.ndarray:
-        context, depths = check_block(context_tokens, block_size, self.vocab_size)
-        logits = np.full((depths, self.vocab_size), FLOOR_LOGIT, dtype=np.float32)  # [L, V]
-        for d in range(1, depths + 1):
-            position = context.size - 1 + d
-            ranked = self.noisy_ranking(position, d)
-            for token, p in zip(ranked, self.probabilities(ranked, position), strict=True):
-                logits[d - 1, token] = np.log(p)
-        return logits
+    def proposal(self, position: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """As the oracle's, but the draw depends on the depth too: each (position, depth) once."""
+        if (position, depth) not in self.proposals:
+            self.proposals[position, depth] = self.scored(self.noisy_ranking(position, depth))
+        return self.proposals[position, depth]
 
     # --8<-- [start:noisy_ranking]
     def noisy_ranking(self, position: int, depth: int) -> list[int]:
@@ -171,9 +179,9 @@ class NoisyOracleDrafter(OracleDrafter):
         return ranked[: self.runners_up + 1]
     # --8<-- [end:noisy_ranking]
 
-    def probabilities(self, ranked: list[int], position: int) -> list[float]:
-        shares = 0.5 ** np.arange(len(ranked) - 1)
-        runners = (self.runner_up_mass * shares / shares.sum()).tolist() if len(ranked) > 1 else []
+    def probabilities(self, count: int) -> list[float]:
+        shares = 0.5 ** np.arange(count - 1)
+        runners = (self.runner_up_mass * shares / shares.sum()).tolist() if count > 1 else []
         return [1 - self.runner_up_mass] + runners
 
 
@@ -193,19 +201,33 @@ class NGramDrafter:
         self.smoothing = smoothing
 
     # --8<-- [start:ngram]
+    def match_weights(self, context: np.ndarray) -> np.ndarray:
+        """Per end e, the vote weight of the earlier copy that ends just before ``context[e]``: the
+        sum of the suffix lengths s it matches (context[e - s:e] == context[-s:]), 0 for none."""
+        n = context.size
+        weights = np.zeros(n, dtype=np.int64)                                    # [len(context)]
+        matched = np.ones(n, dtype=bool)                  # the copy of length s - 1 ending at e matched
+        for s in range(1, min(self.max_ngram, n - 1) + 1):
+            # the copy of length s ending at e adds context[e - s] == context[n - s] to that of
+            # length s - 1; it needs e >= s (and e <= n - 1, so that a token follows it)
+            matched[:s] = False
+            matched[s:] &= context[:n - s] == context[n - s]
+            weights += s * matched
+        return weights
+
     def votes(self, context: np.ndarray, depths: int) -> np.ndarray:
         """Weighted counts (L, V) of the tokens that followed earlier copies of the suffix."""
-        n = context.size
-        votes = np.zeros((depths, self.vocab_size), dtype=np.float64)           # [L, V]
-        for s in range(min(self.max_ngram, n - 1), 0, -1):
-            suffix = context[n - s:]
-            # an occurrence ending at e (exclusive) must leave at least one following token:
-            # the windows starting at 0 .. n-s-1 end at s .. n-1
-            windows = np.lib.stride_tricks.sliding_window_view(context[:n - 1], s)   # [n-s, s]
-            for end in np.flatnonzero((windows == suffix).all(axis=1)) + s:
-                following = context[end:end + depths]                            # [<= L]
-                votes[np.arange(following.size), following] += s
-        return votes
+        weights = self.match_weights(context)                                    # [len(context)]
+        ends = np.flatnonzero(weights)                                           # [copies]
+        following = ends[:, None] + np.arange(depths)              # [copies, L] followers' positions
+        inside = following < context.size                # a copy near the end has fewer than L followers
+        depth_of = np.broadcast_to(np.arange(depths), following.shape)          # [copies, L]
+        weight_of = np.broadcast_to(weights[ends, None], following.shape)        # [copies, L]
+        # one bin per (depth, token); the weights are small integers, so the float64 sums are exact
+        # in any order: the same counts as adding each copy's weight s one suffix length at a time
+        bins = depth_of[inside] * self.vocab_size + context[following[inside]]
+        votes = np.bincount(bins, weights=weight_of[inside], minlength=depths * self.vocab_size)
+        return votes.reshape(depths, self.vocab_size)                            # [L, V]
 
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
         context, depths = check_block(context_tokens, block_size, self.vocab_size)

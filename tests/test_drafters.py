@@ -59,3 +59,142 @@ def test_make_drafter_takes_a_known_continuation():
     assert model.forward_count == 5                                  # did not run it again
     context = learned.sequence[:prompt.size]
     assert np.array_equal(given.propose(context, 4), learned.propose(context, 4))
+
+
+# The straightforward implementations, as ddtree/drafters.py had them before it cached proposals
+# and vectorized the n-gram votes: the fast ones must return the same bytes.
+
+def slow_oracle_ranking(drafter, position):
+    truth = int(drafter.sequence[position]) if position < drafter.sequence.size else None
+    rng = np.random.default_rng([drafter.seed, position])
+    others = [int(t) for t in rng.permutation(drafter.vocab_size)[: drafter.distractors + 1] if t != truth]
+    return ([truth] if truth is not None else []) + others[: drafter.distractors]
+
+
+def slow_oracle_probabilities(drafter, ranked):
+    rest = (1 - drafter.confidence) / max(len(ranked) - 1, 1)
+    return [drafter.confidence] + [rest] * (len(ranked) - 1)
+
+
+def slow_noisy_ranking(drafter, position, depth):
+    truth = int(drafter.sequence[position]) if position < drafter.sequence.size else None
+    rng = np.random.default_rng([drafter.seed + 1, position * 64 + depth])
+    others = [int(t) for t in rng.permutation(drafter.vocab_size)[: drafter.runners_up + 2] if t != truth]
+    ranked = others[: drafter.runners_up + 1]
+    if truth is None:
+        return ranked
+    if rng.random() < drafter.top1_rate * drafter.decay ** (depth - 1):
+        return [truth] + ranked[: drafter.runners_up]
+    if drafter.runners_up and rng.random() < drafter.keep_rate:
+        ranked.insert(int(rng.integers(1, drafter.runners_up + 1)), truth)
+    return ranked[: drafter.runners_up + 1]
+
+
+def slow_noisy_probabilities(drafter, ranked):
+    shares = 0.5 ** np.arange(len(ranked) - 1)
+    runners = (drafter.runner_up_mass * shares / shares.sum()).tolist() if len(ranked) > 1 else []
+    return [1 - drafter.runner_up_mass] + runners
+
+
+def slow_oracle_propose(drafter, context, block_size):
+    noisy = isinstance(drafter, NoisyOracleDrafter)
+    context = np.asarray(context, dtype=np.int64)
+    logits = np.full((block_size - 1, drafter.vocab_size), -30.0, dtype=np.float32)
+    for d in range(1, block_size):
+        position = context.size - 1 + d
+        if noisy:
+            ranked = slow_noisy_ranking(drafter, position, d)
+            probs = slow_noisy_probabilities(drafter, ranked)
+        else:
+            ranked = slow_oracle_ranking(drafter, position)
+            probs = slow_oracle_probabilities(drafter, ranked)
+        for token, p in zip(ranked, probs, strict=True):
+            logits[d - 1, token] = np.log(p)
+    return logits
+
+
+def slow_ngram_propose(drafter, context, block_size):
+    context, depths = np.asarray(context, dtype=np.int64), block_size - 1
+    n = context.size
+    votes = np.zeros((depths, drafter.vocab_size), dtype=np.float64)
+    for s in range(min(drafter.max_ngram, n - 1), 0, -1):
+        suffix = context[n - s:]
+        windows = np.lib.stride_tricks.sliding_window_view(context[:n - 1], s)
+        for end in np.flatnonzero((windows == suffix).all(axis=1)) + s:
+            following = context[end:end + depths]
+            votes[np.arange(following.size), following] += s
+    probs = (votes + drafter.smoothing) / (votes + drafter.smoothing).sum(-1, keepdims=True)
+    return np.log(probs).astype(np.float32)
+
+
+def assert_same_bytes(fast, slow):
+    assert fast.dtype == slow.dtype == np.float32 and fast.shape == slow.shape
+    assert fast.tobytes() == slow.tobytes()
+
+
+def growing_contexts(sequence, rng, block_sizes):
+    """(context, block size) rounds as a decode run makes them: the context grows by 1..block
+    tokens a round (so positions come back at smaller depths), runs past the sequence's end (no
+    truth), and is sometimes proposed again unchanged."""
+    n = 1
+    while n < sequence.size + 12:
+        block_size = int(rng.choice(block_sizes))
+        context = np.resize(sequence, n)                          # past the end: the sequence again
+        yield (context.tolist() if rng.random() < 0.2 else context), block_size
+        if rng.random() < 0.8:
+            n += int(rng.integers(1, block_size + 1))
+
+
+ORACLES = [
+    (OracleDrafter, dict(vocab_size=64)),
+    (OracleDrafter, dict(vocab_size=64, confidence=0.6, distractors=7, seed=5)),
+    (OracleDrafter, dict(vocab_size=6, distractors=5, seed=2)),          # distractors cover the vocab
+    (OracleDrafter, dict(vocab_size=2, distractors=1, seed=1)),
+    (NoisyOracleDrafter, dict(vocab_size=64)),
+    (NoisyOracleDrafter, dict(vocab_size=64, top1_rate=0.3, decay=0.5, keep_rate=0.5, seed=9)),
+    (NoisyOracleDrafter, dict(vocab_size=6, runners_up=4, seed=4)),      # runners-up cover the vocab
+    (NoisyOracleDrafter, dict(vocab_size=50, runners_up=0, keep_rate=1.0)),
+    (NoisyOracleDrafter, dict(vocab_size=3, runners_up=2, top1_rate=0.0, seed=7)),
+]
+
+
+@pytest.mark.parametrize("kind, options", ORACLES)
+def test_oracle_propose_matches_the_straightforward_version(kind, options):
+    rng = np.random.default_rng(len(ORACLES) + options.get("seed", 0))
+    sequence = rng.integers(0, options["vocab_size"], 40)
+    drafter = kind(sequence, **options)
+    for context, block_size in growing_contexts(sequence, rng, [1, 2, 3, 5, 8]):
+        fast = drafter.propose(context, block_size)
+        assert_same_bytes(fast, slow_oracle_propose(drafter, context, block_size))
+        fast[:] = 0.0                                            # the caller owns the array: no cache in it
+    assert_same_bytes(drafter.propose(sequence[:7], 8), slow_oracle_propose(drafter, sequence[:7], 8))
+
+
+@pytest.mark.parametrize("vocab, alphabet, max_ngram", [(512, 8, 3), (512, 64, 3), (4, 4, 1), (16, 3, 5)])
+def test_ngram_propose_matches_the_straightforward_version(vocab, alphabet, max_ngram):
+    rng = np.random.default_rng(vocab + alphabet + max_ngram)
+    sequence = rng.integers(0, alphabet, 300)                      # small alphabets: many matches
+    sequence[150:180] = sequence[40:70]                            # and a long repeat
+    drafter = NGramDrafter(vocab, max_ngram=max_ngram)
+    for context, block_size in growing_contexts(sequence, rng, [1, 2, 4, 8]):
+        slow = slow_ngram_propose(drafter, context, block_size)
+        assert_same_bytes(drafter.propose(context, block_size), slow)
+    for n in (1, 2, 3, 4, 10):                                     # contexts no longer than the suffixes
+        context = np.full(n, 2, dtype=np.int32)
+        assert_same_bytes(drafter.propose(context, 6), slow_ngram_propose(drafter, context, 6))
+
+
+def test_an_empty_ranking_is_refused():
+    drafter = OracleDrafter([1, 2, 3], 8, distractors=0)          # past the end: no truth, no distractor
+    with pytest.raises(ValueError):
+        slow_oracle_propose(drafter, [1, 2, 3], 2)
+    with pytest.raises(ValueError, match="nothing to propose"):
+        drafter.propose([1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("context", [[], [[1, 2]], [1.0, 2.0], [1, -1], [1, 8]])
+@pytest.mark.parametrize("drafter", [OracleDrafter([1, 2, 3], 8), NoisyOracleDrafter([1, 2, 3], 8),
+                                     NGramDrafter(8)], ids=["oracle", "noisy", "ngram"])
+def test_bad_contexts_are_refused_by_name(drafter, context):
+    with pytest.raises(ValueError, match="context_tokens must"):
+        drafter.propose(np.array(context), 3)
