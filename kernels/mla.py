@@ -7,10 +7,13 @@ Kernels:
 - ``absorb_query_kernel``: q_lat = W_UK^T q_nope, one thread per output element (t, h, r).
 - ``attention_absorb_kernel``: masked softmax attention over the latent cache, one block per
   (row, head), online softmax over key tiles of one key per thread.
-- ``attention_paths_kernel``: the engine's version. Each row attends to the prefix and its own
-  path (``paths``), enumerated in position order, in tiles at fixed positions staged through
-  shared memory; the prefix length comes from a device array. A tree row's result is then
-  bit-identical to the AR row at the same position (batch- and mask-invariant).
+- ``attention_paths_kernel``: the engine's attention, version 1. Each row attends to the prefix
+  and its own path (``paths``), enumerated in position order, in tiles at fixed positions staged
+  through shared memory; the prefix length comes from a device array. A tree row's result is
+  then bit-identical to the AR row at the same position (batch- and mask-invariant).
+- ``attention_split_kernel`` + ``attention_merge_kernel``: version 2, the same tiles dealt
+  round-robin to Z blocks per (row, head), whose partial softmaxes are merged in split order
+  (Z fixed per engine: still bit-identical tree and AR rows; Z times the blocks per row).
 - ``absorb_output_kernel``: o = W_UV o_lat, one thread per output element (t, h, v).
 
 Only the absorbed form is implemented here, on purpose. The numpy module also has
