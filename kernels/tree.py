@@ -9,9 +9,11 @@ Kernels:
   and the nodes popped so far sit in shared memory; every pop is a block-wide argmax over the
   frontier (``_best_candidate``: a strided scan per thread, then a shared-memory tree reduction)
   followed by one thread's bookkeeping (``_pop``).
+- ``build_trees_sorted_kernel`` (version 2): the same tree from a frontier kept sorted.
 - ``visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
 - ``top_candidates_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per drafter
   row, log-softmax (max, then a float64 sum of exp) and the K best by repeated block argmax.
+- ``top_candidates_sort_kernel`` (version 2): the same log-softmax, then a bitonic sort.
 - ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
   by depth (what the engine's attention enumerates instead of a mask).
 
@@ -25,6 +27,19 @@ so the builder has its own reduction rather than ``kernels.blocks.block_argmax``
 Shared memory bounds the budget: ``MAX_BUDGET`` = 1024 nodes need 7 tables of 1025 entries
 (4 bytes each, ~29 KB per block, under the 48 KB of static shared memory). ``bytes_moved`` and
 ``flops`` give each operation's cost model.
+
+Versions (``version=``, default 2, the fastest; both exact, ties included). Version 1 of top-K
+makes K passes, each a scan of V and a log2(TPB)-level block argmax: K x (2 + log2 TPB) barriers.
+Version 2 sorts (log-prob, id) pairs in shared memory under the total order (log-prob
+descending, id ascending), a bitonic sort of log2(S)(log2(S) + 1)/2 barrier stages for a buffer
+of S = next power of two >= V pairs (at most TOPK_CHUNK = 4096, 32 KB), whatever K is; a longer
+row streams through the buffer, a token entering only if it beats the K-th best so far (needs
+K <= S / 2, else version 1 runs). V = 512, K = 32: ~370 barriers and 32 scans of the row become
+~65 barriers and one scan. Version 1 of the builder pays per pop one block argmax (2 + log2 TPB
+barriers) and a global load on thread 0's critical path; version 2 copies the log-probs it can
+reach (min(L, B) x min(K, B + 1) floats, when <= _STAGE) to shared memory once and keeps the
+frontier sorted, so the best of the merged frontier is known without a reduction: one barrier
+per pop (B = 32: ~260 barriers become ~33).
 """
 
 from __future__ import annotations
@@ -47,6 +62,10 @@ _SLOTS = MAX_BUDGET + 1          # nodes (root + B) and live frontier entries (a
 _NEG_INF = np.float32(-np.inf)
 VIS_TILE = 16                    # visibility: 16 x 16 threads per block over (i, j)
 F32, I64 = 4, 8
+_STAGE = 1536                    # builder version 2: staged log-probs, L' x K' floats (6 KB)
+TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
+_NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
+VERSIONS = (1, 2)                # kernel versions of top_candidates and build_trees_device
 
 
 # --8<-- [start:pops_before]
@@ -66,6 +85,31 @@ def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_ra
     rank_a = cand_rank[a]
     parent_b = cand_parent[b]
     rank_b = cand_rank[b]
+    depth_a = node_depth[parent_a]
+    depth_b = node_depth[parent_b]
+    while depth_a > depth_b:                     # lift a to b's depth
+        rank_a = node_rank[parent_a]
+        parent_a = node_parent[parent_a]
+        depth_a -= 1
+    while depth_b > depth_a:                     # lift b to a's depth
+        rank_b = node_rank[parent_b]
+        parent_b = node_parent[parent_b]
+        depth_b -= 1
+    while parent_a != parent_b:                  # climb both to their common parent
+        rank_a = node_rank[parent_a]
+        parent_a = node_parent[parent_a]
+        rank_b = node_rank[parent_b]
+        parent_b = node_parent[parent_b]
+    return rank_a < rank_b
+
+
+@cuda.jit(device=True, inline="always")
+def _comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_parent, node_rank, node_depth):
+    """``_pops_before`` on values (version 2): candidate a = (weight_a, parent node parent_a,
+    rank_a) against candidate b, the same order and the same walk. ``inline="always"``: numba
+    pastes it into the kernel instead of a call that passes every array field by field."""
+    if weight_a != weight_b:
+        return weight_a > weight_b
     depth_a = node_depth[parent_a]
     depth_b = node_depth[parent_b]
     while depth_a > depth_b:                     # lift a to b's depth
@@ -228,6 +272,144 @@ def build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
 # --8<-- [end:build_trees_kernel]
 
 
+# --8<-- [start:build_trees_sorted_kernel]
+@cuda.jit(device=True, inline="always")
+def _logprob(stage, stage_width, top_logprobs, request, depth, rank):
+    """top_logprobs[request, depth, rank]: from the shared copy when it was staged (width > 0)."""
+    if stage_width > 0:
+        return stage[depth * stage_width + rank]
+    return top_logprobs[request, depth, rank]
+
+
+@cuda.jit(device=True, inline="always")
+def _place(index, top, node, parent, rank, weight, node_parent, node_rank, node_depth, node_weight,
+           front_parent, front_rank, front_weight, side):
+    """Candidate (parent, rank, weight) lands at ``index`` of the merged frontier: the last index
+    (``top``) pops next, so it becomes node ``node``; the others go to frontier buffer ``side``."""
+    if index == top:
+        node_parent[node] = parent
+        node_rank[node] = rank
+        node_depth[node] = node_depth[parent] + 1
+        node_weight[node] = weight
+    else:
+        front_parent[side, index] = parent
+        front_rank[side, index] = rank
+        front_weight[side, index] = weight
+
+
+@cuda.jit
+def build_trees_sorted_kernel(root_tokens, top_logprobs, top_ids, budget, stage_depths, stage_width,
+                              tokens, parents, depths, ranks, logprobs, sizes):
+    """Version 2: one block per request; the frontier is kept sorted, so a pop costs one barrier.
+
+    The frontier (every live candidate but the next pop) sits in ``front_*[side, :rest]`` in
+    pop order reversed (index rest - 1 pops first), and the candidate that pops next is already
+    written as node ``nodes`` of the node table. Pop ``nodes``: every thread computes its two
+    new candidates (next sibling, first child), and thread t takes gap t of the sorted frontier
+    (between entries t - 1 and t): the old entry t moves up by the number of new ones that pop
+    after it, and a new one whose place is gap t goes there (gap + the new ones that pop after
+    it). The merged list is written to the other buffer (reads and writes never share one: no
+    barrier between them) and its last entry, the best, straight to the node table as the next
+    node. One ``cuda.syncthreads`` per pop, no reduction. ``stage_width`` > 0: the log-probs
+    [:stage_depths, :stage_width] were copied to shared memory first (index depth * width + rank).
+    """
+    request = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    node_parent = cuda.shared.array(_SLOTS, int32)
+    node_rank = cuda.shared.array(_SLOTS, int32)
+    node_depth = cuda.shared.array(_SLOTS, int32)
+    node_weight = cuda.shared.array(_SLOTS, float32)
+    front_parent = cuda.shared.array((2, _SLOTS), int32)      # two buffers: read one, write the other
+    front_rank = cuda.shared.array((2, _SLOTS), int32)
+    front_weight = cuda.shared.array((2, _SLOTS), float32)
+    stage = cuda.shared.array(_STAGE, float32)
+
+    if stage_width > 0:
+        for i in range(tid, stage_depths * stage_width, cuda.blockDim.x):
+            stage[i] = top_logprobs[request, i // stage_width, i % stage_width]
+    depth_limit = top_logprobs.shape[1]                       # L
+    rank_limit = top_logprobs.shape[2]                        # K
+    nodes = 1 if budget > 0 and depth_limit > 0 else 0        # node 1 = (depth 1, rank 0), pops first
+    if tid == 0:
+        node_parent[0] = -1
+        node_rank[0] = -1
+        node_depth[0] = 0
+        node_weight[0] = float32(0.0)
+        if nodes == 1:
+            _place(0, 0, 1, 0, 0, node_weight[0] + top_logprobs[request, 0, 0], node_parent, node_rank,
+                   node_depth, node_weight, front_parent, front_rank, front_weight, 0)
+    cuda.syncthreads()
+    rest = 0                                                  # frontier entries besides the next pop
+    side = 0
+    while 0 < nodes < budget:
+        node = nodes                                          # pop it: its sibling and child join
+        parent = node_parent[node]
+        rank = node_rank[node]
+        depth = node_depth[node]
+        sibling = rank + 1 < rank_limit
+        child = depth < depth_limit
+        sibling_weight = float32(0.0)
+        child_weight = float32(0.0)
+        if sibling:
+            sibling_weight = node_weight[parent] + _logprob(stage, stage_width, top_logprobs, request,
+                                                            depth - 1, rank + 1)
+        if child:
+            child_weight = node_weight[node] + _logprob(stage, stage_width, top_logprobs, request, depth, 0)
+        sibling_first = sibling and child and _comes_before(
+            sibling_weight, parent, rank + 1, child_weight, node, 0, node_parent, node_rank, node_depth)
+        total = rest + int(sibling) + int(child)
+        if total == 0:                                        # the heap is empty (same in every thread)
+            break
+        gap = tid
+        while gap <= rest:                                    # (a while loop: no division per pop)
+            # a new candidate goes to gap t when it pops before old entry t - 1 (nothing below
+            # gap 0) and after old entry t (nothing above gap rest): the frontier is sorted
+            sibling_here = sibling
+            child_here = child
+            if gap > 0:
+                below_parent = front_parent[side, gap - 1]
+                below_rank = front_rank[side, gap - 1]
+                below_weight = front_weight[side, gap - 1]
+                sibling_here = sibling_here and _comes_before(
+                    sibling_weight, parent, rank + 1, below_weight, below_parent, below_rank,
+                    node_parent, node_rank, node_depth)
+                child_here = child_here and _comes_before(
+                    child_weight, node, 0, below_weight, below_parent, below_rank,
+                    node_parent, node_rank, node_depth)
+            if gap < rest:                                    # old entry gap moves up past the new
+                old_parent = front_parent[side, gap]          # ones that pop after it
+                old_rank = front_rank[side, gap]
+                old_weight = front_weight[side, gap]
+                over_sibling = sibling and _comes_before(old_weight, old_parent, old_rank, sibling_weight,
+                                                         parent, rank + 1, node_parent, node_rank, node_depth)
+                over_child = child and _comes_before(old_weight, old_parent, old_rank, child_weight,
+                                                     node, 0, node_parent, node_rank, node_depth)
+                sibling_here = sibling_here and over_sibling
+                child_here = child_here and over_child
+                _place(gap + int(over_sibling) + int(over_child), total - 1, node + 1, old_parent, old_rank,
+                       old_weight, node_parent, node_rank, node_depth, node_weight, front_parent,
+                       front_rank, front_weight, 1 - side)
+            if sibling_here:                                  # above the child if it pops first
+                _place(gap + int(sibling_first), total - 1, node + 1, parent, rank + 1, sibling_weight,
+                       node_parent, node_rank, node_depth, node_weight, front_parent, front_rank,
+                       front_weight, 1 - side)
+            if child_here:
+                _place(gap + int(sibling and not sibling_first), total - 1, node + 1, node, 0,
+                       child_weight, node_parent, node_rank, node_depth, node_weight, front_parent,
+                       front_rank, front_weight, 1 - side)
+            gap += cuda.blockDim.x
+        rest = total - 1
+        side = 1 - side
+        nodes += 1
+        cuda.syncthreads()                                    # the merged frontier and the node are in
+    cuda.syncthreads()
+    _write_tree(request, root_tokens, top_ids, nodes + 1, node_parent, node_rank, node_depth,
+                node_weight, tokens, parents, depths, ranks, logprobs)
+    if tid == 0:
+        sizes[request] = nodes + 1
+# --8<-- [end:build_trees_sorted_kernel]
+
+
 class TreeBatch(typing.NamedTuple):
     """Padded trees, one row per request (device arrays): row b holds sizes[b] nodes, then padding."""
     tokens: object      # [Bq, W] int64, padding 0
@@ -246,10 +428,17 @@ def builder_threads(budget: int) -> int:
 # --8<-- [end:builder_threads]
 
 
-def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None):
+def check_version(version) -> int:
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    return int(version)
+
+
+def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None, version=2):
     """Host arrays get the full value checks of ddtree.tree, device arrays shape and dtype; then
-    the launch's: budget <= MAX_BUDGET, block size, ``out`` (a TreeBatch of width W = B + 1).
-    Returns root_tokens, top_logprobs, top_ids and budget (an int)."""
+    the launch's: version, budget <= MAX_BUDGET, block size, ``out`` (a TreeBatch of width
+    W = B + 1). Returns root_tokens, top_logprobs, top_ids and budget (an int)."""
+    check_version(version)
     budget = check_budget(budget)
     if budget > MAX_BUDGET:
         raise ValueError(f"budget must be <= {MAX_BUDGET} (the GPU builder keeps the frontier and "
@@ -289,27 +478,38 @@ def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=Non
     return root_tokens, top_logprobs, top_ids, budget
 
 
+def staged_shape(depths: int, k: int, budget: int) -> tuple[int, int]:
+    """Builder version 2: the log-probs it copies to shared memory, (depths, ranks) = (min(L, B),
+    min(K, B + 1)) (a pop reaches depth <= B and rank <= B), or (0, 0) when they exceed _STAGE."""
+    rows, width = min(depths, budget), min(k, budget + 1)
+    return (rows, width) if 0 < rows * width <= _STAGE else (0, 0)
+
+
 # --8<-- [start:build_trees_device]
 def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threads: int | None = None,
-                       out: TreeBatch | None = None, stream=None) -> TreeBatch:
+                       out: TreeBatch | None = None, stream=None, version: int = 2) -> TreeBatch:
     """Build Bq trees at once: root_tokens (Bq,), top_logprobs and top_ids (Bq, L, K).
 
     Returns a TreeBatch of device arrays of width W = max(budget, 0) + 1, no host copies, or
     writes into ``out`` (a TreeBatch of device arrays of width W >= budget + 1: padding past the
     tree, as the engine's buckets need). ``budget`` is shared by
     all requests and at most ``MAX_BUDGET``; ``threads`` forces the block size (a power of two
-    <= 128); ``stream`` is where the kernel is launched (None: the default stream).
+    <= 128); ``stream`` is where the kernel is launched (None: the default stream); ``version``
+    picks the kernel: 2 (the default) keeps the frontier sorted, 1 is the block argmax per pop.
     """
     root_tokens, top_logprobs, top_ids, budget = check_build_trees(
-        root_tokens, top_logprobs, top_ids, budget, threads=threads, out=out)
+        root_tokens, top_logprobs, top_ids, budget, threads=threads, out=out, version=version)
     shape = (top_logprobs.shape[0], max(budget, 0) + 1)                     # [Bq, W]
     out = out or TreeBatch(*(output(None, shape[:1] if name == "sizes" else shape,
                                     np.float32 if name == "logprobs" else np.int64, stream)
                              for name in TreeBatch._fields))              # -1 / NaN until written
-    threads = threads or builder_threads(budget)
-    build_trees_kernel[shape[0], threads, stream](
-        to_device(root_tokens, np.int64), to_device(top_logprobs, np.float32),
-        to_device(top_ids, np.int64), budget, *out)
+    inputs = (to_device(root_tokens, np.int64), to_device(top_logprobs, np.float32),
+              to_device(top_ids, np.int64), budget)
+    if version == 1:
+        build_trees_kernel[shape[0], threads or builder_threads(budget), stream](*inputs, *out)
+    else:                                                     # about one frontier gap per thread
+        build_trees_sorted_kernel[shape[0], threads or pow2_threads(budget), stream](
+            *inputs, *staged_shape(top_logprobs.shape[1], top_logprobs.shape[2], budget), *out)
     return out
 # --8<-- [end:build_trees_device]
 
@@ -324,14 +524,14 @@ def trees_from_batch(batch: TreeBatch) -> list[DraftTree]:
 
 
 # --8<-- [start:build_trees]
-def build_trees(root_tokens, top_logprobs, top_ids, budget: int) -> list[DraftTree]:
+def build_trees(root_tokens, top_logprobs, top_ids, budget: int, *, version: int = 2) -> list[DraftTree]:
     """Bq trees, each equal to ``ddtree.tree.build_tree`` on its request (host DraftTrees)."""
-    return trees_from_batch(build_trees_device(root_tokens, top_logprobs, top_ids, budget))
+    return trees_from_batch(build_trees_device(root_tokens, top_logprobs, top_ids, budget, version=version))
 # --8<-- [end:build_trees]
 
 
 # --8<-- [start:build_tree]
-def build_tree(root_token: int, top_logprobs, top_ids, budget: int) -> DraftTree:
+def build_tree(root_token: int, top_logprobs, top_ids, budget: int, *, version: int = 2) -> DraftTree:
     """One request: top_logprobs and top_ids (L, K); the same tree as ``ddtree.tree.build_tree``."""
     root_token = check_token(root_token, "root_token")
     if not is_device_array(top_logprobs):
@@ -339,7 +539,7 @@ def build_tree(root_token: int, top_logprobs, top_ids, budget: int) -> DraftTree
     if top_logprobs.ndim != 2:
         raise ValueError(f"top_logprobs must be (L, K) for one request, got shape {top_logprobs.shape}")
     return build_trees(np.array([root_token], np.int64), top_logprobs.reshape((1, *top_logprobs.shape)),
-                       top_ids.reshape((1, *top_ids.shape)), budget)[0]
+                       top_ids.reshape((1, *top_ids.shape)), budget, version=version)[0]
 # --8<-- [end:build_tree]
 
 
@@ -482,10 +682,120 @@ def _next_candidate(logits, row, row_max, log_sum, previous_value, previous_inde
 # --8<-- [end:top_candidates_kernel]
 
 
-def check_top_candidates(logits, k, *, out=None):
+# --8<-- [start:top_candidates_sort_kernel]
+@cuda.jit(device=True, inline="always")
+def _sort_pairs(values, ids, size):
+    """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob
+    descending, token id ascending. Stage (span, stride): pair i compares slots low and
+    low + stride and puts the better one first in spans with (low & span) == 0, last in the
+    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Bit operations and
+    while loops: a stage is a few instructions per thread (no integer division, which the GPU
+    emulates in dozens, and a strided ``range`` divides to count its steps)."""
+    span = 2
+    while span <= size:
+        stride = span // 2
+        while stride > 0:
+            pair = cuda.threadIdx.x
+            while pair < size // 2:
+                low = 2 * pair - (pair & (stride - 1))            # pair's slot in its half-span
+                high = low + stride
+                high_first = values[high] > values[low] or (values[high] == values[low]
+                                                            and ids[high] < ids[low])
+                if high_first == ((low & span) == 0):
+                    value = values[low]
+                    values[low] = values[high]
+                    values[high] = value
+                    token = ids[low]
+                    ids[low] = ids[high]
+                    ids[high] = token
+                pair += cuda.blockDim.x
+            cuda.syncthreads()
+            stride //= 2
+        span *= 2
+
+
+@functools.cache
+def top_candidates_sort_kernel(threads: int, slots: int):
+    """Version 2 of the top-K kernel, for blocks of ``threads`` threads and a shared sort buffer of
+    ``slots`` (log-prob, id) pairs (both powers of two)."""
+
+    @cuda.jit
+    def kernel(logits, top_logprobs, top_ids):
+        # one block = one drafter row; max and float64 log-sum as version 1. Then the first
+        # ``slots`` tokens go into the buffer (token s in slot s, empty slots (-inf, _NO_TOKEN)
+        # sort last); if V fits, one bitonic sort and done. Otherwise sort, keep the best K and
+        # stream the rest of the row in tiles of (slots - K) / 2 tokens: a token joins the
+        # buffer (an atomic slot) only if it beats the K-th best so far; a full buffer is
+        # sorted back to its best K first. Random rows rarely refill it after the first chunk.
+        red = cuda.shared.array(threads, float32)
+        red64 = cuda.shared.array(threads, float64)
+        values = cuda.shared.array(slots, float32)
+        ids = cuda.shared.array(slots, int32)
+        filled = cuda.shared.array(1, int32)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        vocab = logits.shape[1]
+        k = top_ids.shape[1]
+        local_max = float32(-math.inf)
+        for v in range(tid, vocab, threads):
+            local_max = max(local_max, logits[row, v])
+        red[tid] = local_max
+        block_max(red)
+        row_max = red[0]
+        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        for s in range(tid, slots, threads):
+            if s < vocab:
+                values[s] = (logits[row, s] - row_max) - log_sum            # float32, as numpy
+                ids[s] = s
+            else:
+                values[s] = _NEG_INF
+                ids[s] = _NO_TOKEN
+        if tid == 0:
+            filled[0] = min(vocab, slots)
+        cuda.syncthreads()
+        tile = (slots - k) // 2
+        start = slots
+        kth_value = _NEG_INF                                  # the K-th best so far (set by the first sort)
+        kth_id = _NO_TOKEN
+        while start < vocab:
+            full = filled[0] + tile > slots
+            cuda.syncthreads()                                # everyone has read filled[0]
+            if full:                                          # keep the best K, empty the rest
+                _sort_pairs(values, ids, slots)
+                kth_value = values[k - 1]
+                kth_id = ids[k - 1]
+                for s in range(k + tid, slots, threads):
+                    values[s] = _NEG_INF
+                    ids[s] = _NO_TOKEN
+                if tid == 0:
+                    filled[0] = k
+                cuda.syncthreads()
+            for v in range(start + tid, min(start + tile, vocab), threads):
+                value = (logits[row, v] - row_max) - log_sum
+                if value > kth_value or (value == kth_value and v < kth_id):
+                    slot = cuda.atomic.add(filled, 0, 1)
+                    values[slot] = value
+                    ids[slot] = v
+            start += tile
+            cuda.syncthreads()
+        _sort_pairs(values, ids, slots)
+        for r in range(tid, k, threads):
+            top_logprobs[row, r] = values[r]
+            top_ids[row, r] = ids[r]
+
+    return kernel
+# --8<-- [end:top_candidates_sort_kernel]
+
+
+def check_top_candidates(logits, k, *, out=None, version=2, chunk=None):
     """Host logits get the reference's checks (NaN, +inf, a finite value per row); device logits
     must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
-    (L, K) float32, top_ids (L, K) int64)."""
+    (L, K) float32, top_ids (L, K) int64); ``version`` in VERSIONS; ``chunk``: None or a power of
+    two in [4, TOPK_CHUNK]."""
+    check_version(version)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                              or not 4 <= chunk <= TOPK_CHUNK or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be None or a power of two in [4, {TOPK_CHUNK}], got {chunk!r}")
     if is_device_array(logits):
         if logits.ndim != 2 or logits.dtype != np.float32:
             raise ValueError(f"device logits must be a (L, V) float32 array, "
@@ -501,21 +811,37 @@ def check_top_candidates(logits, k, *, out=None):
     return logits
 
 
+def sort_slots(vocab: int, chunk: int | None = None) -> int:
+    """Top-K version 2's buffer: the smallest power of two >= V, at most ``chunk`` (TOPK_CHUNK)."""
+    slots = 1
+    while slots < min(vocab, chunk or TOPK_CHUNK):
+        slots *= 2
+    return slots
+
+
 # --8<-- [start:top_candidates]
-def top_candidates(logits, k: int, *, out=None, stream=None):
+def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 2, chunk: int | None = None):
     """Drafter logits (L, V) -> the K best per depth: (top_logprobs (L, K) float32, top_ids (L, K)
     int64), sorted descending, equal log-probs lower id first: ``ddtree.tree.top_candidates``.
 
     ``out``: a pair of device arrays to write into; ``stream``: where the kernel is launched.
+    ``version``: 2 (the default) sorts, 1 picks the K best one block argmax at a time; a row
+    longer than the sort buffer (``chunk``, default TOPK_CHUNK) with K > chunk / 2 runs version 1.
     """
-    logits = check_top_candidates(logits, k, out=out)
+    logits = check_top_candidates(logits, k, out=out, version=version, chunk=chunk)
     depths, vocab = logits.shape
     out_logprobs, out_ids = out or (None, None)
     top_logprobs = output(out_logprobs, (depths, k), np.float32, stream)     # [L, K]
     top_ids = output(out_ids, (depths, k), np.int64, stream)                # [L, K]
     if depths:
         threads = pow2_threads(vocab, 1024)
-        top_candidates_kernel(threads)[depths, threads, stream](to_device(logits), top_logprobs, top_ids)
+        slots = sort_slots(vocab, chunk)
+        if version == 2 and (vocab <= slots or k <= slots // 2):
+            threads = pow2_threads(slots // 2, 512)           # a pair per thread; 1024 run out of registers
+            kernel = top_candidates_sort_kernel(threads, slots)
+        else:
+            kernel = top_candidates_kernel(threads)
+        kernel[depths, threads, stream](to_device(logits), top_logprobs, top_ids)
     return deliver(top_logprobs, out_logprobs, logits), deliver(top_ids, out_ids, logits)
 # --8<-- [end:top_candidates]
 
@@ -578,7 +904,7 @@ def flops(operation: str = "build_trees", **dims: int) -> int:
     return _COSTS[operation](**dims)[1]
 
 
-def _build_case(role: str, sizes, budget: int):
+def _build_case(role: str, sizes, budget: int, version: int = 2):
     import zlib
 
     import ddtree.tree
@@ -597,15 +923,15 @@ def _build_case(role: str, sizes, budget: int):
                 f"Bq={requests} L={depths} K={budget}",
                 setup=lambda seed: (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids),
                                     budget),
-                call=lambda inputs: build_trees_device(*inputs),
+                call=lambda inputs: build_trees_device(*inputs, version=version),
                 bytes=bytes_moved("build_trees", **dims), flops=flops("build_trees", **dims),
-                note="6 poisoned outputs", baseline=heap,
+                note=f"version={version}, 6 poisoned outputs", baseline=heap,
                 baseline_name=f"ddtree.tree.build_tree x {requests}")
 
 
 def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets,
-    against the numpy reference's heap on the CPU."""
+    """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets
+    (the default version), against the numpy reference's heap on the CPU."""
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
             _build_case("large", sizes, large)]

@@ -3,7 +3,7 @@
 Discrete results (tokens, parents, depths, ranks, sizes, masks) must be equal, and so must the
 float32 weights, bit for bit: both sides add the same two float32 numbers for every node (the
 path sum root to leaf) and break ties by the same rank-tuple rule. So everything is compared
-with assert_exact, ties included.
+with assert_exact, ties included, for every kernel version (``kernel.VERSIONS``).
 """
 
 import dataclasses
@@ -53,20 +53,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("depths, k, kind, budget", CASES)
-def test_build_tree_matches_reference(depths, k, kind, budget):
+def test_build_tree_matches_reference(depths, k, kind, budget, version):
     top_logprobs, top_ids = make_candidates(np.random.default_rng([depths, k, budget]), depths, k, kind)
     expected = reference.build_tree(7, top_logprobs, top_ids, budget)
-    assert_same_tree(kernel.build_tree(7, top_logprobs, top_ids, budget), expected)
+    assert_same_tree(kernel.build_tree(7, top_logprobs, top_ids, budget, version=version), expected)
 
 
-def test_build_trees_batch_of_different_trees():
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_build_trees_batch_of_different_trees(version):
     rng = np.random.default_rng(10)
     cases = [make_candidates(rng, 4, 3, kind) for kind in ("random", "equal", "repeated")]
     top_logprobs = np.stack([lp for lp, _ in cases])                         # [3, L, K]
     top_ids = np.stack([ids for _, ids in cases])
     roots = np.array([5, 0, 96])
-    trees = kernel.build_trees(roots, top_logprobs, top_ids, 13)
+    trees = kernel.build_trees(roots, top_logprobs, top_ids, 13, version=version)
     assert len(trees) == 3
     for b in range(3):
         assert_same_tree(trees[b], reference.build_tree(int(roots[b]), top_logprobs[b], top_ids[b], 13))
@@ -92,9 +94,11 @@ def max_frontier(tree: reference.DraftTree, depths: int, k: int) -> int:
     return largest
 
 
-def test_strided_frontier_scan():
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_strided_frontier_scan(version):
     # all 40 depth-1 tokens outweigh every depth-2 one: the frontier grows to 40 entries for 32
-    # threads, so threads scan two slots before the reduction; then 40 tied depth-2 candidates
+    # threads, so threads scan two slots (version 1) or two gaps (version 2) each; then 40 tied
+    # depth-2 candidates
     rng = np.random.default_rng(12)
     top_logprobs = np.array([[-0.1] * 40, [-5.0] * 40], np.float32)
     top_ids = np.stack([rng.permutation(100)[:40] for _ in range(2)])
@@ -103,11 +107,13 @@ def test_strided_frontier_scan():
     out = kernel.TreeBatch(*(cuda.device_array((1, 46), np.int64) for _ in range(4)),
                            logprobs=cuda.device_array((1, 46), np.float32),
                            sizes=cuda.device_array(1, np.int64))
-    out = kernel.build_trees_device(np.array([3]), top_logprobs[None], top_ids[None], 45, threads=32, out=out)
+    out = kernel.build_trees_device(np.array([3]), top_logprobs[None], top_ids[None], 45, threads=32, out=out,
+                                    version=version)
     assert_same_tree(kernel.trees_from_batch(out)[0], expected)
 
 
-def test_every_output_element_is_written():
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+def test_every_output_element_is_written(version):
     # prefill with values the kernel never writes: any survivor is an unwritten element
     rng = np.random.default_rng(13)
     cases = [make_candidates(rng, 3, 3, kind) for kind in ("random", "zero")]
@@ -116,7 +122,7 @@ def test_every_output_element_is_written():
     out = kernel.TreeBatch(*(cuda.to_device(np.full(shape, 7777, np.int64)) for _ in range(4)),
                            logprobs=cuda.to_device(np.full(shape, np.nan, np.float32)),
                            sizes=cuda.to_device(np.full(2, 7777, np.int64)))
-    assert kernel.build_trees_device(np.array([1, 2]), lp, ids, budget, out=out) is out
+    assert kernel.build_trees_device(np.array([1, 2]), lp, ids, budget, out=out, version=version) is out
     host = {name: array.copy_to_host() for name, array in out._asdict().items()}
     for name, array in host.items():
         assert not np.any(array == 7777) and not np.isnan(array).any(), f"{name} has unwritten elements"
@@ -151,6 +157,19 @@ def test_device_inputs_give_device_outputs():
                                   cuda.to_device(ids[:1]), 6)
 
 
+def test_builder_versions_agree_with_global_log_probs(monkeypatch):
+    # version 2 copies the log-probs to shared memory when min(L, B) x min(K, B + 1) fits
+    # (_STAGE floats) and reads them from global memory otherwise: force the second path
+    rng = np.random.default_rng(22)
+    cases = [make_candidates(rng, 4, 5, kind) for kind in ("random", "repeated", "zero")]
+    lp, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases])
+    roots = np.array([1, 2, 3])
+    assert kernel.staged_shape(4, 5, 18) == (4, 5) and kernel.staged_shape(15, 1024, 1024) == (0, 0)
+    monkeypatch.setattr(kernel, "staged_shape", lambda *dims: (0, 0))
+    for b, tree in enumerate(kernel.build_trees(roots, lp, ids, 18, version=2)):
+        assert_same_tree(tree, reference.build_tree(int(roots[b]), lp[b], ids[b], 18))
+
+
 def test_device_inputs_and_out_allocate_and_copy_nothing():
     rng = np.random.default_rng(21)
     cases = [make_candidates(rng, 3, 4) for _ in range(2)]
@@ -162,7 +181,9 @@ def test_device_inputs_and_out_allocate_and_copy_nothing():
                            sizes=cuda.to_device(np.zeros(2, np.int64)))
     vis = cuda.to_device(np.zeros((2, 8, 8), bool))
     with no_transfers():
-        assert kernel.build_trees_device(*inputs, 7, out=out, stream=cuda.default_stream()) is out
+        for version in kernel.VERSIONS:
+            assert kernel.build_trees_device(*inputs, 7, out=out, stream=cuda.default_stream(),
+                                             version=version) is out
         assert kernel.visibility(out.parents, out=vis, stream=cuda.default_stream()) is vis
     trees = kernel.trees_from_batch(out)
     for b in range(2):
@@ -184,14 +205,17 @@ def test_budget_limit():
         kernel.build_tree(0, lp, ids, kernel.MAX_BUDGET + 1)
     with pytest.raises(ValueError, match="root_tokens"):
         kernel.build_trees(np.array([1, 2]), lp[None], ids[None], 3)
+    with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got 3"):
+        kernel.build_tree(0, lp, ids, 3, version=3)
 
 
 @settings(max_examples=6, deadline=None)
 @given(candidate_sets())
 def test_property_matches_reference(case):
     top_logprobs, top_ids, budget = case
-    assert_same_tree(kernel.build_tree(3, top_logprobs, top_ids, budget),
-                     reference.build_tree(3, top_logprobs, top_ids, budget))
+    expected = reference.build_tree(3, top_logprobs, top_ids, budget)
+    for version in kernel.VERSIONS:
+        assert_same_tree(kernel.build_tree(3, top_logprobs, top_ids, budget, version=version), expected)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,9 +255,11 @@ def check_batch_against_reference(requests, depths, vocab, k, budget, seed):
                     for _ in range(requests)), strict=True)
     lp, ids = np.stack(lp), np.stack(ids)
     roots = rng.integers(0, vocab, requests)
-    trees = kernel.build_trees(roots, lp, ids, budget)
-    for b in range(requests):
-        assert_same_tree(trees[b], reference.build_tree(int(roots[b]), lp[b], ids[b], budget))
+    expected = [reference.build_tree(int(roots[b]), lp[b], ids[b], budget) for b in range(requests)]
+    for version in kernel.VERSIONS:
+        trees = kernel.build_trees(roots, lp, ids, budget, version=version)
+        for b in range(requests):
+            assert_same_tree(trees[b], expected[b])
     return trees
 
 
@@ -247,6 +273,12 @@ def test_build_trees_engine_size():
 
 
 @pytest.mark.gpu
+def test_build_trees_issue_size():
+    # the issue's target: L = 15, budget 64, 64 requests (K = budget, as the engine runs it)
+    check_batch_against_reference(requests=64, depths=15, vocab=4096, k=64, budget=64, seed=23)
+
+
+@pytest.mark.gpu
 def test_build_trees_max_budget():
     check_batch_against_reference(requests=4, depths=15, vocab=4096, k=1024, budget=kernel.MAX_BUDGET,
                                   seed=20)
@@ -254,26 +286,82 @@ def test_build_trees_max_budget():
 
 # ------------------------------------------------------------------------------- top candidates
 
+def assert_same_top(actual, expected):
+    """Log-probs bit for bit (compared as int32 bits: -inf and -0.0 included), ids exactly."""
+    assert actual[0].dtype == np.float32 and actual[1].dtype == np.int64
+    assert_exact(actual[0].view(np.int32), expected[0].view(np.int32), "top_logprobs bits")
+    assert_exact(actual[1], expected[1], "top_ids")
+
+
+@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("depths, vocab, k", [(3, 37, 5), (2, 70, 1), (1, 9, 9)])
-def test_top_candidates_match_numpy_exactly(depths, vocab, k):
+def test_top_candidates_match_numpy_exactly(depths, vocab, k, version):
     logits = np.random.default_rng(vocab).normal(0, 3, (depths, vocab)).astype(np.float32)
     logits[0, 4] = logits[0, 7] = logits[0].max() + 1                   # a tie at the top: lower id first
     if vocab > 20:
         logits[-1, 10:20] = -np.inf                                      # masked tokens sort last, by id
+    assert_same_top(kernel.top_candidates(logits, k, version=version), reference.top_candidates(logits, k))
+
+
+def tied_logits(rng, depths, vocab):
+    """Logits drawn from a handful of values (-inf included): exact ties everywhere."""
+    logits = rng.choice(np.array([2.0, 0.5, 0.0, -1.5, -np.inf], np.float32), (depths, vocab))
+    logits[:, rng.integers(vocab)] = 2.0                                 # a finite value per row
+    return logits
+
+
+# (vocab, k, chunk, kind): V < chunk, V not a power of two, K = 1, K = V, V = chunk + 37 (the
+# streamed tiles), rising logits (every tile beats the running K-th: the buffer refills and is
+# re-sorted again and again), K > chunk / 2 with V > chunk (version 2 runs version 1)
+TOP_CASES = [
+    (37, 5, None, "tied"),
+    (50, 1, None, "tied"),
+    (23, 23, None, "tied"),
+    (69, 7, 32, "tied"),
+    (69, 16, 32, "normal"),
+    (69, 1, 32, "tied"),
+    (45, 3, 8, "rising"),
+    (21, 12, 16, "normal"),
+]
+
+
+@pytest.mark.parametrize("vocab, k, chunk, kind", TOP_CASES)
+def test_top_candidates_versions_exact_with_ties_and_chunks(vocab, k, chunk, kind):
+    rng = np.random.default_rng([vocab, k])
+    if kind == "tied":
+        logits = tied_logits(rng, 2, vocab)
+    elif kind == "rising":
+        logits = np.tile(np.linspace(-4, 4, vocab, dtype=np.float32), (2, 1))
+        logits[1, ::3] = logits[1, 0]                                    # and ties with the first token
+    else:
+        logits = rng.normal(0, 3, (2, vocab)).astype(np.float32)
     expected = reference.top_candidates(logits, k)
-    actual = kernel.top_candidates(logits, k)
-    assert_exact(actual[0], expected[0], "top_logprobs")
-    assert_exact(actual[1], expected[1], "top_ids")
+    for version in kernel.VERSIONS:
+        out = (cuda.to_device(np.full((2, k), np.nan, np.float32)),         # poisoned: all must be written
+               cuda.to_device(np.full((2, k), -7, np.int64)))
+        kernel.top_candidates(cuda.to_device(logits), k, out=out, version=version, chunk=chunk)
+        assert_same_top((out[0].copy_to_host(), out[1].copy_to_host()), expected)
+
+
+def test_top_candidates_sort_buffer():
+    assert [kernel.sort_slots(v) for v in (1, 9, 512, 4096, 163840)] == [1, 16, 512, 4096, kernel.TOPK_CHUNK]
+    assert kernel.sort_slots(69, 32) == 32
+    with pytest.raises(ValueError, match=r"chunk must be None or a power of two in \[4, 4096\], got 48"):
+        kernel.top_candidates(np.zeros((1, 64), np.float32), 3, chunk=48)
+    with pytest.raises(ValueError, match="version must be one of"):
+        kernel.top_candidates(np.zeros((1, 64), np.float32), 3, version=0)
 
 
 def test_top_candidates_into_device_buffers_allocate_nothing():
     logits = np.random.default_rng(1).normal(0, 2, (2, 33)).astype(np.float32)
     d_logits = cuda.to_device(logits)
     out = (cuda.to_device(np.zeros((2, 4), np.float32)), cuda.to_device(np.zeros((2, 4), np.int64)))
-    with no_transfers():
-        result = kernel.top_candidates(d_logits, 4, out=out)
-    assert result[0] is out[0] and result[1] is out[1]
-    assert_exact(out[1].copy_to_host(), reference.top_candidates(logits, 4)[1])
+    for version in kernel.VERSIONS:
+        with no_transfers():
+            result = kernel.top_candidates(d_logits, 4, out=out, stream=cuda.default_stream(),
+                                           version=version)
+        assert result[0] is out[0] and result[1] is out[1]
+        assert_exact(out[1].copy_to_host(), reference.top_candidates(logits, 4)[1])
 
 
 def test_top_candidates_refuse_like_numpy():
@@ -281,6 +369,22 @@ def test_top_candidates_refuse_like_numpy():
         kernel.top_candidates(np.zeros((2, 5), np.float32), 6)
     with pytest.raises(ValueError, match="NaN"):
         kernel.top_candidates(np.full((1, 5), np.nan, np.float32), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 1024, 3000])
+def test_top_candidates_kimi_vocab(k):
+    # V = 163840 (Kimi): version 2 streams 40 sort buffers' worth; K = 3000 > TOPK_CHUNK / 2
+    # makes version 2 run version 1. Rows of N(0, 3^2) logits with many exact ties
+    rng = np.random.default_rng(k)
+    logits = (np.round(rng.normal(0, 3, (15, 163840)) * 64) / 64).astype(np.float32)
+    logits[1] = tied_logits(rng, 1, 163840)[0]
+    logits[2] = np.linspace(-4, 4, 163840, dtype=np.float32)             # rising: the buffer refills
+    expected = reference.top_candidates(logits, k)
+    d_logits = cuda.to_device(logits)
+    for version in kernel.VERSIONS:
+        actual = kernel.top_candidates(d_logits, k, version=version)
+        assert_same_top((actual[0].copy_to_host(), actual[1].copy_to_host()), expected)
 
 
 def test_positions_and_paths_walk_the_parents():
