@@ -81,7 +81,8 @@ def builder_cost(depths: int, budget: int, requests: int) -> None:
     print(f"  L={depths}, K=B={budget}, {requests} requests: {moved / 1e3:.1f} KB in and out, "
           f"{chapter.time_floor(moved) * 1e9:.0f} ns at the copy bandwidth")
     print(f"    but {budget} sequential pops x {per_pop} barriers = {budget * per_pop} block barriers "
-          f"in version 1 ({threads} threads); version 2: one per pop, {budget + 1} with the start")
+          f"(version 1, {threads} threads)")
+    print(f"    version 2: one barrier per pop, {budget + 1} with the start")
 
 
 def print_pops(tree: ref.DraftTree, count: int) -> None:
