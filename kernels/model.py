@@ -346,7 +346,8 @@ def rows_of(scratch, rows: int):
     """The first ``rows`` rows of every buffer of a (possibly nested) scratch tuple."""
     if scratch is None:
         return None
-    return type(scratch)(*(rows_of(field, rows) if isinstance(field, (MoEScratch, DenseScratch))
+    nested = (MoEScratch, DenseScratch)
+    return type(scratch)(*(rows_of(field, rows) if field is None or isinstance(field, nested)
                            else field[:rows] for field in scratch))
 
 

@@ -22,7 +22,8 @@ from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
 from kernels.model import Transformer as EngineTransformer
-from kernels.model import bucket_rows, candidate_count
+from kernels.model import bucket_rows, candidate_count, rows_of
+from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_exact
 
 # whole-model logits: hundreds of float32 reductions deep, in other orders than numpy's BLAS;
@@ -73,6 +74,13 @@ def assert_same_round(actual, expected, where=""):
 
 # ------------------------------------------------------------------------------------------------
 # in the simulator: micro
+
+
+def test_bucket_views_of_a_scratch_without_a_shared_expert():
+    """A layer's scratch is viewed per bucket field by field; a missing shared expert stays None."""
+    scratch = MoEScratch(*(np.arange(8 * (i + 1)).reshape(8, i + 1) for i in range(4)), shared=None)
+    view = rows_of(scratch, 3)
+    assert view.shared is None and all(field.shape[0] == 3 for field in view[:4])
 
 
 def test_buckets_and_candidate_counts():
