@@ -69,45 +69,18 @@ VERSIONS = (1, 2)                # kernel versions of top_candidates and build_t
 
 
 # --8<-- [start:pops_before]
-@cuda.jit(device=True)
-def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_rank, node_depth):
-    """True if frontier slot ``a`` pops before slot ``b``: heavier first, then the smaller rank tuple.
-
-    Candidate a is the rank tuple path(cand_parent[a]) + (cand_rank[a],). On a tie, lift the
-    deeper candidate to the other's depth, then climb both until they share a parent: the ranks
-    there decide. They always differ: one live candidate is never a prefix of another (the
-    shorter one is not popped yet, so nothing below it exists). Ties are rare; the walk costs at
-    most L steps in shared memory.
-    """
-    if cand_weight[a] != cand_weight[b]:
-        return cand_weight[a] > cand_weight[b]
-    parent_a = cand_parent[a]
-    rank_a = cand_rank[a]
-    parent_b = cand_parent[b]
-    rank_b = cand_rank[b]
-    depth_a = node_depth[parent_a]
-    depth_b = node_depth[parent_b]
-    while depth_a > depth_b:                     # lift a to b's depth
-        rank_a = node_rank[parent_a]
-        parent_a = node_parent[parent_a]
-        depth_a -= 1
-    while depth_b > depth_a:                     # lift b to a's depth
-        rank_b = node_rank[parent_b]
-        parent_b = node_parent[parent_b]
-        depth_b -= 1
-    while parent_a != parent_b:                  # climb both to their common parent
-        rank_a = node_rank[parent_a]
-        parent_a = node_parent[parent_a]
-        rank_b = node_rank[parent_b]
-        parent_b = node_parent[parent_b]
-    return rank_a < rank_b
-
-
 @cuda.jit(device=True, inline="always")
 def _comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_parent, node_rank, node_depth):
-    """``_pops_before`` on values (version 2): candidate a = (weight_a, parent node parent_a,
-    rank_a) against candidate b, the same order and the same walk. ``inline="always"``: numba
-    pastes it into the kernel instead of a call that passes every array field by field."""
+    """True if candidate a = (weight_a, parent node parent_a, rank_a) pops before candidate b:
+    heavier first, then the smaller rank tuple.
+
+    Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate
+    to the other's depth, then climb both until they share a parent: the ranks there decide. They
+    always differ: one live candidate is never a prefix of another (the shorter one is not popped
+    yet, so nothing below it exists). Ties are rare; the walk costs at most L steps in shared
+    memory. ``inline="always"``: numba pastes it into the kernel instead of a call that passes
+    every array field by field.
+    """
     if weight_a != weight_b:
         return weight_a > weight_b
     depth_a = node_depth[parent_a]
@@ -126,6 +99,14 @@ def _comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_p
         rank_b = node_rank[parent_b]
         parent_b = node_parent[parent_b]
     return rank_a < rank_b
+
+
+@cuda.jit(device=True)
+def _pops_before(a, b, cand_weight, cand_parent, cand_rank, node_parent, node_rank, node_depth):
+    """``_comes_before`` of frontier slots ``a`` and ``b`` (version 1 keeps its candidates in
+    slot arrays; version 2 compares values it already holds)."""
+    return _comes_before(cand_weight[a], cand_parent[a], cand_rank[a], cand_weight[b], cand_parent[b],
+                         cand_rank[b], node_parent, node_rank, node_depth)
 # --8<-- [end:pops_before]
 
 
