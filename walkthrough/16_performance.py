@@ -9,7 +9,8 @@ records under docs/results/ (nothing is measured on this machine):
 * engine-small-h200-2026-11-30.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``);
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
-  sweep``).
+  sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
+  with attention's version 2 (split over the keys).
 
 Run: python walkthrough/16_performance.py
 
@@ -31,6 +32,7 @@ BENCH = RESULTS / "bench-h200-2026-11-29.md"
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
 SMALL = RESULTS / "engine-small-h200-2026-11-30.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
+SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
 
 
@@ -167,18 +169,22 @@ def small_report(record) -> dict:
     return result
 
 
-def sweep_report(record) -> list[dict]:
-    rows = record["result"]["rows"]
+def sweep_report(records: dict[str, dict]) -> dict[str, list[dict]]:
+    """Each sweep's rows by attention version (the records' ``result.rows``)."""
+    sweeps = {version: record["result"]["rows"] for version, record in records.items()}
     with chapter.section("sweep"):
-        print(f"{'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} {'attention':>10}")
-        for r in rows:
-            oracle, noisy = r["ddtree_oracle"]["tokens_per_second"], r["ddtree_noisy"]["tokens_per_second"]
-            print(f"{r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} {noisy:>8.1f} "
-                  f"{100 * r['attention_share']:>9.0f}%")
-    return rows
+        print(f"{'attention':<10} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
+              f"{'att. share':>10}")
+        for version, rows in sweeps.items():
+            for r in rows:
+                oracle = r["ddtree_oracle"]["tokens_per_second"]
+                noisy = r["ddtree_noisy"]["tokens_per_second"]
+                print(f"{version:<10} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
+                      f"{noisy:>8.1f} {100 * r['attention_share']:>9.0f}%")
+    return sweeps
 
 
-def plot_small(result, rows) -> None:
+def plot_small(result, sweeps) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     sizes = result["tree_sizes"]
     left.plot([s["nodes"] for s in sizes], [s["verify_us"] / 1e3 for s in sizes], "o-", label="verify")
@@ -188,11 +194,12 @@ def plot_small(result, rows) -> None:
     left.set_ylabel("ms")
     left.set_title("small: verify time against tree size")
     left.legend()
-    contexts = [r["context"] for r in rows]
-    right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], "o-", label="AR")
-    for drafter, marker in (("oracle", "s-"), ("noisy", "^-")):
-        right.plot(contexts, [r[f"ddtree_{drafter}"]["tokens_per_second"] for r in rows], marker,
-                   label=f"DDTree, {drafter}")
+    for (version, rows), style in zip(sweeps.items(), ("-", "--"), strict=True):
+        contexts = [r["context"] for r in rows]
+        right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], "o" + style, color="tab:blue",
+                   label=f"AR, attention {version}")
+        right.plot(contexts, [r["ddtree_oracle"]["tokens_per_second"] for r in rows], "s" + style,
+                   color="tab:orange", label=f"DDTree oracle, attention {version}")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("context (tokens)")
@@ -211,8 +218,9 @@ def main() -> None:
     profile_report(before, after)
     plot_profile(before, after)
     result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
-    rows = sweep_report(json.loads(SWEEP.read_text(encoding="utf-8")))
-    plot_small(result, rows)
+    sweeps = sweep_report({version: json.loads(path.read_text(encoding="utf-8"))
+                           for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT))})
+    plot_small(result, sweeps)
 
 
 if __name__ == "__main__":
