@@ -73,3 +73,19 @@ def no_transfers():
         for owner, name, original in saved:
             setattr(owner, name, original)
     assert calls == [], f"device allocations or copies: {calls}"
+
+
+def assert_ddtree_equals(decode, model, prompt, expected, label: str = "DDTree",
+                         blocks=(2, 4, 8, 16), budgets=(0, 1, 5, 64)):
+    """``decode.generate_ddtree`` (the numpy or the engine module) on ``model`` gives exactly
+    ``expected`` for every drafter (each told the true continuation), block size and budget."""
+    from ddtree.drafters import DRAFTERS, make_drafter
+
+    for drafter_name in DRAFTERS:
+        for block in blocks:
+            for budget in budgets:
+                drafter = make_drafter(drafter_name, model, prompt, expected.size, continuation=expected)
+                tokens, _ = decode.generate_ddtree(model, prompt, expected.size, drafter, block_size=block,
+                                                   budget=budget)
+                where = f"{label}[{drafter_name}, block {block}, budget {budget}]"
+                assert_exact(tokens, expected, name=where)

@@ -24,7 +24,7 @@ from kernels import decode as engine_decode
 from kernels.model import Transformer as EngineTransformer
 from kernels.model import bucket_rows, candidate_count, rows_of
 from kernels.moe import MoEScratch
-from tests.helpers import assert_close, assert_exact
+from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
 
 # whole-model logits: hundreds of float32 reductions deep, in other orders than numpy's BLAS;
 # 1e-4 of the largest logit is the project's whole-model bound
@@ -203,13 +203,7 @@ def test_golden_bundles(name, graphs):
     tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
     assert_exact(tokens, expected)
     assert_logits_close(logits, bundle["logits"])
-    for drafter_name in ("oracle", "noisy", "ngram"):
-        for block in (2, 4, 8, 16):
-            for budget in (0, 1, 5, 64):
-                drafter = make_drafter(drafter_name, model, prompt, expected.size, continuation=expected)
-                tokens, _ = engine_decode.generate_ddtree(model, prompt, expected.size, drafter,
-                                                          block_size=block, budget=budget)
-                assert_exact(tokens, expected, name=f"DDTree[{drafter_name}, block {block}, budget {budget}]")
+    assert_ddtree_equals(engine_decode, model, prompt, expected)
 
 
 @pytest.mark.gpu
