@@ -569,8 +569,7 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     """
     check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
     (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
-    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
+    check_splits(splits)
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     tile = paths_tile(rank, rope_dim)
     threads = tile if SIMULATOR else PATHS_THREADS
@@ -584,6 +583,12 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     attention_split_kernel[(heads, rows, splits), threads, stream, shared](*args, partials)
     attention_merge_kernel[(heads, rows), row_threads(rank), stream](partials, prefix, depths, tile, d_out)
     return d_out
+
+
+def check_splits(splits, name: str = "splits") -> None:
+    """Z of ``attention_paths``: an integer in [1, MAX_SPLITS] (``name``: how the caller calls it)."""
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
 
 
 def paths_splits(capacity: int, rank: int, rope_dim: int) -> int:

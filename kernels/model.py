@@ -53,7 +53,7 @@ from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact, write_rows
 from kernels.linear import argmax, embed, linear
-from kernels.mla import MAX_SPLITS, absorb_output, absorb_query, attention_paths, paths_splits
+from kernels.mla import absorb_output, absorb_query, attention_paths, check_splits, paths_splits
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
@@ -370,11 +370,8 @@ class Transformer:
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
-        if attention_splits is not None and (isinstance(attention_splits, bool)
-                                             or not isinstance(attention_splits, int)
-                                             or not 1 <= attention_splits <= MAX_SPLITS):
-            raise ValueError(f"attention_splits must be None or an integer in [1, {MAX_SPLITS}], "
-                             f"got {attention_splits!r}")
+        if attention_splits is not None:
+            check_splits(attention_splits, "attention_splits")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)

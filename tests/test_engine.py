@@ -183,6 +183,9 @@ def test_engine_refuses_bad_input_before_running():
         model.logits(np.array([1, model.config.vocab_size]))
     with pytest.raises(ValueError, match="max_tree_nodes"):
         EngineTransformer(model.config, init_weights(model.config, 0), max_tree_nodes=6)
+    for splits in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match=r"attention_splits must be an integer in \[1, 64\]"):
+            EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
