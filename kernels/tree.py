@@ -885,13 +885,14 @@ def flops(operation: str = "build_trees", **dims: int) -> int:
     return _COSTS[operation](**dims)[1]
 
 
-def _build_case(role: str, sizes, budget: int, version: int = 2):
+def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int | None = None):
     import zlib
 
     import ddtree.tree
     from kernels.bench.case import Case, drafter_candidates  # lazily: kernels.bench imports this module
 
-    requests, depths, vocab = sizes.requests, sizes.depths, sizes.config.vocab_size
+    requests = sizes.requests if requests is None else requests
+    depths, vocab = sizes.depths, sizes.config.vocab_size
     rng = np.random.default_rng(zlib.crc32(f"tree_build_{role}".encode()))
     logprobs, ids = drafter_candidates(rng, requests, depths, budget, vocab)   # K = budget
     roots = rng.integers(0, vocab, requests).astype(np.int64)                 # [Bq]
@@ -900,7 +901,8 @@ def _build_case(role: str, sizes, budget: int, version: int = 2):
         return [ddtree.tree.build_tree(int(roots[b]), logprobs[b], ids[b], budget) for b in range(requests)]
 
     dims = {"Bq": requests, "L": depths, "K": budget, "B": budget}
-    return Case(f"tree_build_{role}", f"best-first draft trees, {requests} requests, budget {budget}",
+    name = f"tree_build_{role}" + ("" if version == 2 else f"_v{version}")
+    return Case(name, f"best-first draft trees, {requests} request{'s' * (requests > 1)}, budget {budget}",
                 f"Bq={requests} L={depths} K={budget}",
                 setup=lambda seed: (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids),
                                     budget),
@@ -910,9 +912,26 @@ def _build_case(role: str, sizes, budget: int, version: int = 2):
                 baseline_name=f"ddtree.tree.build_tree x {requests}")
 
 
+def _top_case(sizes, version: int):
+    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
+
+    depths, vocab, k = sizes.depths, sizes.config.vocab_size, sizes.budgets[1]
+    bytes_ = F32 * depths * vocab + (F32 + I64) * depths * k    # logits read once, the top K written
+    return Case(f"top_candidates_v{version}", f"the drafter's top-K per depth, K = {k}",
+                f"L={depths} V={vocab} K={k}",
+                setup=lambda seed: (uniform((depths, vocab), seed, 8.0),),
+                call=lambda inputs: top_candidates(*inputs, k, version=version),
+                bytes=bytes_, flops=0, note=f"version={version}, 2 poisoned outputs")
+
+
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets
-    (the default version), against the numpy reference's heap on the CPU."""
+    (the default version), the medium budget with version 1 and for one request alone (both
+    versions), all against the numpy reference's heap on the CPU; the drafter's top-K, both
+    versions."""
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
-            _build_case("large", sizes, large)]
+            _build_case("large", sizes, large), _build_case("medium", sizes, medium, version=1),
+            _build_case("one", sizes, medium, requests=1), _build_case("one", sizes, medium, version=1,
+                                                                        requests=1),
+            _top_case(sizes, 1), _top_case(sizes, 2)]
