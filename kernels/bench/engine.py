@@ -311,17 +311,24 @@ def log_runs(runs, log) -> None:
             f"{r.tokens_per_second:8.0f} tok/s, {r.forwards} forwards")
 
 
+def preset_weights(name: str) -> dict:
+    """The benchmark's weights of a preset (seed ``golden.WEIGHT_SEED``): numpy's for the
+    HOST_PRESETS (the golden bundles' own), made on the device for the rest."""
+    from kernels.weights import init_weights as device_init_weights
+
+    if name in HOST_PRESETS:
+        return init_weights(preset(name), golden.WEIGHT_SEED)
+    weights = device_init_weights(preset(name), golden.WEIGHT_SEED)
+    device.cuda.synchronize()
+    return weights
+
+
 def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> dict:
     from kernels.model import Transformer
-    from kernels.weights import init_weights as device_init_weights
 
     config = preset(name)
     begin = time.perf_counter()
-    if name in HOST_PRESETS:
-        weights = init_weights(config, golden.WEIGHT_SEED)
-    else:
-        weights = device_init_weights(config, golden.WEIGHT_SEED)
-        device.cuda.synchronize()
+    weights = preset_weights(name)
     made = time.perf_counter() - begin
     model = Transformer(config, weights)
     prompt = prompt_for(name, config)

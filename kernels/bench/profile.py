@@ -28,9 +28,7 @@ import sys
 import numpy as np
 from numba import cuda
 
-from ddtree import golden
 from ddtree.config import preset
-from ddtree.weights import init_weights
 from kernels.bench.harness import patched_launches
 from kernels.device import SIMULATOR
 
@@ -122,28 +120,33 @@ def replay_time(model, rows: int) -> float:
         graphs.enabled = False
 
 
-def prepare(model, context: int, nodes: int) -> None:
-    """``context`` random tokens in the cache and a random tree of ``nodes`` nodes in the tree
-    buffers (a real round: the profile's forwards then read a valid tree; parents precede
-    children, so any prefix of the rows is a tree too)."""
+def prepare(model, name: str, context: int, nodes: int) -> None:
+    """``context`` tokens in the cache and a random tree of ``nodes`` nodes in the tree buffers (a
+    real round: the profile's forwards then read a valid tree; parents precede children, so any
+    prefix of the rows is a tree too). The host presets prefill random tokens; the others' caches
+    are filled with random latents (``kernels.bench.sweep.fill_context``): attention reads them
+    the same way, and a real prefill of 16k tokens on ``small`` would only cost minutes."""
     from kernels import decode as engine_decode
-    from kernels.bench.engine import RandomDrafter
+    from kernels.bench.engine import HOST_PRESETS, RandomDrafter
+    from kernels.bench.sweep import fill_context
 
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, context + 1)
-    cache = model.new_cache()
-    model.prefill(cache, prompt[:-1], emit_token=False)
+    if name in HOST_PRESETS:
+        prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, context + 1)
+        model.prefill(model.new_cache(), prompt[:-1], emit_token=False)
+    else:
+        fill_context(model, context)
+        prompt = np.zeros(context + 1, np.int64)
     block = 8
-    engine_decode.ddtree_round(model, cache, np.array(prompt), RandomDrafter(model.config.vocab_size),
+    engine_decode.ddtree_round(model, model.cache, prompt, RandomDrafter(model.config.vocab_size),
                                block, nodes - 1, None)
 
 
 def profile(name: str, rows_list, context: int, attention_splits: int | None = None) -> str:
+    from kernels.bench.engine import preset_weights
     from kernels.model import Transformer
 
-    config = preset(name)
-    model = Transformer(config, init_weights(config, golden.WEIGHT_SEED), graphs=False,
-                        attention_splits=attention_splits)
-    prepare(model, context, max(rows_list))
+    model = Transformer(preset(name), preset_weights(name), graphs=False, attention_splits=attention_splits)
+    prepare(model, name, context, max(rows_list))
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
              f"off, events around each launch; median of {REPEATS}; attention splits Z = "
              f"{model.attention_splits})", ""]

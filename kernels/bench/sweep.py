@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 
-from ddtree import golden
 from ddtree.config import preset
 from ddtree.drafters import NoisyOracleDrafter, OracleDrafter
 from kernels import decode as engine_decode
@@ -102,12 +101,10 @@ def attention_share(model, context: int) -> dict:
 
 
 def sweep(name: str, contexts, log) -> dict:
+    from kernels.bench.engine import preset_weights
     from kernels.model import Transformer
-    from kernels.weights import init_weights as device_init_weights
 
-    config = preset(name)
-    weights = device_init_weights(config, golden.WEIGHT_SEED)
-    model = Transformer(config, weights)
+    model = Transformer(preset(name), preset_weights(name))
     root = ROOT_TOKEN
     rows = []
     for context in contexts:
