@@ -14,7 +14,9 @@ fixed, so a sum is deterministic run to run (but not numpy's order: floats are n
 associative). Each reduction starts with a barrier (every thread's slot is written) and ends
 with one (``scratch[0]`` is final), so the caller writes its slot just before and reads
 ``scratch[0]`` just after; a caller that reuses ``scratch`` waits for a barrier first, so that
-every thread has read ``scratch[0]``. Shared-memory trees are the portable baseline: the CUDA
+every thread has read ``scratch[0]``. ``segment_max`` / ``segment_sum`` run the same tree inside
+each segment of a block (a warp per head in attention_paths' version 3): segment = TPB is the
+block reduction, pair for pair. Shared-memory trees are the portable baseline: the CUDA
 simulator has no warp shuffles.
 """
 
@@ -101,6 +103,39 @@ def block_max(scratch):
         cuda.syncthreads()
         stride //= 2
 # --8<-- [end:block_max]
+
+
+# --8<-- [start:segment_reductions]
+@cuda.jit(device=True)
+def segment_max(scratch, segment):
+    """scratch[s] = max(scratch[s:s + segment]) for every segment start s = 0, segment, 2 segment,
+    ... of the block: ``block_max``'s tree run inside each segment of ``segment`` threads (a power
+    of two dividing TPB), one barrier of the whole block per level. segment = TPB is block_max."""
+    tid = cuda.threadIdx.x
+    lane = tid % segment                          # this thread's place in its segment
+    cuda.syncthreads()
+    stride = segment // 2
+    while stride > 0:
+        if lane < stride:
+            scratch[tid] = max(scratch[tid], scratch[tid + stride])
+        cuda.syncthreads()
+        stride //= 2
+
+
+@cuda.jit(device=True)
+def segment_sum(scratch, segment):
+    """scratch[s] = sum(scratch[s:s + segment]) for every segment start s: ``block_sum``'s tree
+    (the same pairs, the same order) inside each segment. segment = TPB is block_sum."""
+    tid = cuda.threadIdx.x
+    lane = tid % segment
+    cuda.syncthreads()
+    stride = segment // 2
+    while stride > 0:
+        if lane < stride:
+            scratch[tid] += scratch[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+# --8<-- [end:segment_reductions]
 
 
 # --8<-- [start:comes_first]

@@ -14,6 +14,8 @@ Kernels:
 - ``attention_split_kernel`` + ``attention_merge_kernel``: version 2, the same tiles dealt
   round-robin to Z blocks per (row, head), whose partial softmaxes are merged in split order
   (Z fixed per engine: still bit-identical tree and AR rows; Z times the blocks per row).
+- ``attention_heads_kernel`` (+ the merge): version 3, a block per (G heads, row, split), each
+  tile staged once for its G heads (MLA's heads share the latent cache), a warp per head.
 - ``absorb_output_kernel``: o = W_UV o_lat, one thread per output element (t, h, v).
 
 Only the absorbed form is implemented here, on purpose. The numpy module also has
@@ -37,7 +39,17 @@ import numpy as np
 from numba import cuda, float32, int32  # the package __init__ has already chosen GPU or simulator
 
 from ddtree import mla as reference
-from kernels.blocks import MAX_TPB, block_max, block_sum, blocks, check_threads, pow2_threads, row_threads
+from kernels.blocks import (
+    MAX_TPB,
+    block_max,
+    block_sum,
+    blocks,
+    check_threads,
+    pow2_threads,
+    row_threads,
+    segment_max,
+    segment_sum,
+)
 from kernels.device import (
     SIMULATOR,
     check_float32,
@@ -56,6 +68,8 @@ STAGE_BATCH = 8         # attention_paths: cache loads a thread issues before it
 MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the size of p and red
 MAX_SPLITS = 64          # attention_paths version 2: most blocks sharing one (row, head)'s keys
 SPLIT_TILES = 16         # ... chosen so that a split walks at most this many tiles of a full cache
+LANES = 32               # attention_paths version 3: threads per head (a warp), keys per tile at most
+HEADS_PER_BLOCK = (1, 2, 4)   # version 3's G (1: versions 1 and 2), G * LANES <= MAX_TPB threads
 F32 = 4
 
 
@@ -364,36 +378,43 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
         run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == 0,
-                                      run_max, run_sum)
+                                      run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         o_lat[row, head, i] = acc[i] / run_sum
 
 
 @cuda.jit(device=True)
-def _fold_tile(query, acc, tile_keys, p, red, count, scale, first, run_max, run_sum):
-    """One staged tile into the running softmax: score the keys, reduce the tile's max, rescale
+def _fold_tile(query, acc, tile_keys, p, red, count, scale, first, run_max, run_sum, segment):
+    """One staged tile into a running softmax: score the keys, reduce the tile's max, rescale
     (acc, run_sum) to the new running max, add the tile's exp-weights and weighted keys.
-    Returns the new (run_max, run_sum); ``acc`` is updated in place."""
+    Returns the new (run_max, run_sum); ``acc`` is updated in place.
+
+    The block folds in segments of ``segment`` threads, each into its own (query, acc): versions 1
+    and 2 pass segment = TPB (the whole block, one head), version 3 passes LANES (a warp per head).
+    A thread's lane (tid mod segment) scores key lane of the tile and strides over R; its
+    segment's scratch is red[base:base + segment] and p[base:base + tile], base = tid - lane.
+    Every thread of the block calls it (its barriers are the whole block's)."""
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    lane = tid % segment
+    base = tid - lane                                 # the segment's first slot in p and red
     rank = acc.shape[0]
     width = query.shape[0]
-    score = _tile_score(query, tile_keys, count, scale)
-    red[tid] = score if tid < count else -math.inf
-    block_max(red)
-    tile_max = red[0]
-    cuda.syncthreads()                                # everyone has read red[0]
+    score = _tile_score(query, tile_keys, count, scale, lane)
+    red[tid] = score if lane < count else -math.inf
+    segment_max(red, segment)
+    tile_max = red[base]
+    cuda.syncthreads()                                # everyone has read red[base]
     new_max = tile_max if first else max(run_max, tile_max)
     alpha = float32(0.0) if first else math.exp(run_max - new_max)
-    prob = math.exp(score - new_max) if tid < count else float32(0.0)
+    prob = math.exp(score - new_max) if lane < count else float32(0.0)
     p[tid] = prob
     red[tid] = prob
-    block_sum(red)                                    # also publishes p to the block
-    run_sum = run_sum * alpha + red[0]
-    for i in range(tid, rank, threads):
+    segment_sum(red, segment)                         # also publishes p to the segment
+    run_sum = run_sum * alpha + red[base]
+    for i in range(lane, rank, segment):
         total = acc[i] * alpha
         for key in range(count):
-            total += p[key] * tile_keys[key * (width + 1) + i]
+            total += p[base + key] * tile_keys[key * (width + 1) + i]
         acc[i] = total
     cuda.syncthreads()                                # the tile's keys, p, red rewritten next
     return new_max, run_sum
@@ -429,14 +450,13 @@ def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slot
 
 
 @cuda.jit(device=True)
-def _tile_score(query, tile_keys, count, scale):
-    """Thread j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile."""
-    tid = cuda.threadIdx.x
+def _tile_score(query, tile_keys, count, scale, lane):
+    """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile."""
     width = query.shape[0]
     score = float32(0.0)
-    if tid < count:
+    if lane < count:
         for i in range(width):
-            score += query[i] * tile_keys[tid * (width + 1) + i]
+            score += query[i] * tile_keys[lane * (width + 1) + i]
         score *= scale
     return score
 # --8<-- [end:attention_paths_kernel]
@@ -488,7 +508,7 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
         run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == first_start,
-                                      run_max, run_sum)
+                                      run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         partials[row, head, split, i] = acc[i]
     if tid == 0:
@@ -520,6 +540,66 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
 # --8<-- [end:attention_split_kernel]
 
 
+# --8<-- [start:attention_heads_kernel]
+@cuda.jit
+def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
+                           partials):
+    """Version 3, a block per (group of heads, row, split): block (x, row, z) of G = TPB / LANES
+    warps, grid (H / G, T, Z). Warp g serves head x * G + g. Per tile the whole block stages the
+    tile's keys once (``_stage_tile``), then each warp folds them into its own head's running
+    softmax (``_fold_tile`` with segment = LANES: lane j scores key j, the max and sum reduce over
+    the warp's 32 slots, lanes stride over R). With MLA every head reads the same latent cache,
+    so a tile staged once serves G heads: H / G stagings of each tile per row instead of H.
+
+    Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``,
+    even for Z = 1). A head's sums depend on its own keys, the tile and Z only (the reduction is
+    over the warp's 32 slots whatever G), so a tree row still equals its AR row bit for bit.
+    Shared memory (dynamic): G times (query R + dr, accumulator R), then the tile's keys
+    (tile x (R + dr + 1)); static: p, red (MAX_TPB floats), slots (MAX_TILE ints).
+    """
+    group = cuda.threadIdx.x // LANES
+    lane = cuda.threadIdx.x % LANES
+    heads = cuda.blockDim.x // LANES                      # G
+    head = cuda.blockIdx.x * heads + group
+    row = cuda.blockIdx.y
+    split = cuda.blockIdx.z
+    stride = tile * cuda.gridDim.z
+    rank = q_lat.shape[2]
+    width = rank + q_pe.shape[2]
+    keys = prefix[0] + depths[row] + 1
+    first_start = split * tile
+    if first_start >= keys:                               # the whole block: no tile for this split
+        return
+
+    smem = cuda.shared.array(0, dtype=float32)
+    mine = group * (width + rank)                         # this head's query | accumulator
+    query = smem[mine:mine + width]                       # q_lat | q_pe
+    acc = smem[mine + width:mine + width + rank]          # running sum_s p_s c_s
+    tile_keys = smem[heads * (width + rank):]             # [tile, R + dr + 1], row-major
+    p = cuda.shared.array(MAX_TILE, dtype=float32)        # [G x LANES] each head's probabilities
+    red = cuda.shared.array(MAX_TILE, dtype=float32)      # [G x LANES] each head's scratch
+    slots = cuda.shared.array(MAX_TILE, dtype=int32)
+
+    for i in range(lane, rank, LANES):
+        query[i] = q_lat[row, head, i]
+        acc[i] = float32(0.0)
+    for i in range(lane, width - rank, LANES):
+        query[rank + i] = q_pe[row, head, i]
+    run_max = float32(0.0)
+    run_sum = float32(0.0)
+    for start in range(first_start, keys, stride):
+        count = min(tile, keys - start)
+        _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == first_start,
+                                      run_max, run_sum, LANES)
+    for i in range(lane, rank, LANES):
+        partials[row, head, split, i] = acc[i]
+    if lane == 0:
+        partials[row, head, split, rank] = run_max
+        partials[row, head, split, rank + 1] = run_sum
+# --8<-- [end:attention_heads_kernel]
+
+
 def paths_tile(rank: int, rope_dim: int) -> int:
     """Keys per tile of ``attention_paths``: 32, or 16 when 32 staged rows of R + dr floats would
     pass 40 KB of shared memory (48 KB is numba's static limit). Fixed by the model's dims alone,
@@ -527,10 +607,11 @@ def paths_tile(rank: int, rope_dim: int) -> int:
     return 32 if paths_shared_bytes(rank, rope_dim, 32) <= 40 * 1024 else 16
 
 
-def paths_shared_bytes(rank: int, rope_dim: int, tile: int) -> int:
-    """Dynamic shared memory of ``attention_paths_kernel``: query, accumulator, staged keys."""
+def paths_shared_bytes(rank: int, rope_dim: int, tile: int, heads_per_block: int = 1) -> int:
+    """Dynamic shared memory of ``attention_paths``' kernels: a query and an accumulator per head
+    of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged keys."""
     width = rank + rope_dim
-    return F32 * (width + rank + tile * (width + 1))
+    return F32 * (heads_per_block * (width + rank) + tile * (width + 1))
 
 
 def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, *, out=None):
@@ -552,9 +633,17 @@ def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths,
     check_out(out, q_lat.shape)
 
 
+def check_heads_per_block(heads_per_block, heads: int, name: str = "heads_per_block") -> None:
+    """G: 1, 2 or 4 (G warps of LANES threads <= MAX_TPB), dividing the H heads."""
+    if isinstance(heads_per_block, bool) or not isinstance(heads_per_block, int) \
+            or heads_per_block not in HEADS_PER_BLOCK or heads % heads_per_block:
+        raise ValueError(f"{name} must be 1, 2 or 4 and divide the number of heads ({heads}), "
+                         f"got {heads_per_block!r}")
+
+
 # --8<-- [start:attention_paths]
 def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *,
-                    splits: int = 1, partials=None, out=None, stream=None):
+                    splits: int = 1, heads_per_block: int = 1, partials=None, out=None, stream=None):
     """Absorbed attention of each row over the prefix and its own path (device arrays).
 
     q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
@@ -564,23 +653,31 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
 
     ``splits`` = 1: version 1, one block per (row, head) walks every tile. ``splits`` = Z > 1:
     version 2, Z blocks per (row, head) each fold every Z-th tile into ``partials``
-    (T, H, Z, R + 2) float32 (allocated when not given), then one merge. Results depend on Z
-    (a different order of sums), never on the other rows: fix Z per engine.
+    (T, H, Z, R + 2) float32 (allocated when not given), then one merge. ``heads_per_block`` =
+    G > 1 (2 or 4, dividing H): version 3, a block per (G heads, row, split) stages each tile once
+    for its G heads, then the same merge (also for Z = 1), its tile from ``paths_heads_tile``.
+    Results depend on Z and the tile (the order of sums), never on the other rows: fix Z and G
+    per engine.
     """
     check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
     (rows, heads, rank), rope_dim = q_lat.shape, q_pe.shape[2]
     check_splits(splits)
+    check_heads_per_block(heads_per_block, heads)
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
-    tile = paths_tile(rank, rope_dim)
-    threads = tile if SIMULATOR else PATHS_THREADS
-    shared = paths_shared_bytes(rank, rope_dim, tile)
+    tile = paths_heads_tile(rank, rope_dim, heads_per_block)
+    shared = paths_shared_bytes(rank, rope_dim, tile, heads_per_block)
+    threads = tile if SIMULATOR else PATHS_THREADS                          # versions 1 and 2
     args = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), tile)
-    if splits == 1:
+    if splits == 1 and heads_per_block == 1:                                # version 1
         attention_paths_kernel[(heads, rows), threads, stream, shared](*args, d_out)
         return d_out
     check_out(partials, (rows, heads, splits, rank + 2), name="partials")
     partials = output(partials, (rows, heads, splits, rank + 2), stream=stream)   # [T, H, Z, R + 2]
-    attention_split_kernel[(heads, rows, splits), threads, stream, shared](*args, partials)
+    if heads_per_block == 1:                                                # version 2
+        attention_split_kernel[(heads, rows, splits), threads, stream, shared](*args, partials)
+    else:                                                                   # version 3: G warps
+        attention_heads_kernel[(heads // heads_per_block, rows, splits), heads_per_block * LANES, stream,
+                               shared](*args, partials)
     attention_merge_kernel[(heads, rows), row_threads(rank), stream](partials, prefix, depths, tile, d_out)
     return d_out
 
@@ -591,15 +688,34 @@ def check_splits(splits, name: str = "splits") -> None:
         raise ValueError(f"{name} must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
 
 
-def paths_splits(capacity: int, rank: int, rope_dim: int) -> int:
+def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int = 1) -> int:
     """Z for an engine whose cache holds ``capacity`` keys: the power of two that leaves each split
     at most ``SPLIT_TILES`` tiles of a full cache, in [1, MAX_SPLITS]. Fixed by the engine's sizes,
     never by the call, so every row of every step splits its keys the same way."""
-    tiles = -(-capacity // paths_tile(rank, rope_dim))
+    tiles = -(-capacity // paths_heads_tile(rank, rope_dim, heads_per_block))
     splits = 1
     while splits < MAX_SPLITS and splits * SPLIT_TILES < tiles:
         splits *= 2
     return splits
+
+
+def paths_heads(heads: int) -> int:
+    """G, the heads per block the engine would give version 3: 4, else 2, else 1 (the largest of
+    HEADS_PER_BLOCK dividing H)."""
+    return 4 if heads % 4 == 0 else 2 if heads % 2 == 0 else 1
+
+
+def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
+    """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``;
+    version 3 takes 32, else 16, else 8: the largest whose G queries and accumulators and staged
+    keys fit 40 KB of shared memory (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's
+    dims and G, never by the call."""
+    if heads_per_block == 1:
+        return paths_tile(rank, rope_dim)
+    for tile in (32, 16):
+        if paths_shared_bytes(rank, rope_dim, tile, heads_per_block) <= 40 * 1024:
+            return tile
+    return 8
 # --8<-- [end:attention_paths]
 
 

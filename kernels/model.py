@@ -53,7 +53,14 @@ from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact, write_rows
 from kernels.linear import argmax, embed, linear
-from kernels.mla import absorb_output, absorb_query, attention_paths, check_splits, paths_splits
+from kernels.mla import (
+    absorb_output,
+    absorb_query,
+    attention_paths,
+    check_heads_per_block,
+    check_splits,
+    paths_splits,
+)
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
@@ -363,15 +370,23 @@ class Transformer:
     the budget (B <= Tmax - 1). ``attention_splits`` (Z) picks ``attention_paths``' version: None
     chooses Z from the cache's size (``kernels.mla.paths_splits``), 1 is version 1 (one block per
     row and head); every Z keeps DDTree == AR, but two engines with different Z round differently.
+    ``attention_heads_per_block`` (G: 1, 2 or 4, dividing H) > 1 picks version 3, a block per
+    (G heads, row, split) that stages each key tile once for its G heads (``kernels.mla.paths_heads``
+    gives the G an engine would use); None is 1 until version 3 is measured on the GPU. Z's
+    default then follows version 3's tile. Like Z, G is fixed per engine.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
-                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None):
+                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
+                 attention_heads_per_block: int | None = None):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
         if attention_splits is not None:
             check_splits(attention_splits, "attention_splits")
+        if attention_heads_per_block is not None:
+            check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
+                                  name="attention_heads_per_block")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
@@ -392,10 +407,13 @@ class Transformer:
         self.cache = DeviceCache(config.num_hidden_layers, config.max_position_embeddings + self.max_rows,
                                  config.kv_lora_rank, config.qk_rope_head_dim)
         # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
-        # cache's size (paths_splits), so every step and every bucket splits the keys alike
+        # cache's size (paths_splits), so every step and every bucket splits the keys alike;
+        # version 3 (G > 1 heads per block, off by default until measured) merges partials too
+        self.attention_heads_per_block = attention_heads_per_block or 1
         self.attention_splits = attention_splits or paths_splits(
-            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim)
-        self.attention_partials = None if self.attention_splits == 1 else poisoned(
+            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block)
+        merged = self.attention_splits > 1 or self.attention_heads_per_block > 1
+        self.attention_partials = None if not merged else poisoned(
             (self.max_rows, config.num_attention_heads, self.attention_splits, config.kv_lora_rank + 2))
         self.compact_latent = poisoned((config.num_hidden_layers, self.max_rows, config.kv_lora_rank))
         self.compact_rope = poisoned((config.num_hidden_layers, self.max_rows, config.qk_rope_head_dim))
@@ -463,7 +481,8 @@ class Transformer:
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
                                 b.paths[:rows], self.softmax_scale, splits=self.attention_splits,
-                                partials=partials, out=b.o_lat[:rows], stream=s)     # [T, H, R]
+                                heads_per_block=self.attention_heads_per_block, partials=partials,
+                                out=b.o_lat[:rows], stream=s)                         # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         linear(o.reshape(rows, o.size // rows), layer.o_proj, version="tiles", out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)

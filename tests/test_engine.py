@@ -172,6 +172,24 @@ def test_rejection_verifier_matches_numpy():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))   # compacted: the committed rows
 
 
+def test_heads_per_block_ddtree_equals_ar_and_numpy():
+    """attention_paths' version 3 in the engine (G = 2: micro's 2 heads in one block, with the
+    engine's Z): a branching DDTree round gives the engine's AR tokens, which are numpy's. A
+    one-token prompt: no prefill; two AR forwards, and one verify forward (one round)."""
+    config = preset("micro")
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
+                              attention_heads_per_block=2)
+    assert model.attention_heads_per_block == 2
+    ref = reference("micro")
+    prompt = golden.default_prompt("micro")[:1]
+    expected = reference_decode.generate_ar(ref, prompt, 2)
+    assert_exact(engine_decode.generate_ar(model, prompt, 2), expected, name="AR tokens")
+    drafter = make_drafter("noisy", ref, prompt, 2, continuation=expected, seed=26)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, 2, drafter, block_size=3, budget=3)
+    assert_exact(tokens, expected, name="DDTree tokens")
+    assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
+
+
 def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
@@ -186,6 +204,8 @@ def test_engine_refuses_bad_input_before_running():
     for splits in (0, 65, 2.0, True):
         with pytest.raises(ValueError, match=r"attention_splits must be an integer in \[1, 64\]"):
             EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
+    with pytest.raises(ValueError, match="attention_heads_per_block must be 1, 2 or 4"):
+        EngineTransformer(model.config, {}, attention_heads_per_block=4)         # micro has 2 heads
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)

@@ -327,12 +327,16 @@ def tree_paths(parents: np.ndarray):
     return depths, paths
 
 
-def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1):
+def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
+              heads_per_block=1):
+    """attention_paths on device copies, its outputs (and partials) poisoned with NaN first."""
     rows, heads, rank = q_lat.shape
-    partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32)) if splits > 1 else None
+    partials = None
+    if splits > 1 or heads_per_block > 1:
+        partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32))
     out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
                               to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
-                              scale, splits=splits, partials=partials,
+                              scale, splits=splits, heads_per_block=heads_per_block, partials=partials,
                               out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
     return out.copy_to_host()
 
@@ -353,23 +357,43 @@ def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, s
                  expected, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits):
+@pytest.mark.parametrize("splits, heads_per_block", [(1, 1), (2, 1), (2, 2)])
+def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads_per_block):
     """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
     one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2;
-    with 2 splits, one tile each and a merge)."""
+    with 2 splits, one tile each and a merge; version 3 with G = 2 heads per block alike)."""
     parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
     depths, paths = tree_paths(parents)
     case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=10, rope=4)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
-    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
+                         heads_per_block)
     for node in (6, 7):
         chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
         rows_used = list(range(prefix)) + chain
         latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
         alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
-                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits)
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, heads_per_block)
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+@pytest.mark.parametrize("heads_per_block, splits, rows, prefix, rank, rope", [
+    (2, 1, 5, 70, 9, 2), (2, 2, 4, 75, 11, 3), (2, 3, 3, 40, 7, 2),        # 3 tiles: dealt to 1, 2, 3 splits
+    (4, 1, 3, 45, 13, 5), (4, 2, 4, 66, 5, 3), (4, 3, 3, 90, 6, 1)])
+def test_attention_heads_equal_the_masked_attention(heads_per_block, splits, rows, prefix, rank, rope):
+    """Version 3 (G heads per block): a random tree's rows == attention_absorb under its mask.
+    H = 2G: two blocks of heads per (row, split), so a head's place in the grid is exercised."""
+    rng = np.random.default_rng(rows + prefix)
+    parents = random_parents(rng, rows)
+    depths, paths = tree_paths(parents)
+    case = Case("heads", rows=rows, prefix=prefix, mask="causal", heads=2 * heads_per_block, rank=rank,
+                rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
+                                    scale)
+    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
+                       heads_per_block)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"o_lat, G = {heads_per_block}, Z = {splits}")
 
 
 def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
@@ -394,6 +418,41 @@ def test_attention_paths_refuses_bad_splits(splits):
         gpu.attention_paths(*arrays, 1.0, splits=splits)
 
 
+def test_attention_heads_round_like_version_2_where_the_tile_is_the_same():
+    """A head's sums do not depend on G: its warp reduces its own 32 slots in version 2's pairs,
+    so where the tile is the same (32 keys here), G = 2, G = 4 and version 2 agree bit for bit."""
+    parents = np.array([-1, 0])
+    depths, paths = tree_paths(parents)
+    case = Case("heads", rows=2, prefix=40, mask="causal", heads=4, rank=5, rope=1)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=3)
+    inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
+    outputs = [run_paths(*inputs, 2, g).view(np.uint32) for g in (1, 2, 4)]
+    assert_exact(outputs[1], outputs[0], name="G = 2 vs version 2 bits")
+    assert_exact(outputs[2], outputs[0], name="G = 4 vs version 2 bits")
+
+
+@pytest.mark.parametrize("heads_per_block", [0, 3, 8, 2.0, True, 4])      # 4 does not divide H = 2
+def test_attention_paths_refuses_bad_heads_per_block(heads_per_block):
+    q_lat = to_device(np.zeros((1, 2, 4), np.float32))
+    arrays = (q_lat, to_device(np.zeros((1, 2, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
+              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
+              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
+    with pytest.raises(ValueError, match=r"heads_per_block must be 1, 2 or 4 and divide the number of heads "
+                                         r"\(2\)"):
+        gpu.attention_paths(*arrays, 1.0, heads_per_block=heads_per_block)
+
+
+@pytest.mark.parametrize("heads, rank, rope, heads_per_block, tile", [
+    (16, 512, 64, 4, 8), (64, 512, 64, 4, 8), (6, 512, 64, 2, 8), (4, 64, 16, 4, 32), (6, 48, 8, 2, 32),
+    (2, 16, 4, 2, 32), (3, 512, 64, 1, 16), (4, 256, 32, 4, 16)])
+def test_paths_heads_and_their_tile(heads, rank, rope, heads_per_block, tile):
+    """G: the largest of 4, 2, 1 dividing H; the tile: 32, 16 or 8 keys by the 40 KB budget (G = 1:
+    version 1's tile)."""
+    assert gpu.paths_heads(heads) == heads_per_block
+    assert gpu.paths_heads_tile(rank, rope, heads_per_block) == tile
+    assert gpu.paths_shared_bytes(rank, rope, tile, heads_per_block) <= 40 * 1024 or heads_per_block == 1
+
+
 def test_attention_paths_names_a_wrong_partials_buffer():
     q_lat = to_device(np.zeros((1, 1, 4), np.float32))
     arrays = (q_lat, to_device(np.zeros((1, 1, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
@@ -415,10 +474,12 @@ def test_attention_paths_refuses_host_arrays():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block", [1, 2, 4])
 @pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
-def test_attention_paths_kimi_dims(rows, splits):
-    """Both versions at Kimi K2.6 dims (64 heads, latent 512 + rope 64, a 4k prefix): equal to the
-    masked reference, and a tree row bit-identical to the same keys laid out as a chain."""
+def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
+    """Every version at Kimi K2.6 dims (64 heads, latent 512 + rope 64, a 4k prefix; G = 1: versions
+    1 and 2, G = 2, 4: version 3, tile 8): equal to the masked reference, and a tree row
+    bit-identical to the same keys laid out as a chain."""
     config = preset("kimi-k2.6")
     heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     prefix = 4096 + 37
@@ -432,10 +493,11 @@ def test_attention_paths_kimi_dims(rows, splits):
     rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
     scale = softmax_scale(config)
     expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
-    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"o_lat, {splits} splits")
+    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits, heads_per_block)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
+                 name=f"o_lat, {splits} splits, G = {heads_per_block}")
     node = rows - 1
     chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
     alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
-                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits)
+                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, heads_per_block)
     assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"

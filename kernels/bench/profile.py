@@ -141,15 +141,17 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
                                block, nodes - 1, None)
 
 
-def profile(name: str, rows_list, context: int, attention_splits: int | None = None) -> str:
+def profile(name: str, rows_list, context: int, attention_splits: int | None = None,
+            attention_heads_per_block: int | None = None) -> str:
     from kernels.bench.engine import preset_weights
     from kernels.model import Transformer
 
-    model = Transformer(preset(name), preset_weights(name), graphs=False, attention_splits=attention_splits)
+    model = Transformer(preset(name), preset_weights(name), graphs=False, attention_splits=attention_splits,
+                        attention_heads_per_block=attention_heads_per_block)
     prepare(model, name, context, max(rows_list))
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
              f"off, events around each launch; median of {REPEATS}; attention splits Z = "
-             f"{model.attention_splits})", ""]
+             f"{model.attention_splits}, heads per block G = {model.attention_heads_per_block})", ""]
     table = {}
     for rows in rows_list:
         kernel_times(model, rows)                                       # compile and warm
@@ -192,12 +194,15 @@ def main(argv=None) -> int:
                         "(default 136: the middle of the engine benchmark's 8 + 256)")
     parser.add_argument("--attention-splits", type=int, default=None,
                         help="attention_paths' Z (1: version 1; default: the engine's choice)")
+    parser.add_argument("--attention-heads-per-block", type=int, default=None,
+                        help="attention_paths' G (2 or 4: version 3, a block per G heads; default 1)")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
     rows_list = [int(r) for r in args.rows.split(",")]
     for name in args.presets.split(","):
-        print(profile(name, rows_list, args.context, args.attention_splits), flush=True)
+        print(profile(name, rows_list, args.context, args.attention_splits, args.attention_heads_per_block),
+              flush=True)
     return 0
 
 
