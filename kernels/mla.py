@@ -69,6 +69,9 @@ MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the siz
 MAX_SPLITS = 64          # attention_paths version 2: most blocks sharing one (row, head)'s keys
 SPLIT_TILES = 16         # ... chosen so that a split walks at most this many tiles of a full cache
 LANES = 32               # attention_paths version 3: threads per head (a warp), keys per tile at most
+DOT_PARTS = 32           # attention_paths: a key's score is summed in 32 strided parts, in parallel
+DOT_STRIDE = DOT_PARTS + 1    # a key's parts in shared memory (+1: the parts' readers hit distinct banks)
+SHARED_BUDGET = 44 * 1024     # attention_paths' dynamic shared memory: 48 KB less the static arrays
 HEADS_PER_BLOCK = (1, 2, 4)   # version 3's G (1: versions 1 and 2), G * LANES <= MAX_TPB threads
 F32 = 4
 
@@ -343,10 +346,12 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
 
     Per tile: the block's TPB >= tile threads copy the tile's key rows (R + dr floats each) into
     shared memory with coalesced loads (more threads than keys: more loads in flight, which one
-    row's few blocks need), thread j < tile scores key j from there, the block reduces the tile's max and
-    (after rescaling to the new running max) its sum of exp, and thread i updates acc[r] for
-    r = i, i + TPB, ... from the same shared rows: the cache is read once per (row, head).
-    Shared memory (dynamic): the query (R + dr), the accumulator (R) and the tile's keys
+    row's few blocks need), the block scores the keys from there (``_tile_score``: 32 parts per
+    key in parallel, thread j adds key j's), reduces the tile's max and (after rescaling to the new
+    running max) its sum of exp, and thread i updates acc[r] for r = i, i + TPB, ... from the same
+    shared rows: the cache is read once per (row, head).
+    Shared memory (dynamic): the query (R + dr), the accumulator (R), the score parts
+    (tile x DOT_STRIDE) and the tile's keys
     (tile x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
     the tile's slots. The reductions run over all TPB entries, the ones past the tile neutral
     (-inf, 0), which leaves every max and sum as a tile-wide tree gives it.
@@ -362,7 +367,8 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     smem = cuda.shared.array(0, dtype=float32)
     query = smem[:width]                                  # q_lat | q_pe
     acc = smem[width:width + rank]                        # running sum_s p_s c_s
-    tile_keys = smem[width + rank:]                       # [TPB, R + dr + 1], row-major
+    dots = smem[width + rank:width + rank + tile * DOT_STRIDE]        # [tile, DOT_STRIDE] score parts
+    tile_keys = smem[width + rank + tile * DOT_STRIDE:]   # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -377,21 +383,22 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(0, keys, tile):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == 0,
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale, start == 0,
                                       run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         o_lat[row, head, i] = acc[i] / run_sum
 
 
 @cuda.jit(device=True)
-def _fold_tile(query, acc, tile_keys, p, red, count, scale, first, run_max, run_sum, segment):
+def _fold_tile(query, acc, tile_keys, dots, p, red, count, scale, first, run_max, run_sum, segment):
     """One staged tile into a running softmax: score the keys, reduce the tile's max, rescale
     (acc, run_sum) to the new running max, add the tile's exp-weights and weighted keys.
     Returns the new (run_max, run_sum); ``acc`` is updated in place.
 
     The block folds in segments of ``segment`` threads, each into its own (query, acc): versions 1
     and 2 pass segment = TPB (the whole block, one head), version 3 passes LANES (a warp per head).
-    A thread's lane (tid mod segment) scores key lane of the tile and strides over R; its
+    The segment scores the tile's keys (``_tile_score``: ``dots``, its own [tile, DOT_STRIDE]
+    scratch), then a thread's lane (tid mod segment) holds key lane's score and strides over R; its
     segment's scratch is red[base:base + segment] and p[base:base + tile], base = tid - lane.
     Every thread of the block calls it (its barriers are the whole block's)."""
     tid = cuda.threadIdx.x
@@ -399,7 +406,7 @@ def _fold_tile(query, acc, tile_keys, p, red, count, scale, first, run_max, run_
     base = tid - lane                                 # the segment's first slot in p and red
     rank = acc.shape[0]
     width = query.shape[0]
-    score = _tile_score(query, tile_keys, count, scale, lane)
+    score = _tile_score(query, tile_keys, dots, count, scale, lane, segment)
     red[tid] = score if lane < count else -math.inf
     segment_max(red, segment)
     tile_max = red[base]
@@ -450,13 +457,25 @@ def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slot
 
 
 @cuda.jit(device=True)
-def _tile_score(query, tile_keys, count, scale, lane):
-    """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile."""
+def _tile_score(query, tile_keys, dots, count, scale, lane, segment):
+    """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile.
+
+    The segment's threads share the work: part j of key k sums query[i] * key[i] for i = j,
+    j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads stride over the jobs), into
+    dots[k, j]; then lane k adds its key's parts in order. The sums do not depend on the segment's
+    size, so every version scores a key alike (and a lane no longer runs R + dr products alone)."""
     width = query.shape[0]
+    for job in range(lane, count * DOT_PARTS, segment):
+        key, part = job // DOT_PARTS, job % DOT_PARTS
+        total = float32(0.0)
+        for i in range(part, width, DOT_PARTS):
+            total += query[i] * tile_keys[key * (width + 1) + i]
+        dots[key * DOT_STRIDE + part] = total
+    cuda.syncthreads()                                # every part written
     score = float32(0.0)
     if lane < count:
-        for i in range(width):
-            score += query[i] * tile_keys[lane * (width + 1) + i]
+        for part in range(DOT_PARTS):
+            score += dots[lane * DOT_STRIDE + part]
         score *= scale
     return score
 # --8<-- [end:attention_paths_kernel]
@@ -492,7 +511,8 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     smem = cuda.shared.array(0, dtype=float32)
     query = smem[:width]                                  # q_lat | q_pe
     acc = smem[width:width + rank]                        # running sum_s p_s c_s
-    tile_keys = smem[width + rank:]                       # [TPB, R + dr + 1], row-major
+    dots = smem[width + rank:width + rank + tile * DOT_STRIDE]        # [tile, DOT_STRIDE] score parts
+    tile_keys = smem[width + rank + tile * DOT_STRIDE:]   # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -507,8 +527,8 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(first_start, keys, stride):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == first_start,
-                                      run_max, run_sum, threads)
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale,
+                                      start == first_start, run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         partials[row, head, split, i] = acc[i]
     if tid == 0:
@@ -547,7 +567,7 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     """Version 3, a block per (group of heads, row, split): block (x, row, z) of G = TPB / LANES
     warps, grid (H / G, T, Z). Warp g serves head x * G + g. Per tile the whole block stages the
     tile's keys once (``_stage_tile``), then each warp folds them into its own head's running
-    softmax (``_fold_tile`` with segment = LANES: lane j scores key j, the max and sum reduce over
+    softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce over
     the warp's 32 slots, lanes stride over R). With MLA every head reads the same latent cache,
     so a tile staged once serves G heads: H / G stagings of each tile per row instead of H.
 
@@ -575,7 +595,9 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     mine = group * (width + rank)                         # this head's query | accumulator
     query = smem[mine:mine + width]                       # q_lat | q_pe
     acc = smem[mine + width:mine + width + rank]          # running sum_s p_s c_s
-    tile_keys = smem[heads * (width + rank):]             # [tile, R + dr + 1], row-major
+    parts = heads * (width + rank) + group * tile * DOT_STRIDE
+    dots = smem[parts:parts + tile * DOT_STRIDE]          # this head's [tile, DOT_STRIDE] score parts
+    tile_keys = smem[heads * (width + rank + tile * DOT_STRIDE):]     # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)        # [G x LANES] each head's probabilities
     red = cuda.shared.array(MAX_TILE, dtype=float32)      # [G x LANES] each head's scratch
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -590,8 +612,8 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(first_start, keys, stride):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, p, red, count, scale, start == first_start,
-                                      run_max, run_sum, LANES)
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale,
+                                      start == first_start, run_max, run_sum, LANES)
     for i in range(lane, rank, LANES):
         partials[row, head, split, i] = acc[i]
     if lane == 0:
@@ -602,16 +624,18 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
 
 def paths_tile(rank: int, rope_dim: int) -> int:
     """Keys per tile of ``attention_paths``: 32, or 16 when 32 staged rows of R + dr floats would
-    pass 40 KB of shared memory (48 KB is numba's static limit). Fixed by the model's dims alone,
-    never by the call, so tiles sit at the same positions for every row count."""
-    return 32 if paths_shared_bytes(rank, rope_dim, 32) <= 40 * 1024 else 16
+    pass SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by
+    the model's dims alone, never by the call, so tiles sit at the same positions for every row
+    count."""
+    return 32 if paths_shared_bytes(rank, rope_dim, 32) <= SHARED_BUDGET else 16
 
 
 def paths_shared_bytes(rank: int, rope_dim: int, tile: int, heads_per_block: int = 1) -> int:
-    """Dynamic shared memory of ``attention_paths``' kernels: a query and an accumulator per head
-    of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged keys."""
+    """Dynamic shared memory of ``attention_paths``' kernels: a query, an accumulator and the
+    score parts of a tile per head of the block (G = ``heads_per_block``; 1 in versions 1 and 2),
+    then the staged keys."""
     width = rank + rope_dim
-    return F32 * (heads_per_block * (width + rank) + tile * (width + 1))
+    return F32 * (heads_per_block * (width + rank + tile * DOT_STRIDE) + tile * (width + 1))
 
 
 def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, *, out=None):
@@ -700,20 +724,22 @@ def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int =
 
 
 def paths_heads(heads: int) -> int:
-    """G, the heads per block the engine would give version 3: 4, else 2, else 1 (the largest of
-    HEADS_PER_BLOCK dividing H)."""
-    return 4 if heads % 4 == 0 else 2 if heads % 2 == 0 else 1
+    """G, the heads per block the engine takes: 4 when 4 divides H, else 1 (versions 1 and 2).
+    Measured on the H200 (docs/results/profile-h200-2026-12-01b.md): G = 4 cut small's forward at
+    16k context by a fifth (T = 1) to a third (T = 24 to 72) and tiny's T = 72 forward by 11%, at
+    T = 1 level; G = 2 on tiny-b's 6 heads made its AR step 6% slower, so 2 is not chosen."""
+    return 4 if heads % 4 == 0 else 1
 
 
 def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
     """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``;
     version 3 takes 32, else 16, else 8: the largest whose G queries and accumulators and staged
-    keys fit 40 KB of shared memory (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's
+    keys fit SHARED_BUDGET (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's
     dims and G, never by the call."""
     if heads_per_block == 1:
         return paths_tile(rank, rope_dim)
     for tile in (32, 16):
-        if paths_shared_bytes(rank, rope_dim, tile, heads_per_block) <= 40 * 1024:
+        if paths_shared_bytes(rank, rope_dim, tile, heads_per_block) <= SHARED_BUDGET:
             return tile
     return 8
 # --8<-- [end:attention_paths]

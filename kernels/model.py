@@ -59,6 +59,7 @@ from kernels.mla import (
     attention_paths,
     check_heads_per_block,
     check_splits,
+    paths_heads,
     paths_splits,
 )
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
@@ -371,9 +372,9 @@ class Transformer:
     chooses Z from the cache's size (``kernels.mla.paths_splits``), 1 is version 1 (one block per
     row and head); every Z keeps DDTree == AR, but two engines with different Z round differently.
     ``attention_heads_per_block`` (G: 1, 2 or 4, dividing H) > 1 picks version 3, a block per
-    (G heads, row, split) that stages each key tile once for its G heads (``kernels.mla.paths_heads``
-    gives the G an engine would use); None is 1 until version 3 is measured on the GPU. Z's
-    default then follows version 3's tile. Like Z, G is fixed per engine.
+    (G heads, row, split) that stages each key tile once for its G heads; None takes
+    ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
+    tile. Like Z, G is fixed per engine.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -408,8 +409,8 @@ class Transformer:
                                  config.kv_lora_rank, config.qk_rope_head_dim)
         # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
         # cache's size (paths_splits), so every step and every bucket splits the keys alike;
-        # version 3 (G > 1 heads per block, off by default until measured) merges partials too
-        self.attention_heads_per_block = attention_heads_per_block or 1
+        # version 3 (G > 1 heads per block) merges partials too
+        self.attention_heads_per_block = attention_heads_per_block or paths_heads(config.num_attention_heads)
         self.attention_splits = attention_splits or paths_splits(
             self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block)
         merged = self.attention_splits > 1 or self.attention_heads_per_block > 1
