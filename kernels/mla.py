@@ -367,8 +367,9 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     smem = cuda.shared.array(0, dtype=float32)
     query = smem[:width]                                  # q_lat | q_pe
     acc = smem[width:width + rank]                        # running sum_s p_s c_s
-    dots = smem[width + rank:width + rank + tile * DOT_STRIDE]        # [tile, DOT_STRIDE] score parts
-    tile_keys = smem[width + rank + tile * DOT_STRIDE:]   # [tile, R + dr + 1], row-major
+    parts = score_parts(tile)
+    dots = smem[width + rank:width + rank + parts]        # [tile, DOT_STRIDE] score parts (short tiles)
+    tile_keys = smem[width + rank + parts:]               # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -383,14 +384,14 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(0, keys, tile):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale, start == 0,
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale, start == 0,
                                       run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         o_lat[row, head, i] = acc[i] / run_sum
 
 
 @cuda.jit(device=True)
-def _fold_tile(query, acc, tile_keys, dots, p, red, count, scale, first, run_max, run_sum, segment):
+def _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale, first, run_max, run_sum, segment):
     """One staged tile into a running softmax: score the keys, reduce the tile's max, rescale
     (acc, run_sum) to the new running max, add the tile's exp-weights and weighted keys.
     Returns the new (run_max, run_sum); ``acc`` is updated in place.
@@ -406,7 +407,7 @@ def _fold_tile(query, acc, tile_keys, dots, p, red, count, scale, first, run_max
     base = tid - lane                                 # the segment's first slot in p and red
     rank = acc.shape[0]
     width = query.shape[0]
-    score = _tile_score(query, tile_keys, dots, count, scale, lane, segment)
+    score = _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment)
     red[tid] = score if lane < count else -math.inf
     segment_max(red, segment)
     tile_max = red[base]
@@ -457,14 +458,31 @@ def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slot
 
 
 @cuda.jit(device=True)
-def _tile_score(query, tile_keys, dots, count, scale, lane, segment):
+def score_parts(tile):
+    """Floats of a head's score parts in shared memory: [tile, DOT_STRIDE] for a tile shorter than
+    LANES, none for longer ones (``_tile_score``). Called on the host as ``score_parts.py_func``."""
+    return tile * DOT_STRIDE if tile < LANES else 0
+
+
+@cuda.jit(device=True)
+def _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment):
     """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile.
 
-    The segment's threads share the work: part j of key k sums query[i] * key[i] for i = j,
-    j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads stride over the jobs), into
-    dots[k, j]; then lane k adds its key's parts in order. The sums do not depend on the segment's
-    size, so every version scores a key alike (and a lane no longer runs R + dr products alone)."""
+    A tile of LANES keys or more gives every lane of a warp a key: lane j runs key j's products
+    alone. A shorter tile (R = 512 leaves room for 8 or 16 keys) would leave most lanes idle while
+    a few run R + dr dependent products, so the segment shares the work: part j of key k sums
+    query[i] * key[i] for i = j, j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads
+    stride over the jobs) into dots[k, j], then lane k adds its key's parts in order. Either way
+    the sums depend on the tile alone (fixed by the model's dims), never on the segment's size or
+    the rows: every version scores a key alike."""
     width = query.shape[0]
+    score = float32(0.0)
+    if tile >= LANES:                                 # a key per lane
+        if lane < count:
+            for i in range(width):
+                score += query[i] * tile_keys[lane * (width + 1) + i]
+            score *= scale
+        return score
     for job in range(lane, count * DOT_PARTS, segment):
         key, part = job // DOT_PARTS, job % DOT_PARTS
         total = float32(0.0)
@@ -472,7 +490,6 @@ def _tile_score(query, tile_keys, dots, count, scale, lane, segment):
             total += query[i] * tile_keys[key * (width + 1) + i]
         dots[key * DOT_STRIDE + part] = total
     cuda.syncthreads()                                # every part written
-    score = float32(0.0)
     if lane < count:
         for part in range(DOT_PARTS):
             score += dots[lane * DOT_STRIDE + part]
@@ -511,8 +528,9 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     smem = cuda.shared.array(0, dtype=float32)
     query = smem[:width]                                  # q_lat | q_pe
     acc = smem[width:width + rank]                        # running sum_s p_s c_s
-    dots = smem[width + rank:width + rank + tile * DOT_STRIDE]        # [tile, DOT_STRIDE] score parts
-    tile_keys = smem[width + rank + tile * DOT_STRIDE:]   # [tile, R + dr + 1], row-major
+    parts = score_parts(tile)
+    dots = smem[width + rank:width + rank + parts]        # [tile, DOT_STRIDE] score parts (short tiles)
+    tile_keys = smem[width + rank + parts:]               # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -527,7 +545,7 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(first_start, keys, stride):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale,
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale,
                                       start == first_start, run_max, run_sum, threads)
     for i in range(tid, rank, threads):
         partials[row, head, split, i] = acc[i]
@@ -595,9 +613,10 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     mine = group * (width + rank)                         # this head's query | accumulator
     query = smem[mine:mine + width]                       # q_lat | q_pe
     acc = smem[mine + width:mine + width + rank]          # running sum_s p_s c_s
-    parts = heads * (width + rank) + group * tile * DOT_STRIDE
-    dots = smem[parts:parts + tile * DOT_STRIDE]          # this head's [tile, DOT_STRIDE] score parts
-    tile_keys = smem[heads * (width + rank + tile * DOT_STRIDE):]     # [tile, R + dr + 1], row-major
+    parts = score_parts(tile)
+    own_parts = heads * (width + rank) + group * parts
+    dots = smem[own_parts:own_parts + parts]              # this head's score parts (short tiles)
+    tile_keys = smem[heads * (width + rank + parts):]     # [tile, R + dr + 1], row-major
     p = cuda.shared.array(MAX_TILE, dtype=float32)        # [G x LANES] each head's probabilities
     red = cuda.shared.array(MAX_TILE, dtype=float32)      # [G x LANES] each head's scratch
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
@@ -612,7 +631,7 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     for start in range(first_start, keys, stride):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, count, scale,
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale,
                                       start == first_start, run_max, run_sum, LANES)
     for i in range(lane, rank, LANES):
         partials[row, head, split, i] = acc[i]
@@ -635,7 +654,7 @@ def paths_shared_bytes(rank: int, rope_dim: int, tile: int, heads_per_block: int
     score parts of a tile per head of the block (G = ``heads_per_block``; 1 in versions 1 and 2),
     then the staged keys."""
     width = rank + rope_dim
-    return F32 * (heads_per_block * (width + rank + tile * DOT_STRIDE) + tile * (width + 1))
+    return F32 * (heads_per_block * (width + rank + score_parts.py_func(tile)) + tile * (width + 1))
 
 
 def check_attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, *, out=None):

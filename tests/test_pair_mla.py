@@ -357,14 +357,17 @@ def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, s
                  expected, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("splits, heads_per_block", [(1, 1), (2, 1), (2, 2)])
-def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads_per_block):
+@pytest.mark.parametrize("splits, heads_per_block, rank, rope", [
+    (1, 1, 10, 4), (2, 1, 10, 4), (2, 2, 10, 4), (1, 1, 512, 64), (2, 1, 512, 64), (2, 2, 512, 64)])
+def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads_per_block, rank, rope):
     """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
     one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2;
-    with 2 splits, one tile each and a merge; version 3 with G = 2 heads per block alike)."""
+    with 2 splits, one tile each and a merge; version 3 with G = 2 heads per block alike). At
+    Kimi's R = 512, dr = 64 the tiles are short (16 keys, 8 in version 3): the keys' scores are
+    summed in parallel parts, still the same for the node and its chain."""
     parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
     depths, paths = tree_paths(parents)
-    case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=10, rope=4)
+    case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
     tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
                          heads_per_block)
@@ -379,7 +382,8 @@ def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads
 
 @pytest.mark.parametrize("heads_per_block, splits, rows, prefix, rank, rope", [
     (2, 1, 5, 70, 9, 2), (2, 2, 4, 75, 11, 3), (2, 3, 3, 40, 7, 2),        # 3 tiles: dealt to 1, 2, 3 splits
-    (4, 1, 3, 45, 13, 5), (4, 2, 4, 66, 5, 3), (4, 3, 3, 90, 6, 1)])
+    (4, 1, 3, 45, 13, 5), (4, 2, 4, 66, 5, 3), (4, 3, 3, 90, 6, 1),
+    (4, 2, 2, 20, 512, 64)])                                              # short tiles: scores in parts
 def test_attention_heads_equal_the_masked_attention(heads_per_block, splits, rows, prefix, rank, rope):
     """Version 3 (G heads per block): a random tree's rows == attention_absorb under its mask.
     H = 2G: two blocks of heads per (row, split), so a head's place in the grid is exercised."""
