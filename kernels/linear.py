@@ -210,12 +210,15 @@ def rows_pass(x, weight, out, n, t0, partial, acc):
 
 # --8<-- [start:tile_dots]
 @functools.cache
-def tile_dots(rows: int):
-    """The device function of "tiles" for ``rows`` rows per pass (a literal: the sums live in registers)."""
+def tile_dots(rows: int, listed: bool = False):
+    """The device function of "tiles" for ``rows`` rows per pass (a literal: the sums live in
+    registers). ``listed``: the pass's rows are x[row_ids[r]] (any rows, e.g. the tokens one
+    expert serves: ``kernels.moe``) instead of x[t0 + r]; each row's sums are the same."""
 
     @cuda.jit(device=True)
-    def dots(x, t0, count, weight, n0, acc, w_tile, x_tile, partial):
-        """acc[r] = weight[n0 + lane] . x[t0 + r] for r < count, in lane's thread of slice 0.
+    def dots(x, t0, count, row_ids, weight, n0, acc, w_tile, x_tile, partial):
+        """acc[r] = weight[n0 + lane] . x[t0 + r] (or x[row_ids[r]]) for r < count, in lane's
+        thread of slice 0.
 
         Thread (slice s, lane) sums chunks s, s + S, ... of Din, each sequentially in k, for
         every row at once; then slice 0 adds the S partial sums in slice order."""
@@ -238,7 +241,8 @@ def tile_dots(rows: int):
                 for i in range(LANES):
                     w_tile[part, i, lane] = staged[i]
                 for r in range(rows):
-                    staged[r] = x[min(t0 + r, last_row), k0 + lane]
+                    row = row_ids[min(r, count - 1)] if listed else min(t0 + r, last_row)
+                    staged[r] = x[row, k0 + lane]
                 for r in range(rows):
                     x_tile[part, r, lane] = staged[r]
             cuda.syncthreads()
@@ -277,11 +281,13 @@ def tiles_kernel(x, weight, out):
     x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
     partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
     acc = cuda.local.array(ROWS_PER_PASS, float32)
+    consecutive = cuda.local.array(1, int32)     # tile_dots' row list, unused: rows t0 .. t0 + count - 1
     lane = cuda.threadIdx.x % LANES
     n = cuda.blockIdx.x * LANES + lane
     for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, x.shape[0], cuda.gridDim.y * ROWS_PER_PASS):
         count = min(ROWS_PER_PASS, x.shape[0] - t0)
-        tile_dots_rows(x, t0, count, weight, cuda.blockIdx.x * LANES, acc, w_tile, x_tile, partial)
+        tile_dots_rows(x, t0, count, consecutive, weight, cuda.blockIdx.x * LANES, acc, w_tile, x_tile,
+                       partial)
         if cuda.threadIdx.x < LANES and n < weight.shape[0]:
             for r in range(ROWS_PER_PASS):
                 if r < count:

@@ -62,7 +62,7 @@ from kernels.mla import (
     paths_heads,
     paths_splits,
 )
-from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, swiglu
+from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
 from kernels.sampling import rejection_step, sample
@@ -340,16 +340,6 @@ class Buffers:
         return getattr(self.tree, name)[:rows].reshape((1, rows))
 
 
-def moe_layer_scratch(config: ModelConfig, rows: int, params: MoEParams) -> MoEScratch:
-    """One MoE layer's scratch, its own per layer so that every layer's routing stays readable."""
-    top_k, features = config.num_experts_per_tok, params.gate_proj.shape[1]
-    shared = params.shared_gate_proj
-    return MoEScratch(logits=poisoned((rows, config.n_routed_experts)),
-                      ids=poisoned((rows, top_k), np.int64), weights=poisoned((rows, top_k)),
-                      hidden=poisoned((rows, top_k, features)),
-                      shared=None if shared is None else dense_scratch(rows, shared.shape[0]))
-
-
 def rows_of(scratch, rows: int):
     """The first ``rows`` rows of every buffer of a (possibly nested) scratch tuple."""
     if scratch is None:
@@ -400,7 +390,7 @@ class Transformer:
         self.rope_scale = float(cos_sin_scale(config))
         self.softmax_scale = float(softmax_scale(config))
         self.buffers = Buffers(config, self.max_rows)
-        self.moe_scratch = [None if layer.moe is None else moe_layer_scratch(config, self.max_rows, layer.moe)
+        self.moe_scratch = [None if layer.moe is None else moe_scratch(self.max_rows, layer.moe, config)
                             for layer in self.layers]
         dense_width = config.intermediate_size
         self.dense_scratch = dense_scratch(self.max_rows, dense_width)

@@ -8,27 +8,35 @@ Kernels (one version each):
   ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
   (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
   index), normalised and scaled weights (``_weigh``).
+- ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
+  ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
+  lists (T, E), a column per expert (at most T pairs), -1 after.
 - ``expert_hidden_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
-  e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
-  products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
-- ``expert_down_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
-  32 output features and token; the k slots are added in slot order, so the result is
-  deterministic without atomics.
+  e = ids[t, j], grouped by expert: one block per 32 features (a lane each) and (expert, pass of
+  ROWS_PER_PASS of its pairs); the expert's weight tile is staged once per pass and serves all its
+  pairs (``kernels.linear.tile_dots`` over the listed rows). An expert chosen by
+  20 tokens is read 3 times, not 20.
+- ``expert_down_kernel``: down[t, j, d] = down_e[d] h[t, j], the same grouping over output features.
+- ``combine_kernel``: out[t, d] (+)= sum_j w[t, j] * down[t, j, d], one thread per element, the k
+  slots added in slot order: deterministic without atomics.
 Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
-routed beside it (the engine's tree rows equal its AR rows, bit for bit).
+routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
+for bit). Blocks along y cover every expert's possible passes for the T rows (a fixed grid: the
+launches can be captured in a CUDA graph); a block past its expert's last pair returns.
 
-A dense SwiGLU (the dense layers and the shared expert) is the same two kernels with one
-"expert" (E = 1), one slot (k = 1) and weight 1. ``moe`` runs the shared expert first, then adds
-the routed experts in place: five launches plus the router's linear, nothing leaves the device.
+A dense SwiGLU (the dense layers and the shared expert) is the same two grouped kernels with one
+"expert" (E = 1) that every row chooses (lists[t, 0] = t, made with the scratch) and weight 1: its
+down projection is the output, no combine. ``moe`` runs the shared expert first, then adds the
+routed experts in place: seven launches plus the router's linear, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
 the device each time, device arrays are used as they are. MoE weights are large and reused every
 step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
-device. The intermediate buffers (routed ids and weights, the hidden states) are allocated per
-call unless a ``scratch`` from ``moe_scratch`` / ``dense_scratch`` is given: with ``out`` and
-``scratch`` and device inputs nothing is allocated or copied. ``bytes_moved`` and ``flops`` give
-each operation's cost model.
+device. The intermediate buffers (routed ids and weights, expert lists, the hidden states, the
+pairs' down projections) are allocated per call unless a ``scratch`` from ``moe_scratch`` /
+``dense_scratch`` is given: with ``out`` and ``scratch`` and device inputs nothing is allocated or
+copied. ``bytes_moved`` and ``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
@@ -56,18 +64,27 @@ from kernels.device import (
     check_float32,
     check_out,
     deliver,
-    filled,
     host_or_device,
     is_device_array,
     output,
     poisoned,
     to_device,
 )
-from kernels.linear import LANES, LANES_PADDED, MAX_SLICES, ROWS_PER_PASS, k_slices, linear, tile_dots
+from kernels.linear import (
+    LANES,
+    LANES_PADDED,
+    MAX_SLICES,
+    ROWS_PER_PASS,
+    k_slices,
+    linear,
+    row_passes,
+    tile_dots,
+)
 
 MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSeek 256, Kimi 384)
-tile_dots_one = tile_dots(1)     # the expert kernels' dot products: one (token, slot) pair at a time
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
+TPB = 128               # combine_kernel's threads per block (one per output element)
+LIST_TPB = 32 if SIMULATOR else 128   # expert_lists_kernel's: tokens per chunk (any size: same lists)
 F32, I64 = 4, 8
 
 
@@ -207,60 +224,143 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
 # --8<-- [end:route_kernel]
 
 
+# --8<-- [start:expert_lists_kernel]
+@cuda.jit
+def expert_lists_kernel(ids, lists):
+    # lists[i, e] = the i-th (token, slot) pair routed to expert e, as t * k + j, in ascending
+    # token order; -1 after its last. A token picks k distinct experts, so an expert has at most T
+    # pairs: the T rows of lists. One block per expert e; the tokens in chunks of LIST_TPB, one
+    # thread each: thread i marks the slot where token c0 + i chose e (-1: none), and the pair's
+    # place in the list is the number of pairs before the chunk plus the marks before thread i
+    marks = cuda.shared.array(LIST_TPB, int32)
+    expert, i = cuda.blockIdx.x, cuda.threadIdx.x
+    rows, slots = ids.shape
+    listed = 0                                           # pairs of the chunks before this one
+    for c0 in range(0, rows, LIST_TPB):
+        token = c0 + i
+        mark = -1
+        if token < rows:
+            for slot in range(slots):
+                if ids[token, slot] == expert:
+                    mark = slot
+        marks[i] = mark
+        cuda.syncthreads()
+        place = listed
+        for other in range(LIST_TPB):                    # every thread counts the whole chunk
+            if marks[other] >= 0:
+                if other < i:
+                    place += 1
+                listed += 1
+        if mark >= 0:
+            lists[place, expert] = token * slots + mark
+        cuda.syncthreads()                               # marks are rewritten by the next chunk
+    for place in range(listed + i, rows, LIST_TPB):
+        lists[place, expert] = -1
+# --8<-- [end:expert_lists_kernel]
+
+
+# --8<-- [start:listed_dots]
+@cuda.jit(device=True)
+def _pass_rows(lists, expert, first, per_row, rows):
+    """rows[r] = the row (pair // per_row) of the pair lists[first + r, expert], for the up to
+    ROWS_PER_PASS pairs of one pass (lists[first, expert] is one); the rows after its last pair
+    repeat it (staged, never written). Returns the pass's pair count."""
+    count = 0
+    for r in range(ROWS_PER_PASS):
+        if first + r < lists.shape[0] and lists[first + r, expert] >= 0:
+            count = r + 1
+        rows[r] = lists[first + count - 1, expert] // per_row
+    return count
+
+
+listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
+
+
+@cuda.jit(device=True)
+def _dots(x, rows, count, weight, n0, acc, w_tile, x_tile, partial):
+    """``kernels.linear.tile_dots`` over the listed rows of a pass of ``count`` pairs: a lone pair
+    (every expert of a decode step) skips the other rows' work. Each pair's dot is the same either
+    way. (More sizes, 2 and 4, measured slower on the H200: every size is inlined into the kernel.)"""
+    if count == 1:
+        listed_dots_one(x, 0, count, rows, weight, n0, acc, w_tile, x_tile, partial)
+    else:
+        listed_dots_pass(x, 0, count, rows, weight, n0, acc, w_tile, x_tile, partial)
+# --8<-- [end:listed_dots]
+
+
 # --8<-- [start:expert_hidden_kernel]
 @cuda.jit
-def expert_hidden_kernel(x, gate_proj, up_proj, ids, hidden):
-    # hidden[t, j, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t), e = ids[t, j]
-    # one block = features f0 .. f0 + 31 (blockIdx.x; lane = f) of the (token, slot) pairs
-    # blockIdx.y, blockIdx.y + gridDim.y, ...; the block's warps split D (kernels.linear's
-    # tile_dots: the expert's W tile staged in shared memory, each lane's sums sequential in d)
+def expert_hidden_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
+    # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair p = t * k + j
+    # of expert e (lists[:, e]); hidden is (T * k, F). One block = features f0 .. f0 + 31
+    # (blockIdx.x; lane = f) of expert e = blockIdx.y // per_expert, for its passes of
+    # ROWS_PER_PASS pairs blockIdx.y % per_expert, + per_expert, ...: each staged weight tile
+    # serves every pair of a pass
     w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
     x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
     partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    gate = cuda.local.array(1, float32)
-    up = cuda.local.array(1, float32)
-    slots = ids.shape[1]
+    gate = cuda.local.array(ROWS_PER_PASS, float32)
+    up = cuda.local.array(ROWS_PER_PASS, float32)
+    rows = cuda.local.array(ROWS_PER_PASS, int32)
+    expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
     f0 = cuda.blockIdx.x * LANES
     f = f0 + cuda.threadIdx.x
-    for pair in range(cuda.blockIdx.y, ids.shape[0] * slots, cuda.gridDim.y):
-        token, slot = pair // slots, pair % slots
-        expert = ids[token, slot]
-        tile_dots_one(x, token, 1, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
-        tile_dots_one(x, token, 1, up_proj[expert], f0, up, w_tile, x_tile, partial)
-        if cuda.threadIdx.x < LANES and f < hidden.shape[2]:
-            hidden[token, slot, f] = gate[0] * sigmoid_scalar(gate[0]) * up[0]
+    for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+        if lists[first, expert] < 0:
+            return                                       # the expert's pairs are done
+        count = _pass_rows(lists, expert, first, slots, rows)      # x rows: the pairs' tokens
+        _dots(x, rows, count, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
+        _dots(x, rows, count, up_proj[expert], f0, up, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and f < hidden.shape[1]:
+            for r in range(count):
+                hidden[lists[first + r, expert], f] = gate[r] * sigmoid_scalar(gate[r]) * up[r]
 # --8<-- [end:expert_hidden_kernel]
 
 
 # --8<-- [start:expert_down_kernel]
 @cuda.jit
-def expert_down_kernel(hidden, down_proj, ids, weights, accumulate, out):
-    # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_e[d] . hidden[t, j])
-    # one block = output features d0 .. d0 + 31 (blockIdx.x; lane = d) of tokens blockIdx.y,
-    # blockIdx.y + gridDim.y, ...: the token's k slot dot products one after another (tile_dots),
-    # each added in slot order by the lane's thread: one writer per element, no atomics
+def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
+    # down[p, d] = down_proj[e, d] . hidden[p] for each pair p of expert e; hidden (T * k, F),
+    # down (T * k, D). The blocks as expert_hidden_kernel's, over output features d
     w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
     x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
     partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    dot = cuda.local.array(1, float32)
+    dots = cuda.local.array(ROWS_PER_PASS, float32)
+    rows = cuda.local.array(ROWS_PER_PASS, int32)
+    expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
     d0 = cuda.blockIdx.x * LANES
     d = d0 + cuda.threadIdx.x
-    writer = cuda.threadIdx.x < LANES and d < out.shape[1]
-    for token in range(cuda.blockIdx.y, ids.shape[0], cuda.gridDim.y):
-        total = out[token, d] if writer and accumulate else float32(0.0)
-        for slot in range(ids.shape[1]):
-            expert = ids[token, slot]
-            tile_dots_one(hidden[token], slot, 1, down_proj[expert], d0, dot, w_tile, x_tile, partial)
-            total += weights[token, slot] * dot[0]
-        if writer:
-            out[token, d] = total
+    for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+        if lists[first, expert] < 0:
+            return
+        count = _pass_rows(lists, expert, first, 1, rows)          # hidden rows: the pairs
+        _dots(hidden, rows, count, down_proj[expert], d0, dots, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and d < down.shape[1]:
+            for r in range(count):
+                down[rows[r], d] = dots[r]
 # --8<-- [end:expert_down_kernel]
 
 
+# --8<-- [start:combine_kernel]
+@cuda.jit
+def combine_kernel(down, weights, accumulate, out):
+    # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * down[t, j, d], the k
+    # slots added in slot order: one thread per output element, deterministic without atomics
+    index = cuda.grid(1)
+    rows, width = out.shape
+    if index >= rows * width:
+        return
+    token, d = index // width, index % width
+    total = out[token, d] if accumulate else float32(0.0)
+    for slot in range(weights.shape[1]):
+        total += weights[token, slot] * down[token, slot, d]
+    out[token, d] = total
+# --8<-- [end:combine_kernel]
+
+
 class DenseScratch(typing.NamedTuple):
-    """Device buffers of a dense SwiGLU over T rows: one always-chosen "expert" and its hidden state."""
-    ids: object         # [T, 1] int64, all 0
-    weights: object     # [T, 1] float32, all 1
+    """Device buffers of a dense SwiGLU over T rows: one "expert" that every row chooses."""
+    lists: object       # [T, 1] int32, lists[t, 0] = t: the one expert's pairs are the rows
     hidden: object      # [T, 1, F] float32
 
 
@@ -271,24 +371,27 @@ class MoEScratch(typing.NamedTuple):
     weights: object                 # [T, k] float32 their weights
     hidden: object                  # [T, k, F] float32
     shared: DenseScratch | None     # the shared expert's, None without one
+    lists: object                   # [T, E] int32 each expert's (token, slot) pairs, -1 after
+    down: object                    # [T, k, D] float32 each pair's down projection
 
 
 def dense_scratch(rows: int, features: int, stream=None) -> DenseScratch:
     """New buffers for a dense SwiGLU of ``features`` (F or Fs) over ``rows`` rows."""
-    return DenseScratch(ids=filled((rows, 1), 0, np.int64, stream),
-                        weights=filled((rows, 1), 1, np.float32, stream),
+    return DenseScratch(lists=cuda.to_device(np.arange(rows, dtype=np.int32).reshape(rows, 1), stream=stream),
                         hidden=poisoned((rows, 1, features), stream=stream))
 
 
 def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) -> MoEScratch:
     """New buffers for ``moe`` over ``rows`` tokens (allocate once, pass as ``scratch``)."""
-    top_k, features = config.num_experts_per_tok, params.gate_proj.shape[1]
+    top_k, features, width = config.num_experts_per_tok, params.gate_proj.shape[1], params.gate.shape[1]
     shared = params.shared_gate_proj
     return MoEScratch(logits=poisoned((rows, config.n_routed_experts), stream=stream),
                       ids=poisoned((rows, top_k), np.int64, stream),
                       weights=poisoned((rows, top_k), stream=stream),
                       hidden=poisoned((rows, top_k, features), stream=stream),
-                      shared=None if shared is None else dense_scratch(rows, shared.shape[0], stream))
+                      shared=None if shared is None else dense_scratch(rows, shared.shape[0], stream),
+                      lists=poisoned((rows, config.n_routed_experts), np.int32, stream),
+                      down=poisoned((rows, top_k, width), stream=stream))
 
 
 def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream) -> None:
@@ -298,26 +401,45 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
     threads = threads or pow2_threads(config.n_routed_experts)
     route_kernel[x.shape[0], threads, stream](
         logits, bias, config.n_group, config.topk_group, config.norm_topk_prob,
-        np.float32(config.routed_scaling_factor), ids, weights)
+        float32(config.routed_scaling_factor), ids, weights)
 
 
-def _launch_experts(x, gate_proj, up_proj, down_proj, ids, weights, hidden, out, accumulate, stream) -> None:
-    """Both expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F), ids (T, k)."""
-    (rows, slots), features, width = ids.shape, gate_proj.shape[1], out.shape[1]
-    spread = 1 if SIMULATOR else 0        # the simulator: one block walks all rows (fewer threads)
-    grid = (blocks(features, LANES), spread or rows * slots)                 # x over F, y over pairs
-    expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, ids, hidden)
-    grid = (blocks(width, LANES), spread or rows)                            # x over D, y over tokens
-    expert_down_kernel[grid, LANES * k_slices(features), stream](hidden, down_proj, ids, weights,
-                                                                 accumulate, out)
+def _launch_grouped(x, gate_proj, up_proj, down_proj, lists, hidden, down, stream) -> None:
+    """Both grouped expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F),
+    lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows."""
+    (rows, slots, features), width = hidden.shape, x.shape[1]
+    experts = lists.shape[1]
+    # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
+    # per pass of ROWS_PER_PASS of them (blocks past the expert's last pair return), in the
+    # simulator one block per expert walks all its passes
+    per_expert = row_passes(rows)
+    flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
+    grid = (blocks(features, LANES), experts * per_expert)                  # x over F
+    expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, lists, slots,
+                                                                per_expert, flat_hidden)
+    grid = (blocks(width, LANES), experts * per_expert)                     # x over D
+    expert_down_kernel[grid, LANES * k_slices(features), stream](flat_hidden, down_proj, lists,
+                                                                 per_expert, flat_down)
 
 
-def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, accumulate, stream) -> None:
-    """A dense SwiGLU on device arrays as one always-chosen expert: (F, D) weights viewed as (1, F, D)."""
-    features, width = gate_proj.shape
-    _launch_experts(x, gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
-                    down_proj.reshape(1, width, features), scratch.ids, scratch.weights, scratch.hidden,
-                    out, accumulate, stream)
+def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, stream) -> None:
+    """The routed experts on device arrays, after the router: lists from ids, the grouped
+    kernels, then each token's k slots weighed and added into out (T, D)."""
+    experts = scratch.lists.shape[1]
+    expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
+    _launch_grouped(x, params.gate_proj, params.up_proj, params.down_proj, scratch.lists,
+                    scratch.hidden, scratch.down, stream)
+    combine_kernel[blocks(out.size, TPB), TPB, stream](
+        scratch.down, scratch.weights, accumulate, out)
+
+
+def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, stream) -> None:
+    """A dense SwiGLU on device arrays as one expert that every row chooses with weight 1:
+    (F, D) weights viewed as (1, F, D); each row's one pair's down projection is its output."""
+    (rows, width), features = x.shape, gate_proj.shape[0]
+    _launch_grouped(x, gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
+                    down_proj.reshape(1, width, features), scratch.lists, scratch.hidden,
+                    out.reshape(rows, 1, width), stream)
 
 
 def _check_router_limits(config: ModelConfig, threads) -> None:
@@ -384,7 +506,7 @@ def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None):
     check_out(out, x.shape)
     if scratch is not None:
         rows = x.shape[0]
-        _check_scratch(scratch, "scratch", ids=((rows, 1), np.int64), weights=((rows, 1), np.float32),
+        _check_scratch(scratch, "scratch", lists=((rows, 1), np.int32),
                        hidden=((rows, 1, gate_proj.shape[0]), np.float32))
     return x, gate_proj, up_proj, down_proj
 
@@ -402,7 +524,7 @@ def swiglu(x, gate_proj, up_proj, down_proj, *, out=None, stream=None, scratch: 
     if rows and width:
         _launch_dense(to_device(x, np.float32), to_device(gate_proj, np.float32),
                       to_device(up_proj, np.float32), to_device(down_proj, np.float32),
-                      scratch or dense_scratch(rows, features, stream), d_out, False, stream)
+                      scratch or dense_scratch(rows, features, stream), d_out, stream)
     return deliver(d_out, out, x, gate_proj, up_proj, down_proj)
 # --8<-- [end:swiglu]
 
@@ -436,15 +558,16 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
     check_float32(x=x, **_arrays(params))
     check_out(out, x.shape)
     if scratch is not None:
-        rows, top_k, features = x.shape[0], config.num_experts_per_tok, params.gate_proj.shape[1]
-        _check_scratch(scratch, "scratch", logits=((rows, config.n_routed_experts), np.float32),
+        (rows, width), top_k, features = x.shape, config.num_experts_per_tok, params.gate_proj.shape[1]
+        experts = config.n_routed_experts
+        _check_scratch(scratch, "scratch", logits=((rows, experts), np.float32),
                        ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
-                       hidden=((rows, top_k, features), np.float32))
+                       hidden=((rows, top_k, features), np.float32), lists=((rows, experts), np.int32),
+                       down=((rows, top_k, width), np.float32))
         if (scratch.shared is None) != (params.shared_gate_proj is None):
             raise ValueError("scratch.shared must be a dense_scratch exactly when params has a shared expert")
         if scratch.shared is not None:
-            _check_scratch(scratch.shared, "scratch.shared", ids=((rows, 1), np.int64),
-                           weights=((rows, 1), np.float32),
+            _check_scratch(scratch.shared, "scratch.shared", lists=((rows, 1), np.int32),
                            hidden=((rows, 1, params.shared_gate_proj.shape[0]), np.float32))
     return x
 
@@ -470,9 +593,8 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         shared = weights.shared_gate_proj is not None
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
-                          scratch.shared, d_out, False, stream)
-        _launch_experts(d_x, weights.gate_proj, weights.up_proj, weights.down_proj, scratch.ids,
-                        scratch.weights, scratch.hidden, d_out, shared, stream)     # added to the shared
+                          scratch.shared, d_out, stream)
+        _launch_experts(d_x, weights, scratch, d_out, shared, stream)      # added to the shared's
     return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]
 

@@ -245,6 +245,60 @@ def test_moe_token_alone_equals_token_in_a_batch():
         assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
 
 
+# --- the grouped expert kernels: lists, passes, invariance ------------------------------------------
+
+def expert_lists(ids, experts: int) -> np.ndarray:
+    """numpy: lists[i, e] = the i-th pair t * k + j with ids[t, j] = e (ascending), -1 after."""
+    rows = ids.shape[0]
+    lists = np.full((rows, experts), -1, np.int32)
+    for e in range(experts):
+        pairs = np.flatnonzero(ids.ravel() == e)
+        lists[:pairs.size, e] = pairs
+    return lists
+
+
+@pytest.mark.parametrize("rows, experts, top_k", [(11, 6, 3), (1, 12, 3), (4, 3, 1), (70, 5, 2)])
+def test_expert_lists_match_numpy(rows, experts, top_k):
+    """Each token's k distinct experts; expert 0 gets every token (two passes of 8 at T = 11), and
+    the last expert none; T = 70 spans several chunks of the kernel's tokens (LIST_TPB)."""
+    rng = np.random.default_rng(rows)
+    ids = np.stack([np.concatenate([[0], rng.permutation(np.arange(1, experts - 1))[:top_k - 1]])
+                    for _ in range(rows)]).astype(np.int64)
+    lists = cuda.to_device(np.full((rows, experts), 7777, np.int32))      # poison: neither a pair nor -1
+    gpu.expert_lists_kernel[experts, gpu.LIST_TPB](to_device(ids), lists)
+    assert_exact(lists.copy_to_host(), expert_lists(ids, experts), name="expert lists")
+
+
+def favour_expert_zero(params: ref.MoEParams) -> ref.MoEParams:
+    """Params whose router picks expert 0 for every token (its bias far above every choice)."""
+    bias = params.bias.copy()
+    bias[0] = 10.0
+    return ref.MoEParams(**{**vars(params), "bias": bias})
+
+
+@pytest.mark.parametrize("rows, width, features", [(11, 37, 45), (2, 65, 7)])
+def test_moe_one_expert_takes_every_token(rows, width, features):
+    """Expert 0 gets all T tokens (at T = 11 two passes of 8 pairs, the second one partial);
+    with T = 2 most experts get none. Against numpy, the outputs NaN-poisoned before the launch,
+    and each token alone against the batch, bit for bit."""
+    config = config_with(moe_intermediate_size=features)
+    host_params = favour_expert_zero(random_params(config, width, seed=rows + width))
+    params = gpu.device_params(host_params)
+    x = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
+    assert_well_separated(x, host_params.gate, host_params.bias, config)
+    scratch = gpu.moe_scratch(rows, params, config)
+    poisoned = to_device(np.full((rows, width), np.nan, np.float32))
+    together = gpu.moe(to_device(x), params, config, out=poisoned, scratch=scratch).copy_to_host()
+    assert np.isfinite(together).all(), "some output was not written (NaN poison)"
+    ids = scratch.ids.copy_to_host()
+    assert (ids[:, 0] == 0).all(), "test data: expert 0 is every token's first choice"
+    assert_exact(scratch.lists.copy_to_host(), expert_lists(ids, config.n_routed_experts), name="lists")
+    assert_close(together, ref.moe(x, host_params, config), rtol=RTOL, atol=ATOL)
+    for t in (0, rows - 1):
+        alone = gpu.moe(x[t:t + 1], params, config)
+        assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
+
+
 def test_moe_device_path_is_deterministic():
     config = config_with(moe_intermediate_size=11)
     params = random_params(config, 19, seed=4)
@@ -310,9 +364,12 @@ def test_bad_scratch_and_out_are_named():
             hidden=to_device(np.zeros((2, 3, 5), np.float32))))
     with pytest.raises(ValueError, match="scratch.shared must be a dense_scratch"):
         gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(shared=None))
-    with pytest.raises(ValueError, match="scratch.ids must be a device array"):
+    with pytest.raises(ValueError, match="scratch.lists must be a device array"):
         gpu.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj,
-                   scratch=gpu.DenseScratch(np.zeros((2, 1), np.int64), None, None))
+                   scratch=gpu.DenseScratch(np.zeros((2, 1), np.int32), None))
+    with pytest.raises(ValueError, match=r"scratch.down must be float32 of shape \(2, 3, 8\)"):
+        gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(
+            down=to_device(np.zeros((2, 3, 4), np.float32))))
     with pytest.raises(ValueError, match=r"out\[1\] \(weights\) must be float32"):
         gpu.route(x, params.gate, params.bias, config, out=(np.zeros((2, 3), np.int64), np.zeros((2, 3))))
 
@@ -372,3 +429,23 @@ def test_moe_kimi_dims_reduced_experts():
     expected = ref.swiglu(x, *shared)
     assert_close(gpu.swiglu(x, *shared), expected, rtol=RTOL,
                  atol=1e-5 * float(np.abs(expected).max()), name="swiglu K2.6")
+
+
+@pytest.mark.gpu
+def test_moe_grouped_at_size():
+    """T = 64, E = 64, k = 6, D = 2048, F = 1408 (2.2 GB of experts): 384 pairs, several passes
+    per expert. Against numpy, and tokens alone against the batch, bit for bit."""
+    config = config_with("tiny-b", hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
+                         n_group=1, topk_group=1, num_experts_per_tok=6)
+    host_params = random_params(config, config.hidden_size, seed=14)
+    params = gpu.device_params(host_params)
+    x = np.random.default_rng(15).standard_normal((64, config.hidden_size)).astype(np.float32)
+    assert_well_separated(x, host_params.gate, host_params.bias, config, gap=1e-5)
+    together = gpu.moe(x, params, config)
+    expected = ref.moe(x, host_params, config)
+    assert_close(together, expected, rtol=RTOL, atol=1e-5 * float(np.abs(expected).max()), name="moe")
+    for t in (0, 1, 31, 63):
+        alone = gpu.moe(x[t:t + 1], params, config)
+        assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
+    pairs = gpu.moe(x[:9], params, config)                          # a bucket of 9 rows
+    assert np.array_equal(pairs.view(np.uint32), together[:9].view(np.uint32)), "first 9 tokens"
