@@ -78,9 +78,11 @@ def assert_same_round(actual, expected, where=""):
 
 def test_bucket_views_of_a_scratch_without_a_shared_expert():
     """A layer's scratch is viewed per bucket field by field; a missing shared expert stays None."""
-    scratch = MoEScratch(*(np.arange(8 * (i + 1)).reshape(8, i + 1) for i in range(4)), shared=None)
+    arrays = [np.arange(8 * (i + 1)).reshape(8, i + 1) for i in range(6)]
+    scratch = MoEScratch(*arrays[:4], shared=None, lists=arrays[4], down=arrays[5])
     view = rows_of(scratch, 3)
-    assert view.shared is None and all(field.shape[0] == 3 for field in view[:4])
+    assert view.shared is None
+    assert all(field.shape[0] == 3 for name, field in view._asdict().items() if name != "shared")
 
 
 def test_buckets_and_candidate_counts():
