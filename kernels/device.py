@@ -145,6 +145,13 @@ def deliver(result, out, *inputs):
     return result.copy_to_host()
 
 
+def check_version(version, versions: tuple[int, ...]) -> int:
+    """A kernel version asked for with ``version=``: one of ``versions`` (an int, not a bool)."""
+    if isinstance(version, bool) or version not in versions:
+        raise ValueError(f"version must be one of {versions}, got {version!r}")
+    return int(version)
+
+
 def check_float32(**arrays) -> None:
     """Device arrays are used as they are (no conversion), so they must already be float32."""
     for name, x in arrays.items():

@@ -55,7 +55,7 @@ from ddtree import tree as reference
 from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
 from ddtree.tree import check_parents as check_host_parents
 from kernels.blocks import MAX_TPB, block_max, blocks, check_threads, pow2_threads
-from kernels.device import check_out, deliver, is_device_array, output, to_device
+from kernels.device import check_out, check_version, deliver, is_device_array, output, to_device
 
 MAX_BUDGET = 1024
 _SLOTS = MAX_BUDGET + 1          # nodes (root + B) and live frontier entries (at most B + 1)
@@ -409,17 +409,11 @@ def builder_threads(budget: int) -> int:
 # --8<-- [end:builder_threads]
 
 
-def check_version(version) -> int:
-    if isinstance(version, bool) or version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
-    return int(version)
-
-
 def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None, version=2):
     """Host arrays get the full value checks of ddtree.tree, device arrays shape and dtype; then
     the launch's: version, budget <= MAX_BUDGET, block size, ``out`` (a TreeBatch of width
     W = B + 1). Returns root_tokens, top_logprobs, top_ids and budget (an int)."""
-    check_version(version)
+    check_version(version, VERSIONS)
     budget = check_budget(budget)
     if budget > MAX_BUDGET:
         raise ValueError(f"budget must be <= {MAX_BUDGET} (the GPU builder keeps the frontier and "
@@ -773,7 +767,7 @@ def check_top_candidates(logits, k, *, out=None, version=2, chunk=None):
     must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
     (L, K) float32, top_ids (L, K) int64); ``version`` in VERSIONS; ``chunk``: None or a power of
     two in [4, TOPK_CHUNK]."""
-    check_version(version)
+    check_version(version, VERSIONS)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
                               or not 4 <= chunk <= TOPK_CHUNK or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be None or a power of two in [4, {TOPK_CHUNK}], got {chunk!r}")
