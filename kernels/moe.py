@@ -3,31 +3,53 @@
 Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token,
 F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
-Kernels (one version each):
+Kernels:
 - the router's logits x . gate[e] come from ``kernels.linear`` (version "tiles"); then
   ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
   (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
-  index), normalised and scaled weights (``_weigh``).
-- ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
-  ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
-  lists (T, E), a column per expert (at most T pairs), -1 after.
-- ``expert_hidden_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
-  e = ids[t, j], grouped by expert: one block per 32 features (a lane each) and (expert, pass of
-  ROWS_PER_PASS of its pairs); the expert's weight tile is staged once per pass and serves all its
-  pairs (``kernels.linear.tile_dots`` over the listed rows). An expert chosen by
-  20 tokens is read 3 times, not 20.
-- ``expert_down_kernel``: down[t, j, d] = down_e[d] h[t, j], the same grouping over output features.
-- ``combine_kernel``: out[t, d] (+)= sum_j w[t, j] * down[t, j, d], one thread per element, the k
-  slots added in slot order: deterministic without atomics.
+  index), normalised and scaled weights (``_weigh``). Both versions below route alike.
+- version 1, per (token, slot) pair:
+  - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
+    e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
+    products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
+  - ``expert_down_pairs_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
+    32 output features and token; the k slots are added in slot order, so the result is
+    deterministic without atomics.
+- version 2, grouped by expert:
+  - ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
+    ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
+    lists (T, E), a column per expert (at most T pairs), -1 after.
+  - ``expert_hidden_kernel``: the same h, grouped by expert: one block per 32 features and
+    (expert, pass of ROWS_PER_PASS of its pairs); the expert's weight tile is staged once per pass
+    and serves all its pairs (``tile_dots`` over the listed rows).
+  - ``expert_down_kernel``: down[t, j, d] = down_e[d] h[t, j], the same grouping over output
+    features.
+  - ``combine_kernel``: out[t, d] (+)= sum_j w[t, j] * down[t, j, d], one thread per element, the
+    k slots added in slot order.
+  Blocks along y cover every expert's possible passes for the T rows (a fixed grid: the launches
+  can be captured in a CUDA graph); a block past its expert's last pair returns.
 Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
 routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
-for bit). Blocks along y cover every expert's possible passes for the T rows (a fixed grid: the
-launches can be captured in a CUDA graph); a block past its expert's last pair returns.
+for bit).
 
-A dense SwiGLU (the dense layers and the shared expert) is the same two grouped kernels with one
-"expert" (E = 1) that every row chooses (lists[t, 0] = t, made with the scratch) and weight 1: its
-down projection is the output, no combine. ``moe`` runs the shared expert first, then adds the
-routed experts in place: seven launches plus the router's linear, nothing leaves the device.
+Versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per forward by
+its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
+the same ``tile_dots`` sums and add a token's slots in slot order from the same start, so they
+give the same bits: a row's result does not depend on the version either.
+Version 1 stages an expert's weight tiles once per (token, slot) pair that chose it: an expert
+chosen by 20 tokens is read 20 times. The routed experts need no lists and no combine (two
+launches, not four), so it is the faster one for few rows (a decode step, where most chosen
+experts have one pair anyway).
+Version 2 stages them once per pass of ROWS_PER_PASS of the expert's pairs: read 3 times, not 20.
+It pays two extra launches (the lists, the combine) and each pair's down projection (T, k, D)
+written and read back, so it is the faster one for many rows (a large tree's verify).
+
+A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
+"expert" (E = 1) that every row chooses with weight 1, two launches in either version: version 1
+reads ids = 0 and weights = 1 from the scratch; version 2 lists every row (lists[t, 0] = t, made
+with the scratch) and its down projection is the output, no combine. ``moe`` runs the shared
+expert first, then adds the routed experts in place: five launches (version 1) or seven
+(version 2) plus the router's linear, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
@@ -35,8 +57,9 @@ the device each time, device arrays are used as they are. MoE weights are large 
 step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
 device. The intermediate buffers (routed ids and weights, expert lists, the hidden states, the
 pairs' down projections) are allocated per call unless a ``scratch`` from ``moe_scratch`` /
-``dense_scratch`` is given: with ``out`` and ``scratch`` and device inputs nothing is allocated or
-copied. ``bytes_moved`` and ``flops`` give each operation's cost model.
+``dense_scratch`` is given (it holds both versions' buffers, so one scratch serves either): with
+``out`` and ``scratch`` and device inputs nothing is allocated or copied. ``bytes_moved`` and
+``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
@@ -63,7 +86,9 @@ from kernels.device import (
     SIMULATOR,
     check_float32,
     check_out,
+    check_version,
     deliver,
+    filled,
     host_or_device,
     is_device_array,
     output,
@@ -85,7 +110,11 @@ MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSe
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 TPB = 128               # combine_kernel's threads per block (one per output element)
 LIST_TPB = 32 if SIMULATOR else 128   # expert_lists_kernel's: tokens per chunk (any size: same lists)
+VERSIONS = (1, 2)       # the expert kernels: 1 per (token, slot) pair, 2 grouped by expert
 F32, I64 = 4, 8
+# the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
+# pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
+listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -98,6 +127,12 @@ def sigmoid_scalar(z):
     e = math.exp(z)
     return e / (float32(1.0) + e)
 # --8<-- [end:sigmoid_scalar]
+
+
+@cuda.jit(device=True)
+def silu_times(gate, up):
+    """silu(gate) * up = gate * sigmoid(gate) * up, one hidden feature of a SwiGLU (both versions)."""
+    return gate * sigmoid_scalar(gate) * up
 
 
 # --8<-- [start:pick_free]
@@ -224,6 +259,66 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
 # --8<-- [end:route_kernel]
 
 
+# --- version 1: per (token, slot) pair ---------------------------------------------------------
+
+# --8<-- [start:expert_hidden_pairs_kernel]
+@cuda.jit
+def expert_hidden_pairs_kernel(x, gate_proj, up_proj, ids, hidden):
+    # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair
+    # p = t * k + j, e = ids[t, j]; hidden is (T * k, F). One block = features f0 .. f0 + 31
+    # (blockIdx.x; lane = f) of the pairs blockIdx.y, blockIdx.y + gridDim.y, ...: the block's warps
+    # split D (tile_dots over one listed row, the pair's token: the expert's W tile staged in shared
+    # memory for this pair alone, each lane's sums sequential in d)
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    gate = cuda.local.array(1, float32)
+    up = cuda.local.array(1, float32)
+    token = cuda.local.array(1, int32)                   # the pair's x row
+    slots = ids.shape[1]
+    f0 = cuda.blockIdx.x * LANES
+    f = f0 + cuda.threadIdx.x
+    for pair in range(cuda.blockIdx.y, hidden.shape[0], cuda.gridDim.y):
+        token[0] = pair // slots
+        expert = ids[token[0], pair % slots]
+        listed_dots_one(x, 0, 1, token, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
+        listed_dots_one(x, 0, 1, token, up_proj[expert], f0, up, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and f < hidden.shape[1]:
+            hidden[pair, f] = silu_times(gate[0], up[0])
+# --8<-- [end:expert_hidden_pairs_kernel]
+
+
+# --8<-- [start:expert_down_pairs_kernel]
+@cuda.jit
+def expert_down_pairs_kernel(hidden, down_proj, ids, weights, accumulate, out):
+    # out[t, d] = (out[t, d] if accumulate else 0) + sum_j weights[t, j] * (down_proj[e, d] . hidden[p])
+    # for p = t * k + j, e = ids[t, j]; hidden is (T * k, F). One block = output features
+    # d0 .. d0 + 31 (blockIdx.x; lane = d) of tokens blockIdx.y, blockIdx.y + gridDim.y, ...: the
+    # token's k slot dot products one after another (tile_dots), each added in slot order by the
+    # lane's thread, as combine_kernel adds them: one writer per element, no atomics
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    dot = cuda.local.array(1, float32)
+    pair = cuda.local.array(1, int32)                    # the slot's hidden row
+    slots = ids.shape[1]
+    d0 = cuda.blockIdx.x * LANES
+    d = d0 + cuda.threadIdx.x
+    writer = cuda.threadIdx.x < LANES and d < out.shape[1]
+    for token in range(cuda.blockIdx.y, out.shape[0], cuda.gridDim.y):
+        total = out[token, d] if writer and accumulate else float32(0.0)
+        for slot in range(slots):
+            pair[0] = token * slots + slot
+            listed_dots_one(hidden, 0, 1, pair, down_proj[ids[token, slot]], d0, dot, w_tile, x_tile,
+                            partial)
+            total += weights[token, slot] * dot[0]
+        if writer:
+            out[token, d] = total
+# --8<-- [end:expert_down_pairs_kernel]
+
+
+# --- version 2: grouped by expert ----------------------------------------------------------------
+
 # --8<-- [start:expert_lists_kernel]
 @cuda.jit
 def expert_lists_kernel(ids, lists):
@@ -273,9 +368,6 @@ def _pass_rows(lists, expert, first, per_row, rows):
     return count
 
 
-listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
-
-
 @cuda.jit(device=True)
 def _dots(x, rows, count, weight, n0, acc, w_tile, x_tile, partial):
     """``kernels.linear.tile_dots`` over the listed rows of a pass of ``count`` pairs: a lone pair
@@ -313,7 +405,7 @@ def expert_hidden_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden
         _dots(x, rows, count, up_proj[expert], f0, up, w_tile, x_tile, partial)
         if cuda.threadIdx.x < LANES and f < hidden.shape[1]:
             for r in range(count):
-                hidden[lists[first + r, expert], f] = gate[r] * sigmoid_scalar(gate[r]) * up[r]
+                hidden[lists[first + r, expert], f] = silu_times(gate[r], up[r])
 # --8<-- [end:expert_hidden_kernel]
 
 
@@ -359,13 +451,17 @@ def combine_kernel(down, weights, accumulate, out):
 
 
 class DenseScratch(typing.NamedTuple):
-    """Device buffers of a dense SwiGLU over T rows: one "expert" that every row chooses."""
-    lists: object       # [T, 1] int32, lists[t, 0] = t: the one expert's pairs are the rows
+    """Device buffers of a dense SwiGLU over T rows, for either version: one "expert" that every
+    row chooses with weight 1."""
+    ids: object         # [T, 1] int64, all 0: version 1's routed ids
+    weights: object     # [T, 1] float32, all 1: version 1's weights
     hidden: object      # [T, 1, F] float32
+    lists: object       # [T, 1] int32, lists[t, 0] = t: version 2's pairs of the one expert, the rows
 
 
 class MoEScratch(typing.NamedTuple):
-    """Device buffers of one MoE layer over T tokens."""
+    """Device buffers of one MoE layer over T tokens, for either version (version 1 leaves lists
+    and down alone)."""
     logits: object                  # [T, E] float32 router logits
     ids: object                     # [T, k] int64 routed experts
     weights: object                 # [T, k] float32 their weights
@@ -377,8 +473,10 @@ class MoEScratch(typing.NamedTuple):
 
 def dense_scratch(rows: int, features: int, stream=None) -> DenseScratch:
     """New buffers for a dense SwiGLU of ``features`` (F or Fs) over ``rows`` rows."""
-    return DenseScratch(lists=cuda.to_device(np.arange(rows, dtype=np.int32).reshape(rows, 1), stream=stream),
-                        hidden=poisoned((rows, 1, features), stream=stream))
+    return DenseScratch(ids=filled((rows, 1), 0, np.int64, stream),
+                        weights=filled((rows, 1), 1, np.float32, stream),
+                        hidden=poisoned((rows, 1, features), stream=stream),
+                        lists=cuda.to_device(np.arange(rows, dtype=np.int32).reshape(rows, 1), stream=stream))
 
 
 def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) -> MoEScratch:
@@ -404,10 +502,26 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
         float32(config.routed_scaling_factor), ids, weights)
 
 
-def _launch_grouped(x, gate_proj, up_proj, down_proj, lists, hidden, down, stream) -> None:
-    """Both grouped expert kernels on device arrays: x (T, D), stacks (E, F, D) / (E, D, F),
-    lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows."""
+def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> None:
+    """Version 1's two kernels on device arrays: x (T, D), stacks = (gate, up (E, F, D), down
+    (E, D, F)), ids and weights (T, k), hidden (T, k, F) -> out (T, D), added to with ``accumulate``."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
+    gate_proj, up_proj, down_proj = stacks
+    flat_hidden = hidden.reshape(rows * slots, features)
+    spread = 1 if SIMULATOR else 0        # the simulator: one block walks all rows (fewer threads)
+    grid = (blocks(features, LANES), spread or rows * slots)                 # x over F, y over pairs
+    expert_hidden_pairs_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, ids,
+                                                                      flat_hidden)
+    grid = (blocks(width, LANES), spread or rows)                            # x over D, y over tokens
+    expert_down_pairs_kernel[grid, LANES * k_slices(features), stream](flat_hidden, down_proj, ids,
+                                                                       weights, accumulate, out)
+
+
+def _launch_grouped(x, stacks, lists, hidden, down, stream) -> None:
+    """Version 2's two grouped expert kernels on device arrays: x (T, D), stacks as
+    ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows."""
+    (rows, slots, features), width = hidden.shape, x.shape[1]
+    gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
     # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
     # per pass of ROWS_PER_PASS of them (blocks past the expert's last pair return), in the
@@ -422,24 +536,33 @@ def _launch_grouped(x, gate_proj, up_proj, down_proj, lists, hidden, down, strea
                                                                  per_expert, flat_down)
 
 
-def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, stream) -> None:
-    """The routed experts on device arrays, after the router: lists from ids, the grouped
-    kernels, then each token's k slots weighed and added into out (T, D)."""
+def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, version, stream) -> None:
+    """The routed experts on device arrays, after the router, into out (T, D) (added to it with
+    ``accumulate``). Version 1: the pair kernels; version 2: lists from ids, the grouped kernels,
+    then each token's k slots weighed and added (the combine)."""
+    stacks = params.gate_proj, params.up_proj, params.down_proj
+    if version == 1:
+        _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream)
+        return
     experts = scratch.lists.shape[1]
     expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
-    _launch_grouped(x, params.gate_proj, params.up_proj, params.down_proj, scratch.lists,
-                    scratch.hidden, scratch.down, stream)
+    _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream)
     combine_kernel[blocks(out.size, TPB), TPB, stream](
         scratch.down, scratch.weights, accumulate, out)
 
 
-def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, stream) -> None:
-    """A dense SwiGLU on device arrays as one expert that every row chooses with weight 1:
-    (F, D) weights viewed as (1, F, D); each row's one pair's down projection is its output."""
+def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, version, stream) -> None:
+    """A dense SwiGLU on device arrays as one expert that every row chooses with weight 1: (F, D)
+    weights viewed as (1, F, D). Version 1 weighs each row's one slot by 1 (exact: a dot product
+    starts from +0.0, so it is never -0.0, and 0 + 1 * dot is dot, bit for bit); in version 2 each
+    row's one pair's down projection is its output."""
     (rows, width), features = x.shape, gate_proj.shape[0]
-    _launch_grouped(x, gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
-                    down_proj.reshape(1, width, features), scratch.lists, scratch.hidden,
-                    out.reshape(rows, 1, width), stream)
+    stacks = (gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
+              down_proj.reshape(1, width, features))
+    if version == 1:
+        _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, False, stream)
+    else:
+        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream)
 
 
 def _check_router_limits(config: ModelConfig, threads) -> None:
@@ -457,6 +580,12 @@ def _check_scratch(scratch, name: str, **expected) -> None:
         if not is_device_array(buffer):
             raise ValueError(f"{name}.{field} must be a device array, got {type(buffer).__name__}")
         check_out(buffer, shape, dtype, f"{name}.{field}")
+
+
+def _check_dense_scratch(scratch, name: str, rows: int, features: int) -> None:
+    """A ``dense_scratch(rows, features)``: both versions' buffers."""
+    _check_scratch(scratch, name, ids=((rows, 1), np.int64), weights=((rows, 1), np.float32),
+                   hidden=((rows, 1, features), np.float32), lists=((rows, 1), np.int32))
 
 
 def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None):
@@ -496,35 +625,37 @@ def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out
 # --8<-- [end:route]
 
 
-def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None):
-    """The reference's shapes, float32 on the device, ``out`` (T, D), ``scratch`` (a
-    ``dense_scratch``). Returns the four arrays as numpy or device arrays."""
+def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None, version=2):
+    """``version`` in VERSIONS, the reference's shapes, float32 on the device, ``out`` (T, D),
+    ``scratch`` (a ``dense_scratch``). Returns the four arrays as numpy or device arrays."""
+    check_version(version, VERSIONS)
     x, gate_proj, up_proj, down_proj = (host_or_device(a, np.float32)
                                         for a in (x, gate_proj, up_proj, down_proj))
     reference.check_swiglu(x, gate_proj, up_proj, down_proj)
     check_float32(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
     check_out(out, x.shape)
     if scratch is not None:
-        rows = x.shape[0]
-        _check_scratch(scratch, "scratch", lists=((rows, 1), np.int32),
-                       hidden=((rows, 1, gate_proj.shape[0]), np.float32))
+        _check_dense_scratch(scratch, "scratch", x.shape[0], gate_proj.shape[0])
     return x, gate_proj, up_proj, down_proj
 
 
 # --8<-- [start:swiglu]
-def swiglu(x, gate_proj, up_proj, down_proj, *, out=None, stream=None, scratch: DenseScratch | None = None):
+def swiglu(x, gate_proj, up_proj, down_proj, *, out=None, stream=None, scratch: DenseScratch | None = None,
+           version: int = 2):
     """down(silu(gate x) * up x): x (T, D), gate/up (F, D), down (D, F) -> (T, D).
 
     ``scratch`` (from ``dense_scratch``) holds the intermediate buffers; new ones by default.
+    ``version``: 2 (the default) stages the weights once per pass of ROWS_PER_PASS rows, 1 once per
+    row (a block each); two launches and the same bits either way.
     """
     x, gate_proj, up_proj, down_proj = check_swiglu(x, gate_proj, up_proj, down_proj,
-                                                    out=out, scratch=scratch)
+                                                    out=out, scratch=scratch, version=version)
     (rows, width), features = x.shape, gate_proj.shape[0]
     d_out = output(out, (rows, width), stream=stream)                         # [T, D]
     if rows and width:
         _launch_dense(to_device(x, np.float32), to_device(gate_proj, np.float32),
                       to_device(up_proj, np.float32), to_device(down_proj, np.float32),
-                      scratch or dense_scratch(rows, features, stream), d_out, stream)
+                      scratch or dense_scratch(rows, features, stream), d_out, version, stream)
     return deliver(d_out, out, x, gate_proj, up_proj, down_proj)
 # --8<-- [end:swiglu]
 
@@ -549,9 +680,10 @@ def _arrays(params: MoEParams) -> dict:
             if getattr(params, field.name) is not None}
 
 
-def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None):
-    """The reference's shapes, the router kernel's limits, float32 on the device, ``out`` (T, D),
-    ``scratch`` (a ``moe_scratch``). Returns x as numpy or a device array."""
+def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None, version=2):
+    """``version`` in VERSIONS, the reference's shapes, the router kernel's limits, float32 on the
+    device, ``out`` (T, D), ``scratch`` (a ``moe_scratch``). Returns x as numpy or a device array."""
+    check_version(version, VERSIONS)
     x = host_or_device(x, np.float32)
     reference.check_moe(x, params, config)
     _check_router_limits(config, None)
@@ -567,22 +699,23 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
         if (scratch.shared is None) != (params.shared_gate_proj is None):
             raise ValueError("scratch.shared must be a dense_scratch exactly when params has a shared expert")
         if scratch.shared is not None:
-            _check_scratch(scratch.shared, "scratch.shared", lists=((rows, 1), np.int32),
-                           hidden=((rows, 1, params.shared_gate_proj.shape[0]), np.float32))
+            _check_dense_scratch(scratch.shared, "scratch.shared", rows, params.shared_gate_proj.shape[0])
     return x
 
 
 # --8<-- [start:moe]
 def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
-        scratch: MoEScratch | None = None):
+        scratch: MoEScratch | None = None, version: int = 2):
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
     experts in slot order. Host ``params`` are copied to the device on each call; pass
     ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
-    intermediate buffers; new ones by default.
+    intermediate buffers; new ones by default. ``version``: 2 (the default) groups the pairs by
+    expert, 1 runs each (token, slot) pair on its own (see the module's docstring); the same bits
+    either way.
     """
-    x = check_moe(x, params, config, out=out, scratch=scratch)
+    x = check_moe(x, params, config, out=out, scratch=scratch, version=version)
     rows, width = x.shape
     d_out = output(out, (rows, width), stream=stream)                         # [T, D]
     if rows and width:
@@ -593,8 +726,8 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         shared = weights.shared_gate_proj is not None
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
-                          scratch.shared, d_out, stream)
-        _launch_experts(d_x, weights, scratch, d_out, shared, stream)      # added to the shared's
+                          scratch.shared, d_out, version, stream)
+        _launch_experts(d_x, weights, scratch, d_out, shared, version, stream)   # added to the shared's
     return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]
 

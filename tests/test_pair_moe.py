@@ -5,6 +5,9 @@ different order than numpy's matmul, so random tests use data whose routing deci
 separated by far more than that noise (checked as a precondition, in float64), and tie tests
 build scores that are equal by construction (x = 0, or one shared logit, plus crafted biases).
 
+The expert kernels come in two versions (per (token, slot) pair, grouped by expert) that must
+agree bit for bit: each is checked against numpy and against the other.
+
 Tolerance: weights are a few float32 operations on the sigmoid scores: rtol 1e-5. Layer outputs
 are O(1) sums of D- and F-term float32 dots whose order differs from numpy's BLAS, and some
 entries cancel to near zero: rtol 1e-5 with atol 1e-5.
@@ -245,6 +248,31 @@ def test_moe_token_alone_equals_token_in_a_batch():
         assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
 
 
+def run_versions(call, rows: int, width: int) -> dict:
+    """``call(out, version)`` for both versions, each into a fresh device buffer poisoned with NaN:
+    version -> host result, every element written."""
+    results = {}
+    for version in gpu.VERSIONS:
+        out = to_device(np.full((rows, width), np.nan, np.float32))
+        results[version] = call(out, version).copy_to_host()
+        assert np.isfinite(results[version]).all(), f"version {version} left an output unwritten (NaN)"
+    return results
+
+
+def moe_versions(x, params, config):
+    """``moe`` of both versions on x through one scratch (it serves both): (version -> result, the
+    scratch)."""
+    scratch, d_x = gpu.moe_scratch(x.shape[0], params, config), to_device(x)
+    results = run_versions(lambda out, version: gpu.moe(d_x, params, config, out=out, scratch=scratch,
+                                                        version=version), *x.shape)
+    return results, scratch
+
+
+def assert_same_bits(results: dict, name: str):
+    """Version 1's result and version 2's, bit for bit."""
+    assert np.array_equal(results[1].view(np.uint32), results[2].view(np.uint32)), f"{name}: versions differ"
+
+
 # --- the grouped expert kernels: lists, passes, invariance ------------------------------------------
 
 def expert_lists(ids, experts: int) -> np.ndarray:
@@ -279,24 +307,75 @@ def favour_expert_zero(params: ref.MoEParams) -> ref.MoEParams:
 @pytest.mark.parametrize("rows, width, features", [(11, 37, 45), (2, 65, 7)])
 def test_moe_one_expert_takes_every_token(rows, width, features):
     """Expert 0 gets all T tokens (at T = 11 two passes of 8 pairs, the second one partial);
-    with T = 2 most experts get none. Against numpy, the outputs NaN-poisoned before the launch,
-    and each token alone against the batch, bit for bit."""
+    with T = 2 most experts get none. Both versions through one scratch, against numpy, the
+    outputs NaN-poisoned before the launch, and equal bit for bit: to each other, and each token
+    alone (either version) to the batch."""
     config = config_with(moe_intermediate_size=features)
     host_params = favour_expert_zero(random_params(config, width, seed=rows + width))
     params = gpu.device_params(host_params)
     x = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
     assert_well_separated(x, host_params.gate, host_params.bias, config)
-    scratch = gpu.moe_scratch(rows, params, config)
-    poisoned = to_device(np.full((rows, width), np.nan, np.float32))
-    together = gpu.moe(to_device(x), params, config, out=poisoned, scratch=scratch).copy_to_host()
-    assert np.isfinite(together).all(), "some output was not written (NaN poison)"
+    results, scratch = moe_versions(x, params, config)
     ids = scratch.ids.copy_to_host()
     assert (ids[:, 0] == 0).all(), "test data: expert 0 is every token's first choice"
     assert_exact(scratch.lists.copy_to_host(), expert_lists(ids, config.n_routed_experts), name="lists")
-    assert_close(together, ref.moe(x, host_params, config), rtol=RTOL, atol=ATOL)
-    for t in (0, rows - 1):
-        alone = gpu.moe(x[t:t + 1], params, config)
-        assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
+    assert_close(results[2], ref.moe(x, host_params, config), rtol=RTOL, atol=ATOL)
+    assert_same_bits(results, "moe")
+    for t, version in ((0, 1), (rows - 1, 2)):
+        alone = gpu.moe(x[t:t + 1], params, config, version=version)
+        assert np.array_equal(alone[0].view(np.uint32), results[2][t].view(np.uint32)), f"token {t}"
+
+
+# --- versions: 1 per (token, slot) pair, 2 grouped by expert ---------------------------------------
+
+@pytest.mark.parametrize("rows, width, features", [(1, 37, 19), (6, 21, 45)])
+def test_moe_versions_match_numpy_and_each_other(rows, width, features):
+    """Both versions against numpy, NaN-poisoned outputs, and version 1 == version 2 bit for bit,
+    through one scratch (it serves both versions). T = 1: a decode step, one pair per chosen expert;
+    T = 6: 18 pairs over 12 experts, some experts with several (one expert with all of them:
+    ``test_moe_one_expert_takes_every_token``)."""
+    config = config_with(moe_intermediate_size=features)
+    host_params = random_params(config, width, seed=rows * width + features)
+    params = gpu.device_params(host_params)
+    x = np.random.default_rng(rows + 20).standard_normal((rows, width)).astype(np.float32)
+    assert_well_separated(x, host_params.gate, host_params.bias, config)
+    results, scratch = moe_versions(x, params, config)
+    busiest = np.bincount(scratch.ids.copy_to_host().ravel()).max()          # an expert's most pairs
+    assert rows == 1 or busiest > 1, "test data: some expert serves several pairs"
+    expected = ref.moe(x, host_params, config)
+    for version, actual in results.items():
+        assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"moe version {version}")
+    assert_same_bits(results, "moe")
+
+
+@pytest.mark.parametrize("rows, width, features", [(1, 33, 70), (9, 40, 24)])
+def test_swiglu_versions_match_numpy_and_each_other(rows, width, features):
+    """A dense SwiGLU: version 1 weighs each row's one slot by 1, version 2 lists every row (9 rows:
+    two passes of 8); both equal numpy, and each other bit for bit."""
+    rng = np.random.default_rng(features)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    gate_proj, up_proj = (rng.standard_normal((2, features, width)) / np.sqrt(width)).astype(np.float32)
+    down_proj = (rng.standard_normal((width, features)) / np.sqrt(features)).astype(np.float32)
+    weights = [to_device(a) for a in (gate_proj, up_proj, down_proj)]
+    scratch, d_x = gpu.dense_scratch(rows, features), to_device(x)
+    results = run_versions(lambda out, version: gpu.swiglu(d_x, *weights, out=out, scratch=scratch,
+                                                           version=version), rows, width)
+    expected = ref.swiglu(x, gate_proj, up_proj, down_proj)
+    for version, actual in results.items():
+        assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"swiglu version {version}")
+    assert_same_bits(results, "swiglu")
+
+
+def test_bad_version_is_refused():
+    config = config_with(moe_intermediate_size=4)
+    params = random_params(config, 8, seed=0)
+    x = np.ones((2, 8), np.float32)
+    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+    for version in (0, 3, True, "2", 2.5):
+        with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got "):
+            gpu.moe(x, params, config, version=version)
+        with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got "):
+            gpu.swiglu(x, *shared, version=version)
 
 
 def test_moe_device_path_is_deterministic():
@@ -364,9 +443,15 @@ def test_bad_scratch_and_out_are_named():
             hidden=to_device(np.zeros((2, 3, 5), np.float32))))
     with pytest.raises(ValueError, match="scratch.shared must be a dense_scratch"):
         gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(shared=None))
-    with pytest.raises(ValueError, match="scratch.lists must be a device array"):
-        gpu.swiglu(x, params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj,
-                   scratch=gpu.DenseScratch(np.zeros((2, 1), np.int32), None))
+    shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
+    with pytest.raises(ValueError, match="scratch.ids must be a device array"):
+        gpu.swiglu(x, *shared, scratch=gpu.DenseScratch(np.zeros((2, 1), np.int64), None, None, None))
+    dense = gpu.dense_scratch(2, shared[0].shape[0])
+    with pytest.raises(ValueError, match=r"scratch.lists must be int32 of shape \(2, 1\)"):
+        gpu.swiglu(x, *shared, scratch=dense._replace(lists=to_device(np.zeros((2, 1), np.int64))), version=1)
+    with pytest.raises(ValueError, match=r"scratch.shared.weights must be float32 of shape \(2, 1\)"):
+        gpu.moe(x, params, config, version=2, scratch=gpu.moe_scratch(2, params, config)._replace(
+            shared=dense._replace(weights=to_device(np.ones((2, 2), np.float32)))))
     with pytest.raises(ValueError, match=r"scratch.down must be float32 of shape \(2, 3, 8\)"):
         gpu.moe(x, params, config, scratch=gpu.moe_scratch(2, params, config)._replace(
             down=to_device(np.zeros((2, 3, 4), np.float32))))
@@ -434,7 +519,7 @@ def test_moe_kimi_dims_reduced_experts():
 @pytest.mark.gpu
 def test_moe_grouped_at_size():
     """T = 64, E = 64, k = 6, D = 2048, F = 1408 (2.2 GB of experts): 384 pairs, several passes
-    per expert. Against numpy, and tokens alone against the batch, bit for bit."""
+    per expert. Against numpy, and tokens alone and version 1 against the batch, bit for bit."""
     config = config_with("tiny-b", hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
                          n_group=1, topk_group=1, num_experts_per_tok=6)
     host_params = random_params(config, config.hidden_size, seed=14)
@@ -449,3 +534,5 @@ def test_moe_grouped_at_size():
         assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
     pairs = gpu.moe(x[:9], params, config)                          # a bucket of 9 rows
     assert np.array_equal(pairs.view(np.uint32), together[:9].view(np.uint32)), "first 9 tokens"
+    per_pair = gpu.moe(x, params, config, version=1)               # version 1: the same bits
+    assert np.array_equal(per_pair.view(np.uint32), together.view(np.uint32)), "version 1"
