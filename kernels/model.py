@@ -23,7 +23,9 @@ change:
 So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
 runs in an order fixed by its own row (``linear`` version "tiles", ``attention_paths``, the MoE
 kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
-DDTree == AR holds exactly in the engine, for any weights.
+DDTree == AR holds exactly in the engine, for any weights. The MoE kernels' version depends on the
+forward's row count (``moe_version``: per pair for few rows, grouped by expert for many); both
+versions give the same bits, so an AR step and a large tree's verify still agree row for row.
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Two differences of form: q_proj and kv_a_proj are split at load into their nope / rope (latent /
@@ -70,6 +72,7 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
+MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
@@ -85,6 +88,22 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     if rows > BUCKET_STEP:
         bucket = -(-rows // BUCKET_STEP) * BUCKET_STEP
     return min(bucket, max_rows)
+
+
+# --8<-- [start:moe_version]
+def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> int:
+    """The MoE kernels' version (``kernels.moe``) for a forward of ``rows`` rows (a bucket): 2,
+    grouped by expert, from ``grouped_from_rows`` rows on; else 1, per (token, slot) pair.
+
+    Version 1 makes two launches fewer per MoE layer, version 2 reads an expert's weights once per
+    pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (preset tiny, graph
+    replay), T = 1 / 24 / 40 / 72 rows: version 1 531 / 619 / 779 / 1020 µs, version 2 556 / 687 /
+    748 / 843 µs: version 2 is faster from 40 rows on. Both versions give the same bits, so the
+    choice cannot break DDTree == AR: an AR step (one row, version 1) and the same row in a large
+    tree's verify (version 2) get bit-identical logits.
+    """
+    return 2 if rows >= grouped_from_rows else 1
+# --8<-- [end:moe_version]
 
 
 def candidate_count(depths: int, k: int) -> int:
@@ -365,11 +384,15 @@ class Transformer:
     (G heads, row, split) that stages each key tile once for its G heads; None takes
     ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
     tile. Like Z, G is fixed per engine.
+    ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
+    fewer rows version 1 (``moe_version``; None: ``MOE_GROUPED_FROM_ROWS``; 1 forces version 2
+    everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
-                 attention_heads_per_block: int | None = None):
+                 attention_heads_per_block: int | None = None,
+                 moe_grouped_from_rows: int | None = None):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -378,10 +401,17 @@ class Transformer:
         if attention_heads_per_block is not None:
             check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
                                   name="attention_heads_per_block")
+        if moe_grouped_from_rows is None:
+            moe_grouped_from_rows = MOE_GROUPED_FROM_ROWS
+        if isinstance(moe_grouped_from_rows, bool) or not isinstance(moe_grouped_from_rows, int) \
+                or moe_grouped_from_rows < 1:
+            raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "
+                             f"got {moe_grouped_from_rows!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
+        self.moe_grouped_from_rows = moe_grouped_from_rows
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
         self.final_norm = to_device(weights["model.norm.weight"], np.float32)
         self.lm_head = to_device(weights["lm_head.weight"], np.float32)
@@ -478,10 +508,14 @@ class Transformer:
         linear(o.reshape(rows, o.size // rows), layer.o_proj, version="tiles", out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, out=b.f[:rows], stream=s)  # [T, D]
+        # the MoE kernels' version by the bucket's rows: either gives the same bits (DDTree == AR)
+        version = moe_version(rows, self.moe_grouped_from_rows)
         if layer.moe is not None:
-            moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows))
+            moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows),
+                version=version)
         else:
-            swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows))
+            swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows),
+                   version=version)
         self.add(s, h, delta)                                                      # h += mlp(f)
     # --8<-- [end:decoder_layer]
 

@@ -21,8 +21,8 @@ from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
+from kernels.model import MOE_GROUPED_FROM_ROWS, bucket_rows, candidate_count, moe_version, rows_of
 from kernels.model import Transformer as EngineTransformer
-from kernels.model import bucket_rows, candidate_count, rows_of
 from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
 
@@ -92,12 +92,22 @@ def test_buckets_and_candidate_counts():
     assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
 
 
+def test_moe_version_per_bucket():
+    """Version 1 (per pair) below MOE_GROUPED_FROM_ROWS rows, version 2 (grouped) from there on."""
+    assert MOE_GROUPED_FROM_ROWS == 40
+    assert [moe_version(rows) for rows in (1, 8, 32, 40, 48, 128)] == [1, 1, 1, 2, 2, 2]
+    assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
+    assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
+
+
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
 # below run as few and as narrow forwards as still reach their paths: the prompts are short (a
 # 1-token prompt has no prefill), the trees have budget 3 (verify buckets of 4 rows), and the one
 # prefill of each kind runs once (emit_token=True in the AR test, with a padding row;
 # emit_token=False in the greedy DDTree test; the sampled and rejection tests' prefill would launch
 # exactly the greedy one's: a prefill emits no token, so it never samples).
+# With Tmax = 8 these engines' forwards all run MoE version 1 (below MOE_GROUPED_FROM_ROWS rows);
+# test_moe_versions_give_the_engine_the_same_logits runs version 2 beside it.
 
 
 def test_prompt_then_ar_steps_match_numpy():
@@ -192,6 +202,27 @@ def test_heads_per_block_ddtree_equals_ar_and_numpy():
     assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
 
 
+def test_moe_versions_give_the_engine_the_same_logits():
+    """Every forward through MoE version 2 (``moe_grouped_from_rows=1``) or through version 1 (above
+    Tmax): the same logits, bit for bit, so the engine may pick a version per bucket and keep
+    DDTree == AR. 4 prompt tokens (a bucket of 4, one forward per engine): micro routes 3 of them to
+    experts 0 and 1, so those experts serve several pairs."""
+    config = preset("micro")
+    weights = init_weights(config, golden.WEIGHT_SEED)
+    grouped = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=1)
+    per_pair = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=9)
+    prompt = golden.default_prompt("micro")[:4]
+    logits = grouped.logits(prompt)
+    assert np.array_equal(per_pair.logits(prompt).view(np.uint32), logits.view(np.uint32))
+    assert_logits_close(logits, reference("micro").logits(prompt))
+    layer = config.first_k_dense_replace                                   # the MoE layer
+    pairs = np.bincount(grouped.moe_scratch[layer].ids.copy_to_host()[:prompt.size].ravel())
+    assert pairs.max() > 1, "test data: an expert serves several (token, slot) pairs"
+    listed = [bool((model.moe_scratch[layer].lists.copy_to_host() >= 0).any())
+              for model in (grouped, per_pair)]
+    assert listed == [True, False], "version 2 lists the pairs (-1 poison overwritten), version 1 never does"
+
+
 def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
@@ -208,6 +239,9 @@ def test_engine_refuses_bad_input_before_running():
             EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
     with pytest.raises(ValueError, match="attention_heads_per_block must be 1, 2 or 4"):
         EngineTransformer(model.config, {}, attention_heads_per_block=4)         # micro has 2 heads
+    for rows in (0, -1, 2.0, True, "40"):
+        with pytest.raises(ValueError, match=r"moe_grouped_from_rows must be None or an integer >= 1"):
+            EngineTransformer(model.config, init_weights(model.config, 0), moe_grouped_from_rows=rows)
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
