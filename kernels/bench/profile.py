@@ -142,16 +142,18 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
 
 
 def profile(name: str, rows_list, context: int, attention_splits: int | None = None,
-            attention_heads_per_block: int | None = None) -> str:
+            attention_heads_per_block: int | None = None, moe_grouped_from_rows: int | None = None) -> str:
     from kernels.bench.engine import preset_weights
     from kernels.model import Transformer
 
     model = Transformer(preset(name), preset_weights(name), graphs=False, attention_splits=attention_splits,
-                        attention_heads_per_block=attention_heads_per_block)
+                        attention_heads_per_block=attention_heads_per_block,
+                        moe_grouped_from_rows=moe_grouped_from_rows)
     prepare(model, name, context, max(rows_list))
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
              f"off, events around each launch; median of {REPEATS}; attention splits Z = "
-             f"{model.attention_splits}, heads per block G = {model.attention_heads_per_block})", ""]
+             f"{model.attention_splits}, heads per block G = {model.attention_heads_per_block}; MoE "
+             f"version 2 from T = {model.moe_grouped_from_rows})", ""]
     table = {}
     for rows in rows_list:
         kernel_times(model, rows)                                       # compile and warm
@@ -195,13 +197,18 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-splits", type=int, default=None,
                         help="attention_paths' Z (1: version 1; default: the engine's choice)")
     parser.add_argument("--attention-heads-per-block", type=int, default=None,
-                        help="attention_paths' G (2 or 4: version 3, a block per G heads; default 1)")
+                        help="attention_paths' G (2 or 4: version 3, a block per G heads; default: "
+                        "the engine's choice, kernels.mla.paths_heads)")
+    parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
+                        help="forwards of at least this many rows run the MoE kernels' version 2, "
+                        "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
     rows_list = [int(r) for r in args.rows.split(",")]
     for name in args.presets.split(","):
-        print(profile(name, rows_list, args.context, args.attention_splits, args.attention_heads_per_block),
+        print(profile(name, rows_list, args.context, args.attention_splits, args.attention_heads_per_block,
+                      args.moe_grouped_from_rows),
               flush=True)
     return 0
 
