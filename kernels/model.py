@@ -73,6 +73,7 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
+GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
@@ -103,6 +104,16 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
     tree's verify (version 2) get bit-identical logits.
     """
     return 2 if rows >= grouped_from_rows else 1
+
+
+def moe_grouped_from(config: ModelConfig) -> int:
+    """The engine's default ``grouped_from_rows`` for a model: 1 (version 2 for every forward)
+    where one expert's weights (gate, up and down, fp32) take GROUPED_EXPERT_BYTES or more, else
+    MOE_GROUPED_FROM_ROWS. On the H200 (``docs/results/profile-h200-2026-12-01b.md``), small's
+    34.6 MB experts ran faster grouped at every T, one row included (its expert kernels 2.8 ms
+    against 3.4, the two extra launches counted); tiny's 0.4 MB experts, below 40 rows, did not."""
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4
+    return 1 if expert_bytes >= GROUPED_EXPERT_BYTES else MOE_GROUPED_FROM_ROWS
 # --8<-- [end:moe_version]
 
 
@@ -385,7 +396,7 @@ class Transformer:
     ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
     tile. Like Z, G is fixed per engine.
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
-    fewer rows version 1 (``moe_version``; None: ``MOE_GROUPED_FROM_ROWS``; 1 forces version 2
+    fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
     """
 
@@ -402,7 +413,7 @@ class Transformer:
             check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
                                   name="attention_heads_per_block")
         if moe_grouped_from_rows is None:
-            moe_grouped_from_rows = MOE_GROUPED_FROM_ROWS
+            moe_grouped_from_rows = moe_grouped_from(config)
         if isinstance(moe_grouped_from_rows, bool) or not isinstance(moe_grouped_from_rows, int) \
                 or moe_grouped_from_rows < 1:
             raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "

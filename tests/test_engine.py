@@ -21,7 +21,14 @@ from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
-from kernels.model import MOE_GROUPED_FROM_ROWS, bucket_rows, candidate_count, moe_version, rows_of
+from kernels.model import (
+    MOE_GROUPED_FROM_ROWS,
+    bucket_rows,
+    candidate_count,
+    moe_grouped_from,
+    moe_version,
+    rows_of,
+)
 from kernels.model import Transformer as EngineTransformer
 from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
@@ -96,6 +103,8 @@ def test_moe_version_per_bucket():
     """Version 1 (per pair) below MOE_GROUPED_FROM_ROWS rows, version 2 (grouped) from there on."""
     assert MOE_GROUPED_FROM_ROWS == 40
     assert [moe_version(rows) for rows in (1, 8, 32, 40, 48, 128)] == [1, 1, 1, 2, 2, 2]
+    assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [40] * 3
+    assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
     assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
     assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
 
