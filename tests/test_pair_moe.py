@@ -304,9 +304,9 @@ def favour_expert_zero(params: ref.MoEParams) -> ref.MoEParams:
     return ref.MoEParams(**{**vars(params), "bias": bias})
 
 
-@pytest.mark.parametrize("rows, width, features", [(11, 37, 45), (2, 65, 7)])
+@pytest.mark.parametrize("rows, width, features", [(9, 21, 33), (2, 65, 7)])
 def test_moe_one_expert_takes_every_token(rows, width, features):
-    """Expert 0 gets all T tokens (at T = 11 two passes of 8 pairs, the second one partial);
+    """Expert 0 gets all T tokens (at T = 9 two passes of 8 pairs, the second one partial);
     with T = 2 most experts get none. Both versions through one scratch, against numpy, the
     outputs NaN-poisoned before the launch, and equal bit for bit: to each other, and each token
     alone (either version) to the batch."""
