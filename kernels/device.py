@@ -43,6 +43,12 @@ if SIMULATOR:
     sys.setswitchinterval(5e-4)
 
 
+def hardware_options(**options) -> dict:
+    """``cuda.jit`` options that only a GPU takes (``max_registers``): empty in the CUDA simulator,
+    whose ``jit`` refuses them (it has no registers to limit)."""
+    return {} if SIMULATOR else options
+
+
 def reduction_threads(count: int) -> int:
     """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``): at most 32
     threads in the simulator, where every idle thread is a Python thread waiting at every barrier.

@@ -55,6 +55,7 @@ from kernels.device import (
     check_float32,
     check_out,
     deliver,
+    hardware_options,
     host_or_device,
     is_device_array,
     output,
@@ -73,6 +74,10 @@ DOT_PARTS = 32           # attention_paths: a key's score is summed in 32 stride
 DOT_STRIDE = DOT_PARTS + 1    # a key's parts in shared memory (+1: the parts' readers hit distinct banks)
 SHARED_BUDGET = 44 * 1024     # attention_paths' dynamic shared memory: 48 KB less the static arrays
 HEADS_PER_BLOCK = (1, 2, 4)   # version 3's G (1: versions 1 and 2), G * LANES <= MAX_TPB threads
+# version 3's registers per thread: ptxas (sm_90) gives it 170 once it carries both ways of scoring,
+# which leaves room for 2 blocks of 128 threads per SM's 64K registers (allocated 8 at a time:
+# 176 x 128 each); 168 fits 3 and spills nothing (ptxas -v). Not yet timed on the H200.
+HEADS_MAX_REGISTERS = 168
 F32 = 4
 
 
@@ -579,7 +584,7 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
 
 
 # --8<-- [start:attention_heads_kernel]
-@cuda.jit
+@cuda.jit(**hardware_options(max_registers=HEADS_MAX_REGISTERS))
 def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
                            partials):
     """Version 3, a block per (group of heads, row, split): block (x, row, z) of G = TPB / LANES
