@@ -4,14 +4,17 @@ Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden
 TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
 ``y = x @ W.T``.
 
-``linear`` has four kernel versions; ``version=None`` picks by the number of rows:
+``linear`` has five kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
     version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
     version "rows": one block per output column n for every row, the GEMV's reduction per row;
                     batch-invariant
     version "tiles": one lane per output column, 32 columns per block, rows in registers, Din
                     cut into fixed slices summed in order; batch-invariant and far fewer blocks
-                    (what the engine runs: never picked by ``version=None``)
+                    (what the engine runs by default: never picked by ``version=None``)
+    version "warps": one warp per output column, lanes striding Din with their loads unrolled,
+                    rows in registers; batch-invariant, built to stream W near copy bandwidth
+                    (an engine option until measured on the GPU)
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
@@ -75,7 +78,7 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows", "tiles")
+VERSIONS = ("gemm", "gemv", "rows", "tiles", "warps")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
@@ -85,6 +88,12 @@ COLUMNS_PER_BLOCK = 8 if SIMULATOR else 1
 LANES = 32          # "tiles": output columns per block (one per lane) and Din per staged chunk
 MAX_SLICES = 4      # "tiles": warps per block, each summing every S-th chunk of Din
 LANES_PADDED = 33   # "tiles": a W tile row, one float longer than LANES (no bank conflicts)
+
+
+# "warps": columns (one warp each) per block; each column's sums are the same at any count, so
+# the simulator, where every thread is a Python thread, runs one
+WARPS_PER_BLOCK = 1 if SIMULATOR else 4
+UNROLL = 4          # "warps": W loads a lane issues before it adds them (in order)
 
 
 def k_slices(depth: int) -> int:
@@ -295,6 +304,47 @@ def tiles_kernel(x, weight, out):
 # --8<-- [end:tiles_kernel]
 
 
+# --8<-- [start:warps_kernel]
+@cuda.jit
+def warps_kernel(x, weight, out):
+    # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of
+    # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ...
+    # in order (a warp's W loads are one coalesced 128-byte row segment; UNROLL of them in flight
+    # per lane), then lane r adds the 32 lanes' sums of row r in lane order (shared memory)
+    partial = cuda.shared.array((WARPS_PER_BLOCK, ROWS_PER_PASS, LANES_PADDED), float32)
+    acc = cuda.local.array(ROWS_PER_PASS, float32)
+    w = cuda.local.array(UNROLL, float32)
+    warp, lane = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
+    n = cuda.blockIdx.x * WARPS_PER_BLOCK + warp
+    depth = x.shape[1]
+    step = LANES * UNROLL
+    for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, x.shape[0], cuda.gridDim.y * ROWS_PER_PASS):
+        count = min(ROWS_PER_PASS, x.shape[0] - t0)
+        for r in range(ROWS_PER_PASS):
+            acc[r] = float32(0.0)
+        if n < weight.shape[0]:
+            for k0 in range(lane, depth, step):
+                for u in range(UNROLL):                  # the loads first ...
+                    k = k0 + u * LANES
+                    w[u] = weight[n, k] if k < depth else float32(0.0)
+                for u in range(UNROLL):                  # ... then the sums, in k order
+                    k = k0 + u * LANES
+                    if k < depth:
+                        for r in range(ROWS_PER_PASS):
+                            if r < count:
+                                acc[r] += x[t0 + r, k] * w[u]
+        for r in range(ROWS_PER_PASS):
+            partial[warp, r, lane] = acc[r]
+        cuda.syncthreads()
+        if lane < count and n < weight.shape[0]:
+            total = float32(0.0)
+            for other in range(LANES):
+                total += partial[warp, lane, other]
+            out[t0 + lane, n] = total
+        cuda.syncthreads()                               # partial is rewritten by the next pass
+# --8<-- [end:warps_kernel]
+
+
 # --8<-- [start:pick_version]
 def pick_version(rows: int) -> str:
     """The ``linear`` version for ``rows`` rows when none is forced: GEMV for a few rows, else GEMM."""
@@ -320,8 +370,8 @@ def check_linear(x, weight, *, version=None, threads=None, out=None):
 def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows" and "tiles" are
-    the batch-invariant ones; ``threads`` is the GEMV / rows block size (default: the smallest
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles" and
+    "warps" are the batch-invariant ones; ``threads`` is the GEMV / rows block size (default: the smallest
     power of two covering Din, at most 128; "tiles" sizes its own blocks). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
@@ -337,6 +387,9 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
         if version == "tiles":                                            # x over Dout, y over T
             grid = (blocks(outputs, LANES), row_passes(rows))
             tiles_kernel[grid, LANES * k_slices(depth), stream](d_x, d_weight, d_y)
+        elif version == "warps":                                          # x over Dout, y over T
+            grid = (blocks(outputs, WARPS_PER_BLOCK), row_passes(rows))
+            warps_kernel[grid, LANES * WARPS_PER_BLOCK, stream](d_x, d_weight, d_y)
         elif version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
@@ -515,7 +568,8 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 
 def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, argmax."""
+    """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
+    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
@@ -530,6 +584,12 @@ def bench_cases(sizes):
         _linear_case("linear_gemm", f"{sizes.rows} tree rows through a {hidden} -> "
                      f"{config.moe_intermediate_size} projection (expert-sized)",
                      sizes.rows, hidden, config.moe_intermediate_size, "gemm"),
+        *(_linear_case(f"linear_{version}_mlp_up", f"the up projection, 1 decode row, batch-invariant "
+                       f"(W {up_mb:.0f} MB)", 1, hidden, config.intermediate_size, version)
+          for version in ("tiles", "warps")),
+        *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
+                       f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
+                       config.moe_intermediate_size, version) for version in ("tiles", "warps")),
         Case("argmax", f"greedy tokens of {rows} rows of logits", f"logits ({rows}, {vocab})",
              setup=lambda seed: (uniform((rows, vocab), seed),),
              call=lambda inputs: argmax(*inputs),

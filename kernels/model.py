@@ -73,6 +73,7 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
+LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
 GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
@@ -398,12 +399,16 @@ class Transformer:
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
+    ``linear_version``: the projections' and lm_head's ``kernels.linear`` version, one of
+    LINEAR_VERSIONS ("tiles" by default; "warps" streams the weights with a warp per output column,
+    not yet measured on the GPU). Both are batch-invariant, so either keeps DDTree == AR, but they
+    round differently: two engines with different versions may differ in the last bits.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None,
-                 moe_grouped_from_rows: int | None = None):
+                 moe_grouped_from_rows: int | None = None, linear_version: str = "tiles"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -418,11 +423,14 @@ class Transformer:
                 or moe_grouped_from_rows < 1:
             raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "
                              f"got {moe_grouped_from_rows!r}")
+        if linear_version not in LINEAR_VERSIONS:
+            raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
         self.moe_grouped_from_rows = moe_grouped_from_rows
+        self.linear_version = linear_version
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
         self.final_norm = to_device(weights["model.norm.weight"], np.float32)
         self.lm_head = to_device(weights["lm_head.weight"], np.float32)
@@ -476,7 +484,7 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             self.decoder_layer(stream, index, layer, rows)
         rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream)   # [T, D]
-        linear(b.a[:rows], self.lm_head, version="tiles", out=b.logits[:rows], stream=stream)  # [T, V]
+        self.project(b.a[:rows], self.lm_head, out=b.logits[:rows], stream=stream)     # [T, V]
         if not outcome:
             return
         if sampling:                                                               # [T]
@@ -487,6 +495,10 @@ class Transformer:
             argmax(b.logits[:rows], out=b.posterior[:rows], stream=stream)
     # --8<-- [end:forward_rows]
 
+    def project(self, x, weight, *, out, stream):
+        """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version``."""
+        return linear(x, weight, version=self.linear_version, out=out, stream=stream)
+
     # --8<-- [start:decoder_layer]
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:
         b, c, s = self.buffers, self.config, stream
@@ -494,18 +506,16 @@ class Transformer:
         rmsnorm(h, layer.input_norm, c.rms_norm_eps, out=a, stream=s)
         a_q = a
         if layer.q_a_proj is not None:
-            linear(a, layer.q_a_proj, version="tiles", out=b.q_a[:rows], stream=s)  # [T, Rq]
+            self.project(a, layer.q_a_proj, out=b.q_a[:rows], stream=s)            # [T, Rq]
             a_q = rmsnorm(b.q_a[:rows], layer.q_a_norm, LATENT_NORM_EPS, out=b.q_a_normed[:rows],
                           stream=s)                                                # [T, Rq]
         q_nope, q_pe = b.q_nope[:rows], b.q_pe[:rows]                              # [T, H, dn], [T, H, dr]
-        linear(a_q, layer.q_nope_proj, version="tiles", out=q_nope.reshape(rows, q_nope.size // rows),
-               stream=s)
-        linear(a_q, layer.q_rope_proj, version="tiles", out=q_pe.reshape(rows, q_pe.size // rows),
-               stream=s)
+        self.project(a_q, layer.q_nope_proj, out=q_nope.reshape(rows, q_nope.size // rows), stream=s)
+        self.project(a_q, layer.q_rope_proj, out=q_pe.reshape(rows, q_pe.size // rows), stream=s)
         apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
-        linear(a, layer.kv_latent_proj, version="tiles", out=b.kv_latent[:rows], stream=s)   # [T, R]
+        self.project(a, layer.kv_latent_proj, out=b.kv_latent[:rows], stream=s)   # [T, R]
         latent = rmsnorm(b.kv_latent[:rows], layer.kv_a_norm, LATENT_NORM_EPS, out=b.latent[:rows], stream=s)
-        k_pe = linear(a, layer.kv_rope_proj, version="tiles", out=b.k_pe[:rows], stream=s)   # [T, dr]
+        k_pe = self.project(a, layer.kv_rope_proj, out=b.k_pe[:rows], stream=s)   # [T, dr]
         apply_rope(k_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=k_pe, stream=s)
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
         write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
@@ -516,7 +526,7 @@ class Transformer:
                                 heads_per_block=self.attention_heads_per_block, partials=partials,
                                 out=b.o_lat[:rows], stream=s)                         # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
-        linear(o.reshape(rows, o.size // rows), layer.o_proj, version="tiles", out=delta, stream=s)
+        self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, out=b.f[:rows], stream=s)  # [T, D]
         # the MoE kernels' version by the bucket's rows: either gives the same bits (DDTree == AR)

@@ -21,7 +21,8 @@ from kernels.bench.harness import benchmark
 from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
-    "rmsnorm", "rope_q_pe", "linear_gemv_mlp_up", "linear_gemv_lm_head", "linear_gemm", "argmax",
+    "rmsnorm", "rope_q_pe", "linear_gemv_mlp_up", "linear_gemv_lm_head", "linear_gemm",
+    "linear_tiles_mlp_up", "linear_warps_mlp_up", "linear_tiles_verify", "linear_warps_verify", "argmax",
     "attention_decode_short", "attention_decode_long", "attention_verify",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",
     "moe_route", "moe_reduced", "tree_build_small", "tree_build_medium", "tree_build_large",

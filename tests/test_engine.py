@@ -193,14 +193,16 @@ def test_rejection_verifier_matches_numpy():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))   # compacted: the committed rows
 
 
-def test_heads_per_block_ddtree_equals_ar_and_numpy():
-    """attention_paths' version 3 in the engine (G = 2: micro's 2 heads in one block, with the
-    engine's Z): a branching DDTree round gives the engine's AR tokens, which are numpy's. A
-    one-token prompt: no prefill; two AR forwards, and one verify forward (one round)."""
+@pytest.mark.parametrize("option, value", [("attention_heads_per_block", 2), ("linear_version", "warps")])
+def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
+    """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
+    2 heads in one block, with the engine's Z), or linear's "warps" for every projection and the
+    lm_head. A branching DDTree round gives the engine's AR tokens, which are numpy's. A one-token
+    prompt: no prefill; two AR forwards, and one verify forward (one round)."""
     config = preset("micro")
     model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
-                              attention_heads_per_block=2)
-    assert model.attention_heads_per_block == 2
+                              **{option: value})
+    assert getattr(model, option) == value
     ref = reference("micro")
     prompt = golden.default_prompt("micro")[:1]
     expected = reference_decode.generate_ar(ref, prompt, 2)
@@ -248,6 +250,9 @@ def test_engine_refuses_bad_input_before_running():
             EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
     with pytest.raises(ValueError, match="attention_heads_per_block must be 1, 2 or 4"):
         EngineTransformer(model.config, {}, attention_heads_per_block=4)         # micro has 2 heads
+    for version in ("gemv", "rows", None):
+        with pytest.raises(ValueError, match=r"linear_version must be one of \('tiles', 'warps'\)"):
+            EngineTransformer(model.config, init_weights(model.config, 0), linear_version=version)
     for rows in (0, -1, 2.0, True, "40"):
         with pytest.raises(ValueError, match=r"moe_grouped_from_rows must be None or an integer >= 1"):
             EngineTransformer(model.config, init_weights(model.config, 0), moe_grouped_from_rows=rows)

@@ -70,18 +70,19 @@ def test_rows_version_is_batch_invariant_and_equals_gemv():
     assert np.array_equal(together, kernel.linear(x, weight, version="gemv", threads=32))
 
 
-@pytest.mark.parametrize("rows, depth, outputs", [(11, 100, 37), (9, 33, 70)])
-def test_tiles_version_is_batch_invariant(rows, depth, outputs):
-    """Every row of "tiles" is bit-identical to the same row run alone and to the row in any
-    other batch: Din spans several 32-wide chunks (and warps, on a GPU), Dout two column tiles,
-    the rows two passes of ROWS_PER_PASS."""
+@pytest.mark.parametrize("version", ["tiles", "warps"])
+@pytest.mark.parametrize("rows, depth, outputs", [(11, 100, 37), (9, 33, 70), (10, 290, 5)])
+def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
+    """Every row of "tiles" and "warps" is bit-identical to the same row run alone and to the row
+    in any other batch: Din spans several 32-wide chunks (and, for "warps", more than one unrolled
+    step of 4 x 32 with a partial one), Dout two column tiles, the rows two passes of ROWS_PER_PASS."""
     x, weight = _inputs(rows, depth, outputs, seed=3)
-    together = kernel.linear(x, weight, version="tiles")
+    together = kernel.linear(x, weight, version=version)
     assert_close(together, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
     for t in (0, 7, 8, rows - 1):
-        alone = kernel.linear(x[t:t + 1], weight, version="tiles")
+        alone = kernel.linear(x[t:t + 1], weight, version=version)
         assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
-    assert np.array_equal(kernel.linear(x[5:rows], weight, version="tiles"), together[5:])
+    assert np.array_equal(kernel.linear(x[5:rows], weight, version=version), together[5:])
 
 
 def test_version_choice():
@@ -332,13 +333,15 @@ def test_kimi_k26_linear():
 
 
 @pytest.mark.gpu
-def test_tiles_batch_invariant_at_kimi_sizes():
-    """"tiles" with four warps splitting Din = 7168: 72 tree rows equal each row alone, bit for bit."""
+@pytest.mark.parametrize("version", ["tiles", "warps"])
+def test_invariant_versions_batch_invariant_at_kimi_sizes(version):
+    """"tiles" (four warps splitting Din = 7168) and "warps" (four columns per block): 72 tree rows
+    equal each row alone, bit for bit."""
     x, weight = _inputs(72, 7168, 300, seed=8)
     d_weight = cuda.to_device(weight)
-    together = kernel.linear(x, d_weight, version="tiles").copy_to_host()
+    together = kernel.linear(x, d_weight, version=version).copy_to_host()
     for t in (0, 9, 40, 71):
-        alone = kernel.linear(x[t:t + 1], d_weight, version="tiles").copy_to_host()
+        alone = kernel.linear(x[t:t + 1], d_weight, version=version).copy_to_host()
         assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
 
 

@@ -141,19 +141,21 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
                                block, nodes - 1, None)
 
 
-def profile(name: str, rows_list, context: int, attention_splits: int | None = None,
-            attention_heads_per_block: int | None = None, moe_grouped_from_rows: int | None = None) -> str:
+ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "moe_grouped_from_rows", "linear_version")
+
+
+def profile(name: str, rows_list, context: int, **options) -> str:
+    """The kernel table of ``name``'s forwards over ``rows_list``; ``options``: the engine's
+    keywords of ENGINE_OPTIONS (None: the engine's choice)."""
     from kernels.bench.engine import preset_weights
     from kernels.model import Transformer
 
-    model = Transformer(preset(name), preset_weights(name), graphs=False, attention_splits=attention_splits,
-                        attention_heads_per_block=attention_heads_per_block,
-                        moe_grouped_from_rows=moe_grouped_from_rows)
+    chosen = {key: value for key, value in options.items() if value is not None}
+    model = Transformer(preset(name), preset_weights(name), graphs=False, **chosen)
     prepare(model, name, context, max(rows_list))
+    settings = ", ".join(f"{key} {getattr(model, key)}" for key in ENGINE_OPTIONS)
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
-             f"off, events around each launch; median of {REPEATS}; attention splits Z = "
-             f"{model.attention_splits}, heads per block G = {model.attention_heads_per_block}; MoE "
-             f"version 2 from T = {model.moe_grouped_from_rows})", ""]
+             f"off, events around each launch; median of {REPEATS}; {settings})", ""]
     table = {}
     for rows in rows_list:
         kernel_times(model, rows)                                       # compile and warm
@@ -202,14 +204,15 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
                         help="forwards of at least this many rows run the MoE kernels' version 2, "
                         "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
+    parser.add_argument("--linear-version", default=None,
+                        help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
     rows_list = [int(r) for r in args.rows.split(",")]
     for name in args.presets.split(","):
-        print(profile(name, rows_list, args.context, args.attention_splits, args.attention_heads_per_block,
-                      args.moe_grouped_from_rows),
-              flush=True)
+        options = {key: getattr(args, key) for key in ENGINE_OPTIONS}
+        print(profile(name, rows_list, args.context, **options), flush=True)
     return 0
 
 
