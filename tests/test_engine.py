@@ -193,7 +193,9 @@ def test_rejection_verifier_matches_numpy():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))   # compacted: the committed rows
 
 
-@pytest.mark.parametrize("option, value", [("attention_heads_per_block", 2), ("linear_version", "warps")])
+@pytest.mark.parametrize("option, value", [
+    ("attention_heads_per_block", 2),
+    pytest.param("linear_version", "warps", marks=pytest.mark.gpu)])   # 19 s in the simulator
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
     2 heads in one block, with the engine's Z), or linear's "warps" for every projection and the
@@ -211,6 +213,16 @@ def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     tokens, trace = engine_decode.generate_ddtree(model, prompt, 2, drafter, block_size=3, budget=3)
     assert_exact(tokens, expected, name="DDTree tokens")
     assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
+
+
+def test_warps_engine_logits_match_numpy():
+    """linear's "warps" for every projection and the lm_head: one 4-token forward's logits are
+    numpy's (the whole DDTree round with warps is a GPU test, above)."""
+    config = preset("micro")
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
+                              linear_version="warps")
+    prompt = golden.default_prompt("micro")[:4]
+    assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
 
 
 def test_moe_versions_give_the_engine_the_same_logits():

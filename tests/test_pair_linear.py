@@ -70,12 +70,13 @@ def test_rows_version_is_batch_invariant_and_equals_gemv():
     assert np.array_equal(together, kernel.linear(x, weight, version="gemv", threads=32))
 
 
-@pytest.mark.parametrize("version", ["tiles", "warps"])
-@pytest.mark.parametrize("rows, depth, outputs", [(11, 100, 37), (9, 33, 70), (10, 290, 5)])
+@pytest.mark.parametrize("version, rows, depth, outputs", [
+    ("tiles", 11, 100, 37), ("tiles", 9, 33, 70), ("warps", 11, 100, 37), ("warps", 10, 290, 5)])
 def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
     """Every row of "tiles" and "warps" is bit-identical to the same row run alone and to the row
-    in any other batch: Din spans several 32-wide chunks (and, for "warps", more than one unrolled
-    step of 4 x 32 with a partial one), Dout two column tiles, the rows two passes of ROWS_PER_PASS."""
+    in any other batch: Din spans several 32-wide chunks (for "warps", more than one unrolled step
+    of 4 x 32 and a partial one), Dout two column tiles of "tiles", the rows two passes of
+    ROWS_PER_PASS."""
     x, weight = _inputs(rows, depth, outputs, seed=3)
     together = kernel.linear(x, weight, version=version)
     assert_close(together, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
