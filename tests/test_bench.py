@@ -26,7 +26,9 @@ CASE_NAMES = [
     "attention_decode_short", "attention_decode_long", "attention_verify",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",
     "moe_route", "moe_reduced", "tree_build_small", "tree_build_medium", "tree_build_large",
-    "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1", "top_candidates_v1", "top_candidates_v2",
+    "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1", "tree_build_medium_out",
+    "tree_build_one_out",
+    "top_candidates_v1", "top_candidates_v2",
     "accept_batch", "kv_compact", "sample", "rejection_step",
 ]
 
