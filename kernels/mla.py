@@ -379,20 +379,46 @@ def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
 
+    run_max, run_sum = _fold_row(q_lat, q_pe, cache_latent, cache_rope, prefix, paths, row, head, 0, tile,
+                                 keys, tile, scale, query, acc, tile_keys, dots, p, red, slots, tid, threads)
     for i in range(tid, rank, threads):
+        o_lat[row, head, i] = acc[i] / run_sum
+
+
+@cuda.jit(device=True)
+def _fold_row(q_lat, q_pe, cache_latent, cache_rope, prefix, paths, row, head, first_start, stride, keys,
+              tile, scale, query, acc, tile_keys, dots, p, red, slots, lane, segment):
+    """The walk every version shares: the (row, head) query into shared memory and the accumulator
+    zeroed, then the row's tiles at first_start, first_start + stride, ... (below ``keys``) staged
+    and folded in order by the segment (the block in versions 1 and 2, a warp in version 3; its
+    thread ``lane``). Returns (run_max, run_sum); ``acc`` holds the unnormalised sum."""
+    rank = q_lat.shape[2]
+    width = rank + q_pe.shape[2]
+    for i in range(lane, rank, segment):
         query[i] = q_lat[row, head, i]
         acc[i] = float32(0.0)
-    for i in range(tid, width - rank, threads):
+    for i in range(lane, width - rank, segment):
         query[rank + i] = q_pe[row, head, i]
     run_max = float32(0.0)
     run_sum = float32(0.0)
-    for start in range(0, keys, tile):
+    for start in range(first_start, keys, stride):
         count = min(tile, keys - start)
         _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale, start == 0,
-                                      run_max, run_sum, threads)
-    for i in range(tid, rank, threads):
-        o_lat[row, head, i] = acc[i] / run_sum
+        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale,
+                                      start == first_start, run_max, run_sum, segment)
+    return run_max, run_sum
+
+
+@cuda.jit(device=True)
+def _write_partial(partials, row, head, split, acc, run_max, run_sum, lane, segment):
+    """partials[row, head, split] = (acc, run_max, run_sum): a split's unnormalised softmax, written
+    by the segment that folded it (versions 2 and 3; ``attention_merge_kernel`` adds them)."""
+    rank = partials.shape[3] - 2
+    for i in range(lane, rank, segment):
+        partials[row, head, split, i] = acc[i]
+    if lane == 0:
+        partials[row, head, split, rank] = run_max
+        partials[row, head, split, rank + 1] = run_sum
 
 
 @cuda.jit(device=True)
@@ -540,23 +566,10 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     red = cuda.shared.array(MAX_TILE, dtype=float32)
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
 
-    for i in range(tid, rank, threads):
-        query[i] = q_lat[row, head, i]
-        acc[i] = float32(0.0)
-    for i in range(tid, width - rank, threads):
-        query[rank + i] = q_pe[row, head, i]
-    run_max = float32(0.0)
-    run_sum = float32(0.0)
-    for start in range(first_start, keys, stride):
-        count = min(tile, keys - start)
-        _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale,
-                                      start == first_start, run_max, run_sum, threads)
-    for i in range(tid, rank, threads):
-        partials[row, head, split, i] = acc[i]
-    if tid == 0:
-        partials[row, head, split, rank] = run_max
-        partials[row, head, split, rank + 1] = run_sum
+    run_max, run_sum = _fold_row(q_lat, q_pe, cache_latent, cache_rope, prefix, paths, row, head, first_start,
+                                 stride, keys, tile, scale, query, acc, tile_keys, dots, p, red, slots, tid,
+                                 threads)
+    _write_partial(partials, row, head, split, acc, run_max, run_sum, tid, threads)
 
 
 @cuda.jit
@@ -626,23 +639,10 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     red = cuda.shared.array(MAX_TILE, dtype=float32)      # [G x LANES] each head's scratch
     slots = cuda.shared.array(MAX_TILE, dtype=int32)
 
-    for i in range(lane, rank, LANES):
-        query[i] = q_lat[row, head, i]
-        acc[i] = float32(0.0)
-    for i in range(lane, width - rank, LANES):
-        query[rank + i] = q_pe[row, head, i]
-    run_max = float32(0.0)
-    run_sum = float32(0.0)
-    for start in range(first_start, keys, stride):
-        count = min(tile, keys - start)
-        _stage_tile(cache_latent, cache_rope, prefix[0], paths, row, start, count, slots, tile_keys)
-        run_max, run_sum = _fold_tile(query, acc, tile_keys, dots, p, red, tile, count, scale,
-                                      start == first_start, run_max, run_sum, LANES)
-    for i in range(lane, rank, LANES):
-        partials[row, head, split, i] = acc[i]
-    if lane == 0:
-        partials[row, head, split, rank] = run_max
-        partials[row, head, split, rank + 1] = run_sum
+    run_max, run_sum = _fold_row(q_lat, q_pe, cache_latent, cache_rope, prefix, paths, row, head, first_start,
+                                 stride, keys, tile, scale, query, acc, tile_keys, dots, p, red, slots, lane,
+                                 LANES)
+    _write_partial(partials, row, head, split, acc, run_max, run_sum, lane, LANES)
 # --8<-- [end:attention_heads_kernel]
 
 
