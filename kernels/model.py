@@ -99,8 +99,9 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
 
     Version 1 makes two launches fewer per MoE layer, version 2 reads an expert's weights once per
     pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (preset tiny, graph
-    replay, ``docs/results/profile-h200-2026-12-01b.md``), T = 1 / 24 / 40 / 72 rows: version 1 531 / 619 / 779 / 1020 µs, version 2 556 / 687 /
-    748 / 843 µs: version 2 is faster from 40 rows on. Both versions give the same bits, so the
+    replay, ``docs/results/profile-h200-2026-12-01b.md``), T = 1 / 24 / 40 / 72 rows: version 1
+    531 / 619 / 779 / 1020 µs, version 2 556 / 687 / 748 / 843 µs: version 2 is faster from 40
+    rows on. Both versions give the same bits, so the
     choice cannot break DDTree == AR: an AR step (one row, version 1) and the same row in a large
     tree's verify (version 2) get bit-identical logits.
     """
