@@ -175,6 +175,6 @@ def bench_cases(sizes):
                  "(deepest path accepted)", f"Bq={requests} W={width}",
                  setup=lambda seed: tuple(cuda.to_device(a)
                                           for a in (tokens, parents, tree_sizes, posterior)),
-                 call=lambda inputs: accept_batch(*inputs),
+                 call=lambda inputs, **given: accept_batch(*inputs, **given),
                  bytes=bytes_moved(Bq=requests, W=width), flops=flops(Bq=requests, W=width),
                  note="3 poisoned outputs")]

@@ -49,11 +49,12 @@ def hardware_options(**options) -> dict:
     return {} if SIMULATOR else options
 
 
-def reduction_threads(count: int) -> int:
-    """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``): at most 32
-    threads in the simulator, where every idle thread is a Python thread waiting at every barrier.
-    The block size changes the order of a sum, never which rows it depends on."""
-    return pow2_threads(count, 32 if SIMULATOR else MAX_TPB)
+def reduction_threads(count: int, maximum: int = MAX_TPB) -> int:
+    """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``, at most
+    ``maximum``): at most 32 threads in the simulator, where every idle thread is a Python thread
+    waiting at every barrier. The block size changes the order of a sum, never which rows it
+    depends on."""
+    return pow2_threads(count, 32 if SIMULATOR else maximum)
 
 
 def where() -> str:

@@ -186,10 +186,19 @@ def bench_cases(sizes):
         cache.length = first + nodes           # verification appended the tree; compaction cuts it back
         return compact(cache, first, path)
 
+    def prepare(inputs):                       # the engine's device buffers: start, path, count, scratch
+        kept = accepted.size
+        return (cuda.to_device(np.array([start], np.int64)), cuda.to_device(accepted[None]),
+                cuda.to_device(np.array([kept], np.int64)), poisoned((layers, kept, rank)),
+                poisoned((layers, kept, rope_dim)))
+
+    def launch(inputs, given, stream):         # what the engine's round launches: no host copy
+        launch_compact(inputs[0].latent, inputs[0].rope, *given, accepted.size, stream)
+
     size_gb = layers * capacity * (rank + rope_dim) * F32 / 1e9
     dims = {"Ly": layers, "R": rank, "dr": rope_dim, "m": accepted.size, "moved": moved}
     return [Case("kv_compact", f"keep a {accepted.size}-node accepted path of a {tree.size}-node tree, "
                  f"{layers} layers", f"cache ({layers}, {capacity}, {rank}+{rope_dim}) {size_gb:.2f} GB",
                  setup=setup, call=call, bytes=bytes_moved(**dims), flops=flops(**dims),
                  note=f"bytes: {moved} rows moved; the kernel gathers all {accepted.size} through scratch",
-                 footprint=round(size_gb * 1e9))]
+                 footprint=round(size_gb * 1e9), prepare=prepare, launch=launch)]

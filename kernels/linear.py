@@ -557,19 +557,22 @@ def flops(operation: str = "linear", **dims: int) -> int:
 
 
 def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, version: str):
+    from kernels.bench import peers
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     dims = {"T": rows, "Din": depth, "Dout": outputs}
     return Case(name, what, f"x ({rows}, {depth}) W ({outputs}, {depth})",
                 setup=lambda seed: (uniform((rows, depth), seed),
                                     uniform((outputs, depth), seed + 1, 1 / math.sqrt(depth))),
-                call=lambda inputs: linear(*inputs, version=version),
-                bytes=bytes_moved("linear", **dims), flops=flops("linear", **dims), note=f"version={version}")
+                call=lambda inputs, **given: linear(*inputs, version=version, **given),
+                bytes=bytes_moved("linear", **dims), flops=flops("linear", **dims), note=f"version={version}",
+                peer=lambda inputs: peers.linear(*inputs))
 
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, argmax."""
+    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, a
+    prefill's GEMM ("gemm" and "tiles"), argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
@@ -590,8 +593,11 @@ def bench_cases(sizes):
         *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
                        f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
                        config.moe_intermediate_size, version) for version in ("tiles", "warps")),
+        *(_linear_case(f"linear_{version}_prefill", f"{sizes.large_rows} prefill rows, {hidden} -> "
+                       f"{config.moe_intermediate_size}", sizes.large_rows, hidden,
+                       config.moe_intermediate_size, version) for version in ("gemm", "tiles")),
         Case("argmax", f"greedy tokens of {rows} rows of logits", f"logits ({rows}, {vocab})",
              setup=lambda seed: (uniform((rows, vocab), seed),),
-             call=lambda inputs: argmax(*inputs),
+             call=lambda inputs, **given: argmax(*inputs, **given),
              bytes=bytes_moved("argmax", T=rows, V=vocab), flops=flops("argmax", T=rows, V=vocab)),
     ]

@@ -59,6 +59,7 @@ from kernels.device import (
     host_or_device,
     is_device_array,
     output,
+    poisoned,
     to_device,
 )
 
@@ -809,6 +810,7 @@ def flops(operation: str = "attention_absorb", **dims: int) -> int:
 def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarray):
     """attention_absorb for T rows seeing ``prefix`` cached keys plus ``visible`` (T, T) new ones."""
     from ddtree.rope import softmax_scale
+    from kernels.bench import peers
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, visible.shape[0]
@@ -820,10 +822,71 @@ def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarra
                 setup=lambda seed: (uniform((rows, heads, rank), seed),
                                     uniform((rows, heads, rope_dim), seed + 1),
                                     uniform((keys, rank), seed + 2), uniform((keys, rope_dim), seed + 3),
-                                    prefix, visible, scale),
-                call=lambda inputs: attention_absorb(*inputs),
+                                    prefix, cuda.to_device(visible), scale),
+                call=lambda inputs, **given: attention_absorb(*inputs, **given),
                 bytes=bytes_moved("attention_absorb", **dims), flops=flops("attention_absorb", **dims),
-                note="the (T, T) mask is copied to the device per call")
+                note="version 0: the masked kernel (the engine runs attention_paths)",
+                peer=lambda inputs: peers.attention(*inputs[:4], peers.prefix_mask(prefix, visible), scale))
+
+
+# --8<-- [start:paths_cases]
+def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: str):
+    """attention_paths, ``version`` 1 / 2 / 3 with the engine's Z and G for it, for the ``rows``
+    nodes of a draft tree (1: a decode row) over ``context`` cached keys, ``heads`` heads."""
+    from ddtree.rope import softmax_scale
+    from ddtree.tree import visibility
+    from kernels.bench import peers
+    from kernels.bench.case import Case, ancestor_paths, draft_tree, uniform  # lazily (see above)
+
+    config = sizes.config
+    rank, rope_dim, scale = config.kv_lora_rank, config.qk_rope_head_dim, softmax_scale(config)
+    parents = np.array([-1]) if rows == 1 else draft_tree(np.random.default_rng(rows), sizes, rows).parents
+    depths, paths = ancestor_paths(parents)                                   # [T], [T, max depth + 1]
+    visible = visibility(parents)                                             # [T, T]
+    keys = context + rows                                                     # S cache rows
+    heads_per_block = paths_heads(heads) if version == 3 else 1               # G
+    splits = 1 if version == 1 else paths_splits(keys, rank, rope_dim, heads_per_block)   # Z
+    options = {"splits": splits, "heads_per_block": heads_per_block}
+
+    def setup(seed):
+        return (uniform((rows, heads, rank), seed), uniform((rows, heads, rope_dim), seed + 1),
+                uniform((keys, rank), seed + 2), uniform((keys, rope_dim), seed + 3),
+                cuda.to_device(np.array([context], np.int64)), cuda.to_device(depths),
+                cuda.to_device(paths), scale)
+
+    def prepare(inputs):                      # the output and version 2/3's partials, as the engine keeps
+        partials = poisoned((rows, heads, splits, rank + 2)) if version > 1 else None
+        return poisoned((rows, heads, rank)), partials
+
+    dims = {"T": rows, "H": heads, "R": rank, "dr": rope_dim, "S": keys,
+            "pairs": rows * context + int(visible.sum())}
+    what = "1 decode row" if rows == 1 else f"a {rows}-node draft tree"
+    return Case(name, f"{what}, {heads} heads, {context}-token context",
+                f"q ({rows}, {heads}, {rank}+{rope_dim}) cache ({keys}, {rank}+{rope_dim})", setup=setup,
+                call=lambda inputs, **given: attention_paths(*inputs, **options, **given),
+                bytes=bytes_moved("attention_absorb", **dims), flops=flops("attention_absorb", **dims),
+                note=f"version {version}: Z={splits} G={heads_per_block}",
+                prepare=prepare,
+                launch=lambda inputs, given, stream: attention_paths(
+                    *inputs, **options, partials=given[1], out=given[0], stream=stream),
+                peer=lambda inputs: peers.attention(*inputs[:4], peers.prefix_mask(context, visible), scale))
+
+
+def paths_cases(sizes):
+    """The engine's attention: versions 1 to 3 for a decode row and a 16-node tree at the short
+    context; version 2 and 3 for a 64-node tree; version 3 (the engine's) at the long context and
+    for one tensor-parallel rank's heads."""
+    short, long = sizes.paths_contexts
+    few, many = sizes.paths_trees
+    every, rank = sizes.paths_heads
+    plan = [(1, 1, every, short, "decode"), (2, 1, every, short, "decode"), (3, 1, every, short, "decode"),
+            (3, 1, every, long, "decode_long"), (3, 1, rank, long, "decode_rank_long"),
+            (1, few, every, short, "tree_few"), (2, few, every, short, "tree_few"),
+            (3, few, every, short, "tree_few"), (2, many, every, short, "tree_many"),
+            (3, many, every, short, "tree_many"), (3, many, rank, long, "tree_many_rank_long")]
+    return [_paths_case(sizes, version, rows, heads, context, f"paths_v{version}_{role}")
+            for version, rows, heads, context, role in plan]
+# --8<-- [end:paths_cases]
 
 
 def _projection_cases(sizes, role: str, rows: int):
@@ -839,20 +902,21 @@ def _projection_cases(sizes, role: str, rows: int):
              f"q_nope ({rows}, {heads}, {nope}) W_UK ({heads}, {nope}, {rank})",
              setup=lambda seed: (uniform((rows, heads, nope), seed),
                                  uniform((heads, nope, rank), seed + 1, 1 / math.sqrt(nope))),
-             call=lambda inputs: absorb_query(*inputs),
+             call=lambda inputs, **given: absorb_query(*inputs, **given),
              bytes=bytes_moved("absorb_query", **query), flops=flops("absorb_query", **query)),
         Case(f"absorb_output_{role}", f"latent output -> per-head values, {rows} row(s)",
              f"o_lat ({rows}, {heads}, {rank}) W_UV ({heads}, {value}, {rank})",
              setup=lambda seed: (uniform((rows, heads, rank), seed),
                                  uniform((heads, value, rank), seed + 1, 1 / math.sqrt(rank))),
-             call=lambda inputs: absorb_output(*inputs),
+             call=lambda inputs, **given: absorb_output(*inputs, **given),
              bytes=bytes_moved("absorb_output", **output_dims), flops=flops("absorb_output", **output_dims)),
     ]
 
 
 def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: decode and tree-verify attention, the
-    absorbed projections for one decode row and for a verified tree."""
+    """This module's cases of ``python -m kernels.bench``: decode and tree-verify attention with
+    the masked kernel (version 0) and with ``attention_paths`` (``paths_cases``), the absorbed
+    projections for one decode row and for a verified tree."""
     from ddtree.tree import visibility
     from kernels.bench.case import verified_tree  # lazily: kernels.bench imports this module
 
@@ -868,6 +932,7 @@ def bench_cases(sizes):
                         f"{sizes.verify_prefix}-token context", sizes, sizes.verify_prefix,
                         visibility(tree.parents)),
     ]
+    cases += paths_cases(sizes)
     for role, rows in (("decode", 1), ("verify", sizes.rows)):
         cases += _projection_cases(sizes, role, rows)
     return cases

@@ -776,8 +776,11 @@ def _route_case(sizes):
                 setup=lambda seed: (uniform((rows, hidden), seed),
                                     uniform((experts, hidden), seed + 1, 1 / math.sqrt(hidden)),
                                     uniform((experts,), seed + 2, 0.01), config),
-                call=lambda inputs: route(*inputs),
-                bytes=bytes_moved("route", **dims), flops=flops("route", **dims))
+                call=lambda inputs, **given: route(*inputs, **given),
+                bytes=bytes_moved("route", **dims), flops=flops("route", **dims),
+                prepare=lambda inputs: (route(*inputs), poisoned((rows, experts))),     # + logits [T, E]
+                launch=lambda inputs, given, stream: route(*inputs, out=given[0], logits=given[1],
+                                                           stream=stream))
 
 
 def _reduced_moe_case(sizes):
@@ -814,9 +817,12 @@ def _reduced_moe_case(sizes):
     return Case("moe_reduced", f"MoE layer, {rows} tokens, {experts} experts instead of "
                 f"{full.n_routed_experts} (weights {weights_gb:.1f} GB), top-{full.num_experts_per_tok} "
                 "+ shared expert", f"x ({rows}, {hidden}) experts ({experts}, {features}, {hidden})",
-                setup=setup, call=lambda inputs: moe(*inputs),
+                setup=setup, call=lambda inputs, **given: moe(*inputs, **given),
                 bytes=bytes_moved("moe", **dims, used=used), flops=flops("moe", **dims, used=used),
-                note=f"bytes: the {used} experts chosen read once")
+                note=f"bytes: the {used} experts chosen read once",
+                prepare=lambda inputs: (moe(*inputs), moe_scratch(rows, inputs[1], config)),
+                launch=lambda inputs, given, stream: moe(*inputs, out=given[0], scratch=given[1],
+                                                         stream=stream))
 
 
 def bench_cases(sizes):

@@ -6,7 +6,11 @@ same way), TPB threads per block.
     y = x / sqrt(mean(x^2) + eps) * weight
 
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
-``block_sum`` adds the TPB partial sums, then every thread scales its own elements. Bytes
+``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
+block has up to ROW_THREADS = 1024 threads, a thread per element or close: a thread's loads of
+the row wait on each other (one loop iteration's load, then its add), so the row's time is
+about (D / TPB) memory latencies; with 128 threads the H200 ran a (64, 7168) norm in 27 µs
+of device time (docs/results/bench-h200-2026-12-01b.md). Bytes
 (``bytes_moved``): each row is read twice (sum of squares, then scale; the second read usually
 hits L1/L2) and written once, plus the weight vector: the kernel is memory-bound.
 
@@ -23,10 +27,20 @@ import numpy as np
 from numba import cuda, float32
 
 from ddtree import rmsnorm as reference
-from kernels.blocks import block_sum, check_threads, pow2_threads
-from kernels.device import as_rows, check_float32, check_out, deliver, host_or_device, output, to_device
+from kernels.blocks import block_sum, check_threads
+from kernels.device import (
+    as_rows,
+    check_float32,
+    check_out,
+    deliver,
+    host_or_device,
+    output,
+    reduction_threads,
+    to_device,
+)
 
-F32 = 4   # bytes per float32
+F32 = 4            # bytes per float32
+ROW_THREADS = 1024  # the default block on a GPU: up to one thread per element of the row
 
 
 # --8<-- [start:rmsnorm_kernel]
@@ -78,11 +92,12 @@ def rmsnorm(x, weight, eps: float, *, threads: int | None = None, out=None, stre
 
     numpy in -> numpy out; a device array in -> a device array out (no copy back to the host).
     ``threads`` (a power of two) sets the block size, by default the smallest covering D (at most
-    128); any D works with any block size. ``out`` (x's shape, float32) receives the result;
-    ``stream`` is where the kernel is launched (None: the default stream).
+    ROW_THREADS on a GPU, 32 in the simulator); any D works with any block size. ``out`` (x's
+    shape, float32) receives the result; ``stream`` is where the kernel is launched (None: the
+    default stream).
     """
     x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out)
-    threads = threads or pow2_threads(x.shape[x.ndim - 1])
+    threads = threads or reduction_threads(x.shape[x.ndim - 1], ROW_THREADS)
     d_x = as_rows(to_device(x, np.float32), "x")                      # [T, D]
     d_out = output(out, x.shape, stream=stream)                       # NaN until written
     if d_x.shape[0] > 0:
@@ -103,14 +118,23 @@ def flops(*, T: int, D: int) -> int:
     return 4 * T * D
 
 
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: the input norm of a verified tree."""
+def _case(name: str, what: str, config, rows: int):
+    from kernels.bench import peers
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
-    config, rows = sizes.config, sizes.rows
     width = config.hidden_size
-    return [Case("rmsnorm", f"input norm of {rows} tree rows", f"x ({rows}, {width})",
-                 setup=lambda seed: (uniform((rows, width), seed), uniform((width,), seed + 1),
-                                     config.rms_norm_eps),
-                 call=lambda inputs: rmsnorm(*inputs),
-                 bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width))]
+    return Case(name, what, f"x ({rows}, {width})",
+                setup=lambda seed: (uniform((rows, width), seed), uniform((width,), seed + 1),
+                                    config.rms_norm_eps),
+                call=lambda inputs, **given: rmsnorm(*inputs, **given),
+                bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width),
+                peer=lambda inputs: peers.rmsnorm(*inputs))
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: the input norm of a verified tree (the
+    model's size: launch-bound), and of a prefill's rows (large: bandwidth-bound)."""
+    config = sizes.config
+    return [_case("rmsnorm", f"input norm of {sizes.rows} tree rows", config, sizes.rows),
+            _case("rmsnorm_large", f"input norm of {sizes.large_rows} prefill rows", config,
+                  sizes.large_rows)]

@@ -111,17 +111,25 @@ def flops(*, T: int, H: int, dr: int) -> int:
     return 6 * T * H * (dr // 2)
 
 
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree."""
+def _case(name: str, what: str, config, rows: int, first: int):
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
-    config, rows = sizes.config, sizes.rows
     heads, rope_dim = config.num_attention_heads, config.qk_rope_head_dim
     frequencies, scale = reference.inv_freq(config), reference.cos_sin_scale(config)
-    positions = np.arange(sizes.verify_prefix, sizes.verify_prefix + rows)
-    return [Case("rope_q_pe", f"rotate q_pe of {rows} tree rows (YaRN)", f"x ({rows}, {heads}, {rope_dim})",
-                 setup=lambda seed: (uniform((rows, heads, rope_dim), seed), cuda.to_device(positions),
-                                     cuda.to_device(frequencies), scale),
-                 call=lambda inputs: apply_rope(*inputs),
-                 bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
-                 note="FLOPs: the rotation, sin/cos not counted")]
+    positions = np.arange(first, first + rows)
+    return Case(name, what, f"x ({rows}, {heads}, {rope_dim})",
+                setup=lambda seed: (uniform((rows, heads, rope_dim), seed), cuda.to_device(positions),
+                                    cuda.to_device(frequencies), scale),
+                call=lambda inputs, **given: apply_rope(*inputs, **given),
+                bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
+                note="FLOPs: the rotation, sin/cos not counted")
+
+
+def bench_cases(sizes):
+    """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree (the model's
+    size: launch-bound) and of a prefill's rows (large: bandwidth-bound)."""
+    config = sizes.config
+    return [_case("rope_q_pe", f"rotate q_pe of {sizes.rows} tree rows (YaRN)", config, sizes.rows,
+                  sizes.verify_prefix),
+            _case("rope_q_pe_large", f"rotate q_pe of {sizes.large_rows} prefill rows (YaRN)", config,
+                  sizes.large_rows, 0)]

@@ -468,7 +468,7 @@ def bench_cases(sizes):
              f"logits ({rows}, {vocab})",
              setup=lambda seed: (uniform_array((rows, vocab), seed, 4.0), cuda.to_device(positions),
                                  *scalars()),
-             call=lambda inputs: sample(*inputs),
+             call=lambda inputs, **given: sample(*inputs, **given),
              bytes=bytes_moved("sample", T=rows, V=vocab), flops=flops("sample", T=rows, V=vocab)),
         Case("rejection_step", f"recursive rejection sampling at {rows} tree nodes, <= "
              f"{children_per_node} children each", f"logits ({rows}, {vocab}) draft ({depths}, {vocab})",
@@ -476,8 +476,11 @@ def bench_cases(sizes):
                                  cuda.to_device(children),
                                  uniform_array((max(depths, 1), vocab), seed + 1, 4.0),
                                  cuda.to_device(node_depths), *scalars()),
-             call=lambda inputs: rejection_step(*inputs),
+             call=lambda inputs, **given: rejection_step(*inputs, **given),
              bytes=bytes_moved("rejection_step", T=rows, V=vocab, K=children_per_node),
              flops=flops("rejection_step", T=rows, V=vocab, K=children_per_node),
-             note="allocates work (T, 2, V) float64 per call", footprint=F64 * rows * 2 * vocab),
+             note="the public call allocates work (T, 2, V) float64", footprint=F64 * rows * 2 * vocab,
+             prepare=lambda inputs: (rejection_step(*inputs), poisoned((rows, 2, vocab), np.float64)),
+             launch=lambda inputs, given, stream: rejection_step(*inputs, out=given[0], work=given[1],
+                                                                 stream=stream)),
     ]

@@ -879,8 +879,7 @@ def flops(operation: str = "build_trees", **dims: int) -> int:
     return _COSTS[operation](**dims)[1]
 
 
-def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int | None = None,
-                given_out: bool = False):
+def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int | None = None):
     import zlib
 
     import ddtree.tree
@@ -895,18 +894,15 @@ def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int |
     def heap():                                # the numpy reference, one request at a time
         return [ddtree.tree.build_tree(int(roots[b]), logprobs[b], ids[b], budget) for b in range(requests)]
 
-    def setup(seed):
-        inputs = (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids), budget)
-        return inputs, (build_trees_device(*inputs, version=version) if given_out else None)
-
     dims = {"Bq": requests, "L": depths, "K": budget, "B": budget}
-    name = f"tree_build_{role}" + ("" if version == 2 else f"_v{version}") + ("_out" if given_out else "")
+    name = f"tree_build_{role}" + ("" if version == 2 else f"_v{version}")
     return Case(name, f"best-first draft trees, {requests} request{'s' * (requests > 1)}, budget {budget}",
-                f"Bq={requests} L={depths} K={budget}", setup=setup,
-                call=lambda state: build_trees_device(*state[0], out=state[1], version=version),
+                f"Bq={requests} L={depths} K={budget}",
+                setup=lambda seed: (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids),
+                                    budget),
+                call=lambda inputs, **given: build_trees_device(*inputs, version=version, **given),
                 bytes=bytes_moved("build_trees", **dims), flops=flops("build_trees", **dims),
-                note=f"version={version}, " + ("outputs given: the kernel's launch alone" if given_out
-                                               else "6 poisoned outputs"), baseline=heap,
+                note=f"version={version}, 6 poisoned outputs", baseline=heap,
                 baseline_name=f"ddtree.tree.build_tree x {requests}")
 
 
@@ -918,21 +914,18 @@ def _top_case(sizes, version: int):
     return Case(f"top_candidates_v{version}", f"the drafter's top-K per depth, K = {k}",
                 f"L={depths} V={vocab} K={k}",
                 setup=lambda seed: (uniform((depths, vocab), seed, 8.0),),
-                call=lambda inputs: top_candidates(*inputs, k, version=version),
+                call=lambda inputs, **given: top_candidates(*inputs, k, version=version, **given),
                 bytes=bytes_, flops=0, note=f"version={version}, 2 poisoned outputs")
 
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets
     (the default version), the medium budget with version 1 and for one request alone (both
-    versions), the medium budget with its outputs given (64 requests and one: one launch, no
-    allocation or NaN fill), all against the numpy reference's heap on the CPU; the drafter's
-    top-K, both versions."""
+    versions), all against the numpy reference's heap on the CPU; the drafter's top-K, both
+    versions."""
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
             _build_case("large", sizes, large), _build_case("medium", sizes, medium, version=1),
             _build_case("one", sizes, medium, requests=1), _build_case("one", sizes, medium, version=1,
                                                                         requests=1),
-            _build_case("medium", sizes, medium, given_out=True),
-            _build_case("one", sizes, medium, requests=1, given_out=True),
             _top_case(sizes, 1), _top_case(sizes, 2)]

@@ -21,13 +21,16 @@ from kernels.bench.harness import benchmark
 from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
-    "rmsnorm", "rope_q_pe", "linear_gemv_mlp_up", "linear_gemv_lm_head", "linear_gemm",
-    "linear_tiles_mlp_up", "linear_warps_mlp_up", "linear_tiles_verify", "linear_warps_verify", "argmax",
+    "rmsnorm", "rmsnorm_large", "rope_q_pe", "rope_q_pe_large", "linear_gemv_mlp_up",
+    "linear_gemv_lm_head", "linear_gemm", "linear_tiles_mlp_up", "linear_warps_mlp_up",
+    "linear_tiles_verify", "linear_warps_verify", "linear_gemm_prefill", "linear_tiles_prefill", "argmax",
     "attention_decode_short", "attention_decode_long", "attention_verify",
+    "paths_v1_decode", "paths_v2_decode", "paths_v3_decode", "paths_v3_decode_long",
+    "paths_v3_decode_rank_long", "paths_v1_tree_few", "paths_v2_tree_few", "paths_v3_tree_few",
+    "paths_v2_tree_many", "paths_v3_tree_many", "paths_v3_tree_many_rank_long",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",
     "moe_route", "moe_reduced", "tree_build_small", "tree_build_medium", "tree_build_large",
-    "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1", "tree_build_medium_out",
-    "tree_build_one_out",
+    "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1",
     "top_candidates_v1", "top_candidates_v2",
     "accept_batch", "kv_compact", "sample", "rejection_step",
 ]
@@ -61,7 +64,20 @@ def test_every_case_ran(quick_report):
         if result.baseline_seconds is not None:
             assert result.baseline_seconds > 0, result.case.name
     assert report.copy_seconds > 0 and report.launch_seconds > 0 and report.host_launch_seconds > 0
-    assert len(progress) == 2 + len(CASE_NAMES)                           # two ceilings, then the cases
+    assert report.graph_launch_seconds > 0 and report.fp32 > 0
+    assert len(progress) == 3 + len(CASE_NAMES)                           # three ceilings, then the cases
+
+
+def test_every_case_has_a_device_time_that_allocates_and_copies_nothing(quick_report):
+    """The outputs-given form of each case (what a graph captures) ran its kernels with nothing
+    allocated or copied to the device: in the simulator it runs directly, on a GPU from a graph."""
+    report, _ = quick_report
+    for result in report.results:
+        name = result.case.name
+        assert result.device is not None, (name, result.device_error)
+        assert result.device_error == "", (name, result.device_error)
+        assert result.device.seconds > 0 and result.device.allocations == 0, name
+        assert result.device.launches is not None and 1 <= result.device.launches <= result.launches, name
 
 
 def test_table_has_one_row_per_case(quick_report):
@@ -70,7 +86,7 @@ def test_table_has_one_row_per_case(quick_report):
     rows = table_rows(markdown)
     assert [row[0] for row in rows] == CASE_NAMES
     assert all(len(row) == len(TABLE_HEADER) for row in rows)
-    assert all(float(row[2]) > 0 for row in rows)                          # median µs
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)   # device µs, call µs
     assert ("SIMULATOR" in markdown) == device.SIMULATOR
 
 

@@ -17,6 +17,7 @@ from ddtree import mla as ref
 from ddtree.config import preset
 from ddtree.rope import softmax_scale
 from kernels import mla as gpu
+from kernels.bench.case import ancestor_paths
 from kernels.device import cuda, is_device_array, to_device
 from tests.helpers import assert_close, assert_exact, no_transfers
 
@@ -312,21 +313,6 @@ def test_attention_absorb_kimi_dims(rows):
 
 # ------------------------------------------------------------------------- attention over paths
 
-def tree_paths(parents: np.ndarray):
-    """Depths and the (T, T) path table by depth, walking parent links (independent of the kernel)."""
-    rows = parents.size
-    depths = np.zeros(rows, np.int64)
-    paths = np.full((rows, rows), -1, np.int64)
-    for i in range(rows):
-        chain, node = [], i
-        while node >= 0:
-            chain.append(node)
-            node = parents[node]
-        depths[i] = len(chain) - 1
-        paths[i, :len(chain)] = chain[::-1]
-    return depths, paths
-
-
 def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
               heads_per_block=1):
     """attention_paths on device copies, its outputs (and partials) poisoned with NaN first."""
@@ -348,7 +334,7 @@ def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, s
     """A random tree's rows over prefix + path == attention_absorb under its ancestor mask."""
     rng = np.random.default_rng(rows + prefix)
     parents = random_parents(rng, rows)
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     case = Case("paths", rows=rows, prefix=prefix, mask="causal", heads=2, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
     visible = tree_visibility(parents)
@@ -366,7 +352,7 @@ def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads
     Kimi's R = 512, dr = 64 the tiles are short (16 keys, 8 in version 3): the keys' scores are
     summed in parallel parts, still the same for the node and its chain."""
     parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
     tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
@@ -389,7 +375,7 @@ def test_attention_heads_equal_the_masked_attention(heads_per_block, splits, row
     H = 2G: two blocks of heads per (row, split), so a head's place in the grid is exercised."""
     rng = np.random.default_rng(rows + prefix)
     parents = random_parents(rng, rows)
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     case = Case("heads", rows=rows, prefix=prefix, mask="causal", heads=2 * heads_per_block, rank=rank,
                 rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
@@ -404,7 +390,7 @@ def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
     """Version 2's merge is the softmax of the concatenated tiles: with as many splits as tiles,
     each partial is one tile's (max, sum, acc), and the merged rows match version 1 closely."""
     parents = np.array([-1, 0, 1])
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     case = Case("paths", rows=3, prefix=64, mask="causal", heads=1, rank=6, rope=2)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=9)
     one = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 1)
@@ -426,7 +412,7 @@ def test_attention_heads_round_like_version_2_where_the_tile_is_the_same():
     """A head's sums do not depend on G: its warp reduces its own 32 slots in version 2's pairs,
     so where the tile is the same (32 keys here), G = 2, G = 4 and version 2 agree bit for bit."""
     parents = np.array([-1, 0])
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     case = Case("heads", rows=2, prefix=40, mask="causal", heads=4, rank=5, rope=1)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=3)
     inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
@@ -493,7 +479,7 @@ def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
     prefix = 4096 + 37
     rng = np.random.default_rng(rows + splits)
     parents = random_parents(rng, rows)
-    depths, paths = tree_paths(parents)
+    depths, paths = ancestor_paths(parents)
     keys = prefix + rows
     q_lat = rng.standard_normal((rows, heads, rank), dtype=np.float32) * np.float32(0.2)
     q_pe = rng.standard_normal((rows, heads, rope_dim), dtype=np.float32) * np.float32(0.2)

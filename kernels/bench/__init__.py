@@ -11,20 +11,28 @@ The package:
     case.py         ``Case`` (one timed call), the sizes, random device inputs, and ``make_cases``,
                     which collects each kernel module's ``bench_cases(sizes)``: a kernel's
                     benchmark (its shapes and its ``bytes_moved`` / ``flops``) lives beside it
-    harness.py      timing, launch counting, the two ceilings, ``benchmark``
+    harness.py      timing, launch and allocation counting, the ceilings, ``benchmark``
+    peers.py        PyTorch on the same inputs (optional: torch is not a dependency)
     environment.py  where it ran: GPU, driver, versions, L2 size
     report.py       the markdown report
     hardware.py     the H200 figures recorded in docs/results (read from the file, not retyped)
     engine.py       the device engine against numpy and transformers (``engine`` subcommand)
     cli.py          the command line
 
-What is timed. Each case calls one *public* function of ``kernels`` (``rmsnorm``, ``linear``,
-``attention_absorb``, ...) with device arrays in and device arrays out: exactly what an engine
-calls. So a time includes the Python-side checks, the output allocation and the NaN poison fill
-of ``kernels.device.poisoned`` (one extra launch per output on a GPU), and any small host->device
-copy the function makes (a visibility mask, a row index list). The inputs are allocated once per
-case, before timing, and filled with random values (never zeros: zeros can hide unwritten
-outputs and run faster than real data).
+What is timed: two things per case, side by side.
+
+* **call µs**: one call of a *public* function of ``kernels`` (``rmsnorm``, ``linear``,
+  ``attention_paths``, ...) with device arrays in and device arrays out, as a caller without
+  buffers makes it. It includes the Python-side checks, the output allocation and the NaN poison
+  fill of ``kernels.device.poisoned`` (one extra launch per output on a GPU), and any small
+  host->device copy the function makes. **host µs** is that call's own host time.
+* **device µs**: the same kernels with their outputs (and scratch) given, as the engine launches
+  them (``Case.launch_given``), captured into a CUDA graph with ``cuda.core``'s graph builder and
+  replayed: the kernels' device time, without Python. A launch with its outputs given must
+  allocate and copy nothing; the harness counts both and the tests check for zero.
+
+The inputs are allocated once per input set, before timing, and filled with random values (never
+zeros: zeros can hide unwritten outputs and run faster than real data).
 
 How it is timed (per case):
   1. warm-up: one call, which compiles every kernel signature it needs and counts the kernel
@@ -35,8 +43,16 @@ How it is timed (per case):
      kernels and, when the host is slower than the GPU, the gaps while Python prepares the next
      launch (a numba launch costs ~22 us of host time: small kernels are launch-bound).
      The report gives the median.
-  4. Inputs that fit in the L2 cache would be timed from the cache: such cases get several input
-     sets (together at least twice the L2 size, at most 16 GiB) and call i uses set i mod sets.
+  4. device time: one graph holds C copies of the outputs-given launches (C ~ 2 ms of work, at
+     most 64, a multiple of the input sets), replayed between two events at least 5 times; the
+     median replay over C.
+  5. Inputs that fit in the L2 cache would be timed from the cache: such cases get several input
+     sets (together at least twice the L2 size, at most 16 GiB) and call i (or copy i of the
+     graph) uses set i mod sets.
+  6. torch, where the case has a peer (``peers``) and torch runs here: the same work on the same
+     device arrays, C copies in a torch CUDA graph, timed the same way.
+With ``--quick`` (the simulator's smoke test) one call is the warm-up and the timing, and the
+outputs-given launches run once, directly (the simulator has no graphs).
 The tree-build cases also time the numpy reference (``ddtree.tree.build_tree``, a Python heap)
 on the same requests, on the CPU with the host clock: the GPU's speed-up over it is in the note.
 
@@ -46,14 +62,17 @@ work must move through device memory: every input read once and every output wri
 the GEMV's x) moves more; its GB/s is then an *effective* rate, bytes / time. FLOPs count
 multiply-adds as 2 (softmax exps, sin/cos and comparisons are not counted).
 
-The two ceilings, measured in the same run:
+The ceilings, measured in the same run:
   - copy bandwidth: a 1 GiB device-to-device copy (``d_dst.copy_to_device(d_src)``), counting
     read + write (2 GiB per copy); "% of copy BW" = the case's GB/s over it;
-  - launch overhead: the median event time around one launch of an empty kernel.
+  - launch overhead: the median event time around one launch of an empty kernel, its host time,
+    and its device time replayed from a graph (the smallest device time any kernel can have);
+  - the fp32 rate: torch's SGEMM (8192 cubed, TF32 off) from a graph when torch runs here, else
+    the rate recorded in ``hardware``'s record (the report says which).
 A case is memory-bound when its FLOPs per byte are below the fp32 rate / copy bandwidth (the
 ridge of the roofline); a compute-bound case shows "-" under "% of copy BW" and its share of the
-fp32 rate (``hardware.fp32_flops``: torch SGEMM with TF32 off on the H200, as recorded) in the
-note.
+fp32 rate in the note. "% of floor" = max(bytes / copy bandwidth, FLOPs / fp32 rate) over the
+device time.
 
 In the CUDA simulator timings are wall-clock seconds of Python threads: meaningless. The report
 says so loudly, and ``--out`` is refused there unless ``--quick``.

@@ -29,18 +29,38 @@ DRAFTER_SHARPNESS = 4.0         # random drafter logits ~ N(0, 4^2): peaked, dee
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One timed call of a public ``kernels`` function."""
+    """One timed call of a public ``kernels`` function, and the same work with its outputs given.
+
+    Two timings per case (see the package docstring): ``call(inputs)``, the public call as a
+    caller without buffers makes it, and the device time of ``launch(inputs, given, stream)``,
+    the same kernels writing into ``given = prepare(inputs)`` (made once per input set), launched
+    on ``stream`` (a CUDA graph builder on a GPU), which must allocate and copy nothing. By
+    default ``given`` is one call's outputs and ``launch`` passes them back as ``out=``.
+    """
     name: str
     what: str                                 # what it models in the engine
     shape: str                                # the inputs, as the table shows them
     setup: Callable[[int], Any]               # seed -> device inputs, allocated once per input set
-    call: Callable[[Any], Any]                # inputs -> outputs: the function under test
+    call: Callable[..., Any]                  # (inputs, **keywords) -> outputs: the function under test
     bytes: int                                # fewest bytes moved: inputs read once + outputs written once
     flops: int                                # multiply-adds count 2
     note: str = ""                            # what else the time includes
     baseline: Callable[[], Any] | None = None  # the same work on the CPU, timed on the host clock
     baseline_name: str = ""
     footprint: int | None = None              # device bytes one setup allocates, if far more than bytes
+    prepare: Callable[[Any], Any] | None = None          # inputs -> the buffers ``launch`` writes
+    launch: Callable[[Any, Any, Any], Any] | None = None  # (inputs, given, stream): outputs given
+    peer: Callable[[Any], Callable[[], Any]] | None = None  # inputs -> the same work in torch
+
+    def given(self, inputs):
+        """The buffers the device-timed launch writes: ``prepare``'s, else one call's outputs."""
+        return self.prepare(inputs) if self.prepare else self.call(inputs)
+
+    def launch_given(self, inputs, given, stream):
+        """The case's kernels writing into ``given`` on ``stream``: nothing allocated, nothing copied."""
+        if self.launch:
+            return self.launch(inputs, given, stream)
+        return self.call(inputs, out=given, stream=stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +68,12 @@ class Sizes:
     """Every dimension a case uses: Kimi K2.6 (``full_sizes``) or tiny (``quick_sizes``)."""
     config: ModelConfig           # model dimensions: hidden, heads, ranks, experts, vocab
     rows: int                     # T of the many-row cases: a tree of this many nodes is verified
+    large_rows: int               # T of the bandwidth-bound row cases (a prefill)
     argmax_rows: int              # rows of logits for the argmax
-    decode_prefixes: tuple        # (short, long) context lengths of a decode step
+    decode_prefixes: tuple        # (short, long) context lengths of a decode step (masked attention)
+    paths_contexts: tuple         # (short, long) context lengths of the engine's attention
+    paths_trees: tuple            # (few, many) tree nodes verified by the engine's attention
+    paths_heads: tuple            # (every head, one tensor-parallel rank's heads) of that attention
     verify_prefix: int            # context length under the verified tree
     route_tokens: int             # tokens routed by the MoE router alone
     moe_experts: int              # routed experts of the reduced MoE layer
@@ -67,7 +91,9 @@ class Sizes:
 
 def full_sizes() -> Sizes:
     """Kimi K2.6 per-layer dimensions (``ddtree.config.preset("kimi-k2.6")``)."""
-    return Sizes(config=preset("kimi-k2.6"), rows=64, argmax_rows=8, decode_prefixes=(4096, 32768),
+    return Sizes(config=preset("kimi-k2.6"), rows=64, large_rows=4096, argmax_rows=8,
+                 decode_prefixes=(4096, 32768),
+                 paths_contexts=(16384, 131072), paths_trees=(16, 64), paths_heads=(64, 8),
                  verify_prefix=4096, route_tokens=16, moe_experts=32, moe_tokens=16, requests=64,
                  depths=15, budgets=(16, 64, 256), accept_budget=256, kv_layers=61, kv_capacity=8192,
                  accepted_len=8, copy_bytes=1 << 30, host_launches=200)
@@ -77,7 +103,8 @@ def quick_sizes() -> Sizes:
     """Tiny shapes (preset "micro", vocab 16, MLP 8) that the CUDA simulator runs in seconds; the
     case names stay (a GEMV block per output: a small vocabulary keeps the simulator quick)."""
     config = dataclasses.replace(preset("micro"), vocab_size=16, intermediate_size=8)
-    return Sizes(config=config, rows=5, argmax_rows=2, decode_prefixes=(8, 40),
+    return Sizes(config=config, rows=5, large_rows=7, argmax_rows=2, decode_prefixes=(8, 40),
+                 paths_contexts=(8, 24), paths_trees=(2, 3), paths_heads=(4, 4),
                  verify_prefix=8, route_tokens=2, moe_experts=4, moe_tokens=2, requests=2,
                  depths=3, budgets=(2, 4, 8), accept_budget=8, kv_layers=2, kv_capacity=64,
                  accepted_len=3, copy_bytes=64 << 10, host_launches=3)
@@ -142,6 +169,24 @@ def draft_tree(rng, sizes: Sizes, nodes: int) -> DraftTree:
     if tree.size != nodes:
         raise RuntimeError(f"the draft tree has {tree.size} nodes, expected {nodes}")
     return tree
+
+
+def ancestor_paths(parents):
+    """A tree's depths (N,) and path table (N, max depth + 1) int64: row i holds the nodes
+    root .. i by depth, then -1 (what ``kernels.mla.attention_paths`` reads), from the parent links."""
+    depths = np.zeros(len(parents), np.int64)
+    chains = []
+    for i in range(len(parents)):
+        chain, node = [], i
+        while node >= 0:
+            chain.append(node)
+            node = parents[node]
+        depths[i] = len(chain) - 1
+        chains.append(chain[::-1])
+    paths = np.full((len(parents), int(depths.max(initial=0)) + 1), -1, np.int64)   # [N, D + 1]
+    for i, chain in enumerate(chains):
+        paths[i, :len(chain)] = chain
+    return depths, paths
 
 
 def accepted_path(tree: DraftTree, length: int):

@@ -32,7 +32,7 @@ _PATTERNS = {   # figure -> (a regular expression: groups number, unit and a not
     "host_launch_seconds": (r"; ([\d.]+) (µs) of host time per launch back to back",
                             "host time per launch from Python, back to back (s)"),
     "fp32_flops": (r"- fp32 peak used for compute-bound cases: ([\d.]+) (TFLOP/s) "
-                   r"\(not measured here: ([^)]*)\)",
+                   r"\((?:not )?measured here: ([^)]*)\)",
                    "fp32 rate for compute-bound cases (FLOP/s)"),
 }
 

@@ -1,5 +1,7 @@
-"""The timing harness: CUDA-event timing of one call, the number of timed calls, launch counting,
-the two ceilings (copy bandwidth, empty launch), and ``benchmark``, which runs every case."""
+"""The timing harness: CUDA-event timing of one public call and of the same kernels replayed from
+a CUDA graph (device time), the number of timed calls, launch and allocation counting, the
+ceilings (copy bandwidth, empty launch, fp32 rate), torch beside each case that has a peer, and
+``benchmark``, which runs every case."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from kernels.bench import hardware, peers
 from kernels.bench.case import Case, Sizes, uniform
 from kernels.bench.environment import l2_bytes, versions
 from kernels.device import SIMULATOR
@@ -26,6 +29,8 @@ MIN_REPEATS = 5                 # ... but at least this many
 MAX_REPEATS = 2000              # ... and at most this many
 MAX_SETS = 64                   # input sets rotated to keep small cases out of the L2 cache ...
 SETS_MEMORY = 16 << 30          # ... holding at most this much device memory together
+GRAPH_SECONDS = 2e-3            # device time: one graph holds about this much work ...
+MAX_COPIES = 64                 # ... in at most this many copies of the case's launches
 
 
 @cuda.jit
@@ -34,9 +39,10 @@ def empty_kernel():
     pass
 
 
-def time_once(call: Callable[[], Any], events) -> float:
-    """Seconds of one call as the default stream sees it (two CUDA events); the host clock in the
-    simulator, where events record nothing and simulation is synchronous.
+def time_once(call: Callable[[], Any], events) -> tuple[float, float]:
+    """(seconds of one call as the default stream sees it (two CUDA events), host seconds of the
+    call itself); both the host clock in the simulator, where events record nothing and
+    simulation is synchronous.
 
     The outputs are kept until the end event has been waited for, so freeing them (numba frees
     device memory in batches, which synchronises) falls outside the timed region.
@@ -46,15 +52,17 @@ def time_once(call: Callable[[], Any], events) -> float:
         out = call()
         seconds = time.perf_counter() - begin
         del out
-        return seconds
+        return seconds, seconds
     start, end = events
     start.record()
+    begin = time.perf_counter()
     out = call()
+    host = time.perf_counter() - begin
     end.record()
     end.synchronize()
     seconds = start.elapsed_time(end) / 1e3    # elapsed_time is in milliseconds
     del out
-    return seconds
+    return seconds, host
 
 
 def repeats_for(call: Callable[[], Any], quick: bool) -> int:
@@ -69,10 +77,87 @@ def repeats_for(call: Callable[[], Any], quick: bool) -> int:
     return max(MIN_REPEATS, min(MAX_REPEATS, math.ceil(TARGET_SECONDS / max(per_call, 1e-9))))
 
 
-def median_seconds(calls: list[Callable[[], Any]], repeats: int) -> float:
-    """Median of ``repeats`` timed calls, cycling through ``calls`` (one per input set)."""
+def median_seconds(calls: list[Callable[[], Any]], repeats: int) -> tuple[float, float]:
+    """Medians of ``repeats`` timed calls, cycling through ``calls`` (one per input set): (event
+    seconds, host seconds of the call)."""
     events = (cuda.event(), cuda.event())
-    return statistics.median(time_once(calls[i % len(calls)], events) for i in range(repeats))
+    timings = [time_once(calls[i % len(calls)], events) for i in range(repeats)]
+    return statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
+
+
+@dataclasses.dataclass
+class DeviceTime:
+    seconds: float                             # median device seconds per call
+    launches: int | None                       # kernel launches per call
+    allocations: int                           # device allocations and host copies per call (0 expected)
+    copies: int                                # calls per graph replay
+
+
+def graph_seconds(launches: list[Callable[[Any], Any]], copies: int, quick: bool) -> DeviceTime:
+    """Device seconds of one call: ``copies`` calls of ``launches[k % len]`` (stream -> launches,
+    one per input set) captured into one CUDA graph with ``cuda.core``'s graph builder, each
+    replay between two events; the median per call. In the simulator (no graphs) one direct
+    call, on the host clock."""
+    if SIMULATOR:
+        with counting_launches() as count, counting_allocations() as allocations:
+            begin = time.perf_counter()
+            launches[0](0)
+            seconds = time.perf_counter() - begin
+        return DeviceTime(seconds, count[0], allocations[0], 1)
+    from cuda.core import Device, EventOptions
+
+    device = Device()
+    device.set_current()
+    stream = device.create_stream()
+    cuda.synchronize()
+    builder = stream.create_graph_builder()
+    builder.begin_building()
+    try:
+        with counting_launches() as count, counting_allocations() as allocations:
+            for k in range(copies):
+                launches[k % len(launches)](builder)
+    finally:
+        graph = builder.end_building().complete()
+    timing = EventOptions(timing_enabled=True)
+    start, end = (device.create_event(options=timing) for _ in range(2))
+
+    def replay() -> float:
+        stream.record(start)
+        graph.launch(stream)
+        stream.record(end)
+        end.sync()
+        return (end - start) / 1e3 / copies                       # events subtract to milliseconds
+
+    first = replay()                                              # warms the graph up
+    repeats = 1 if quick else max(MIN_REPEATS, min(200, math.ceil(TARGET_SECONDS / (first * copies))))
+    seconds = statistics.median(replay() for _ in range(repeats))
+    stream.sync()
+    return DeviceTime(seconds, None if count[0] is None else count[0] // copies, allocations[0] // copies,
+                      copies)
+
+
+@contextlib.contextmanager
+def counting_allocations():
+    """Counts device allocations and host-to-device copies made through ``numba.cuda``'s
+    ``device_array`` / ``to_device`` inside the block (what a launch with its outputs given must
+    not do): ``with counting_allocations() as count: ...; count[0]``."""
+    count = [0]
+    names = ("device_array", "to_device", "device_array_like")
+    originals = {name: getattr(cuda, name) for name in names}
+
+    def counted(original):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(cuda, name, counted(original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(cuda, name, original)
 
 
 @contextlib.contextmanager
@@ -136,11 +221,20 @@ def free_device_memory() -> None:
 @dataclasses.dataclass
 class Result:
     case: Case
-    seconds: float                             # median per call
+    seconds: float                             # median per public call, between events
     repeats: int
     sets: int                                  # input sets rotated through
     launches: int | None                       # kernel launches per call (None: could not count)
     baseline_seconds: float | None = None      # median of the CPU baseline, if the case has one
+    host_seconds: float = 0.0                  # median host time of the public call itself
+    device: DeviceTime | None = None           # the kernels alone, outputs given, from a graph
+    device_error: str = ""                     # why there is no device time
+    peer_seconds: float | None = None          # torch's device time for the same work
+
+    @property
+    def best_seconds(self) -> float:
+        """The device time when there is one, else the public call's."""
+        return self.device.seconds if self.device else self.seconds
 
 
 @dataclasses.dataclass
@@ -153,11 +247,19 @@ class Report:
     launch_seconds: float                      # median event time around one empty launch
     host_launch_seconds: float                 # host time per launch, back to back
     results: list
+    graph_launch_seconds: float = 0.0          # device time per empty launch replayed from a graph
+    fp32_flops: float = 0.0                    # the fp32 rate of compute-bound floors
+    fp32_source: str = ""                      # measured here (torch), or the recorded figure
 
     @property
     def copy_bandwidth(self) -> float:
         """Bytes per second of the device-to-device copy, read + write counted."""
         return 2 * self.copy_bytes / self.copy_seconds
+
+    @property
+    def fp32(self) -> float:
+        """FLOP/s of the fp32 rate: measured in the run, else the recorded figure."""
+        return self.fp32_flops or hardware.fp32_flops()
 
 
 def run_case(case: Case, quick: bool) -> Result:
@@ -169,11 +271,34 @@ def run_case(case: Case, quick: bool) -> Result:
                       SETS_MEMORY // max(footprint, 1)))
     states = [case.setup(seed + 1000 * i) for i in range(sets)]
     calls = [lambda state=state: case.call(state) for state in states]
-    with counting_launches() as count:                                          # warm-up: compiles,
-        calls[0]()                                                              # and counts launches
-    cuda.synchronize()
-    repeats = repeats_for(calls[0], quick)
-    seconds = median_seconds(calls, repeats)
+    if quick:                                   # one call: it compiles, counts and is timed
+        with counting_launches() as count:
+            seconds, host_seconds = median_seconds(calls, 1)
+        repeats = 1
+    else:
+        with counting_launches() as count:                                      # warm-up: compiles,
+            calls[0]()                                                          # and counts launches
+        cuda.synchronize()
+        repeats = repeats_for(calls[0], quick)
+        seconds, host_seconds = median_seconds(calls, repeats)
+    device, device_error, givens, launches = None, "", None, None
+    try:
+        givens = [case.given(state) for state in states]
+        launches = [lambda stream, state=state, given=given: case.launch_given(state, given, stream)
+                    for state, given in zip(states, givens, strict=True)]
+        copies = 1 if quick else max(sets, min(MAX_COPIES, math.ceil(GRAPH_SECONDS / seconds)))
+        device = graph_seconds(launches, -(-copies // sets) * sets, quick)
+    except Exception as error:                                                  # reported, not fatal
+        device_error = f"{type(error).__name__}: {error}"[:200]
+    peer_seconds = None
+    if case.peer is not None and peers.available():
+        per_call = device.seconds if device else seconds
+        copies = max(sets, min(MAX_COPIES, math.ceil(GRAPH_SECONDS / per_call)))
+        try:
+            peer_seconds = peers.graph_seconds([case.peer(state) for state in states],
+                                               -(-copies // sets) * sets, MIN_REPEATS)
+        except Exception as error:                                              # reported, not fatal
+            device_error += f" torch: {type(error).__name__}: {error}"[:200]
     baseline_seconds = None
     if case.baseline is not None:
         begin = time.perf_counter()
@@ -186,9 +311,10 @@ def run_case(case: Case, quick: bool) -> Result:
             case.baseline()
             timings.append(time.perf_counter() - begin)
         baseline_seconds = statistics.median(timings)
-    del states, calls
+    del states, calls, givens, launches
     free_device_memory()
-    return Result(case, seconds, repeats, sets, count[0], baseline_seconds)
+    return Result(case, seconds, repeats, sets, count[0], baseline_seconds, host_seconds, device,
+                  device_error, peer_seconds)
 
 
 def measure_copy(nbytes: int, quick: bool) -> float:
@@ -198,20 +324,35 @@ def measure_copy(nbytes: int, quick: bool) -> float:
     copy = lambda: dst.copy_to_device(src)
     copy()
     cuda.synchronize()
-    return median_seconds([copy], repeats_for(copy, quick))
+    return median_seconds([copy], repeats_for(copy, quick))[0]
 
 
-def measure_launch(quick: bool, host_launches: int) -> tuple[float, float]:
-    """(median event seconds around one empty launch, host seconds per launch back to back)."""
+def measure_launch(quick: bool, host_launches: int) -> tuple[float, float, float]:
+    """(median event seconds around one empty launch, host seconds per launch back to back,
+    device seconds per empty launch replayed from a graph)."""
     launch = lambda: empty_kernel[1, 32]()
     launch()                                                                    # compiles
     cuda.synchronize()
-    seconds = median_seconds([launch], repeats_for(launch, quick))
+    seconds = median_seconds([launch], repeats_for(launch, quick))[0]
     begin = time.perf_counter()
     for _ in range(host_launches):
         launch()
     cuda.synchronize()
-    return seconds, (time.perf_counter() - begin) / host_launches
+    host = (time.perf_counter() - begin) / host_launches
+    in_graph = graph_seconds([lambda stream: empty_kernel[1, 32, stream]()], 1 if quick else MAX_COPIES,
+                             quick)
+    return seconds, host, in_graph.seconds
+
+
+def measure_fp32(quick: bool) -> tuple[float, str]:
+    """(FLOP/s, where it comes from): torch's SGEMM measured now when torch runs here, else the
+    rate recorded in ``hardware``'s record."""
+    if peers.available():
+        size = peers.SGEMM_SIZE
+        return peers.sgemm_flops(1 if quick else MIN_REPEATS), (
+            f"measured here: torch SGEMM {size}x{size}x{size}, TF32 off, from a CUDA graph")
+    recorded = hardware.figures()["fp32_flops"]
+    return recorded.value, f"not measured here: {recorded.note}"
 
 
 @contextlib.contextmanager
@@ -229,16 +370,20 @@ def quiet_launches():
 
 
 def benchmark(sizes: Sizes, cases: list[Case], quick: bool, log=print) -> Report:
-    """Measure the two ceilings, then every case; ``log`` gets one progress line per step."""
+    """Measure the ceilings, then every case; ``log`` gets one progress line per step."""
     with quiet_launches():
         copy_seconds = measure_copy(sizes.copy_bytes, quick)
         free_device_memory()                                                    # the two buffers
         log(f"copy: {2 * sizes.copy_bytes / copy_seconds / 1e9:.1f} GB/s")
-        launch_seconds, host_launch_seconds = measure_launch(quick, sizes.host_launches)
-        log(f"empty launch: {launch_seconds * 1e6:.1f} us")
+        launch_seconds, host_launch_seconds, graph_launch_seconds = measure_launch(quick, sizes.host_launches)
+        log(f"empty launch: {launch_seconds * 1e6:.1f} us, {graph_launch_seconds * 1e6:.2f} us in a graph")
+        fp32_flops, fp32_source = measure_fp32(quick)
+        log(f"fp32: {fp32_flops / 1e12:.1f} TFLOP/s ({fp32_source})")
         results = []
         for case in cases:
             results.append(run_case(case, quick))
-            log(f"{case.name}: {results[-1].seconds * 1e6:.1f} us")
+            device = results[-1].device
+            log(f"{case.name}: {results[-1].seconds * 1e6:.1f} us per call, "
+                + (f"{device.seconds * 1e6:.1f} us device" if device else results[-1].device_error))
     return Report(SIMULATOR, quick, versions(), sizes.copy_bytes, copy_seconds, launch_seconds,
-                  host_launch_seconds, results)
+                  host_launch_seconds, results, graph_launch_seconds, fp32_flops, fp32_source)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kernels.bench import hardware
 from kernels.bench.harness import Report, Result
 
 
@@ -22,26 +21,40 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def floor_seconds(case, report: Report) -> float:
+    """max(bytes / copy bandwidth, FLOPs / fp32 rate), both measured in the run (or recorded)."""
+    return max(case.bytes / report.copy_bandwidth, case.flops / report.fp32)
+
+
 def table_row(result: Result, report: Report) -> list[str]:
     case = result.case
-    rate = case.bytes / result.seconds                                          # bytes per second
-    fp32 = hardware.fp32_flops()
-    compute_bound = case.flops / case.bytes > fp32 / report.copy_bandwidth
+    seconds = result.best_seconds                                               # device time if any
+    rate = case.bytes / seconds                                                 # bytes per second
+    compute_bound = case.flops / case.bytes > report.fp32 / report.copy_bandwidth
     notes = [case.what] + ([case.note] if case.note else [])
     if compute_bound:
-        notes.append(f"compute-bound: {100 * case.flops / result.seconds / fp32:.1f}% of fp32 peak")
+        notes.append(f"compute-bound: {100 * case.flops / seconds / report.fp32:.1f}% of fp32 rate")
+    if result.peer_seconds is not None:
+        notes.append(f"{result.peer_seconds / seconds:.3g}x torch's speed")
     if result.baseline_seconds is not None:
         notes.append(f"CPU {case.baseline_name}: {_number(result.baseline_seconds * 1e6)} us "
-                     f"= {result.baseline_seconds / result.seconds:.3g}x the GPU time")
+                     f"= {result.baseline_seconds / seconds:.3g}x the GPU time")
     launches = "?" if result.launches is None else result.launches
-    notes.append(f"launches {launches}, n={result.repeats}"
+    given = "" if result.device is None else f" ({result.device.launches} with outputs given)"
+    notes.append(f"launches {launches}{given}, n={result.repeats}"
                  + (f", {result.sets} input sets" if result.sets > 1 else ""))
-    return [case.name, case.shape, _number(result.seconds * 1e6), _number(rate / 1e9),
+    if result.device_error:
+        notes.append(f"no device time: {result.device_error}")
+    return [case.name, case.shape, _number(result.device.seconds * 1e6) if result.device else "-",
+            _number(result.seconds * 1e6), _number(result.host_seconds * 1e6), _number(rate / 1e9),
             "-" if compute_bound else _number(100 * rate / report.copy_bandwidth),
-            _number(case.flops / result.seconds / 1e9) if case.flops else "-", "; ".join(notes)]
+            _number(case.flops / seconds / 1e9) if case.flops else "-",
+            _number(100 * floor_seconds(case, report) / seconds),
+            "-" if result.peer_seconds is None else _number(result.peer_seconds * 1e6), "; ".join(notes)]
 
 
-TABLE_HEADER = ["case", "shape", "median µs", "GB/s", "% of copy BW", "GFLOP/s", "note"]
+TABLE_HEADER = ["case", "shape", "device µs", "call µs", "host µs", "GB/s", "% of copy BW", "GFLOP/s",
+                "% of floor", "torch µs", "note"]
 
 
 def simulator_warning() -> str:
@@ -51,7 +64,6 @@ def simulator_warning() -> str:
 
 def format_report(report: Report, command: str) -> str:
     """The whole report as markdown: header, ceilings, the table, how to read it."""
-    fp32 = hardware.figures()["fp32_flops"]                     # recorded, not measured by this run
     lines = ["## Benchmarks: `python -m kernels.bench`", ""]      # a section of a docs page
     if report.simulator:
         lines += [simulator_warning(), ""]
@@ -62,16 +74,21 @@ def format_report(report: Report, command: str) -> str:
               f"{_number(report.copy_bandwidth / 1e9)} GB/s (read + write counted), "
               f"{_number(report.copy_seconds * 1e6)} µs per copy",
               f"- empty kernel launch: {_number(report.launch_seconds * 1e6)} µs between events; "
-              f"{_number(report.host_launch_seconds * 1e6)} µs of host time per launch back to back",
-              f"- fp32 peak used for compute-bound cases: {fp32.value / 1e12:.0f} TFLOP/s (not measured "
-              f"here: {fp32.note}); ridge {fp32.value / report.copy_bandwidth:.1f} FLOP/B",
+              f"{_number(report.host_launch_seconds * 1e6)} µs of host time per launch back to back; "
+              f"{_number(report.graph_launch_seconds * 1e6)} µs of device time per launch replayed "
+              f"from a CUDA graph",
+              f"- fp32 peak used for compute-bound cases: {report.fp32 / 1e12:.0f} TFLOP/s "
+              f"({report.fp32_source}); ridge {report.fp32 / report.copy_bandwidth:.1f} FLOP/B",
               "", "### Cases", ""]
     rows = [TABLE_HEADER, ["---"] * len(TABLE_HEADER)] + [table_row(r, report) for r in report.results]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    lines += ["", "Times are per call of the public function with device arrays (output allocation, "
-              "NaN poison fill and small host->device copies included), median of n calls between "
-              "CUDA events after a warm-up. GB/s = fewest bytes (inputs read once, outputs written "
-              "once) / time. See the docstring of kernels/bench/__init__.py for the method."]
+    lines += ["", "device µs: the case's kernels alone, outputs given, replayed from a CUDA graph "
+              "(median per call). call µs: one call of the public function with device arrays "
+              "(output allocation, NaN poison fill and small host->device copies included) between "
+              "CUDA events, host µs: that call's own host time; medians of n calls after a warm-up. "
+              "GB/s, GFLOP/s and % of floor use the device time: floor = max(fewest bytes / copy "
+              "bandwidth, FLOPs / fp32 rate). torch µs: the same work in PyTorch fp32 on the same "
+              "inputs, from a CUDA graph. See the docstring of kernels/bench/__init__.py for the method."]
     if report.simulator:
         lines += ["", simulator_warning()]
     return "\n".join(lines) + "\n"
