@@ -17,6 +17,9 @@ Every figure side by side, measured in one run on one machine:
   bandwidth measured in this run), and the verify forward's time against the tree's size with the
   number of distinct experts the tree wakes per MoE layer.
 
+``--engine-only`` keeps the engine with graphs alone (AR, DDTree, launches, the round split): the
+second target's DDTree / AR ratios after a kernel change, without the slow columns.
+
 Timing: NEW_TOKENS new tokens after a PROMPT_TOKENS-token prompt; weights uploaded, kernels
 compiled and graphs captured (one warm-up run of each configuration) before the clock starts;
 the median of REPEATS runs. The results go to a markdown report and a JSON file (chapter 12
@@ -323,7 +326,7 @@ def preset_weights(name: str) -> dict:
     return weights
 
 
-def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> dict:
+def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engine_only: bool = False) -> dict:
     from kernels.model import Transformer
 
     config = preset(name)
@@ -340,13 +343,14 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log) -> di
     runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats,
                         warm_up=True)
     log_runs(runs, log)
-    model.graphs.enabled = False                  # the same buckets and kernels, launched from Python
-    off = [ar_runs("engine, no graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=False)]
-    off += ddtree_runs("engine, no graphs", engine_decode.generate_ddtree, model, prompt, continuation,
-                       repeats, warm_up=False, budgets=(SPLIT_BUDGET,))
-    model.graphs.enabled = True
-    log_runs(off, log)
-    runs += off
+    if not engine_only:
+        model.graphs.enabled = False              # the same buckets and kernels, launched from Python
+        off = [ar_runs("engine, no graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=False)]
+        off += ddtree_runs("engine, no graphs", engine_decode.generate_ddtree, model, prompt, continuation,
+                           repeats, warm_up=False, budgets=(SPLIT_BUDGET,))
+        model.graphs.enabled = True
+        log_runs(off, log)
+        runs += off
     result["launches"] = launches_per_forward(model, prompt)
     result["split"] = round_split(model, prompt, continuation)
     log(f"  launches {result['launches']}; split {result['split']}")
@@ -493,6 +497,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--floor-only", action="store_true",
                         help="only the AR step against its floor and verify time against tree size")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="only the engine with graphs (AR, DDTree, launches, the round split): no "
+                             "graphs-off, numpy or transformers columns")
     parser.add_argument("--out", type=pathlib.Path,
                         help="write the markdown report here (and a .json beside it)")
     return parser.parse_args(argv)
@@ -512,8 +519,9 @@ def main(argv=None) -> int:
     if args.floor_only:
         print(write_record(args.out, [floor_only(n, log) for n in names], versions(), command))
         return 0
-    numpy_results = numpy_runs([n for n in names if n in HOST_PRESETS], args.repeats, log)
-    peers, missing = load_transformers()
+    numpy_results = {} if args.engine_only else numpy_runs([n for n in names if n in HOST_PRESETS],
+                                                            args.repeats, log)
+    peers, missing = (None, "") if args.engine_only else load_transformers()
     if missing:
         log(f"note: {missing}")
     header = versions()
@@ -521,7 +529,7 @@ def main(argv=None) -> int:
         header.append(("peer", f"torch {peers[0].__version__}, transformers {peers[1].__version__}"))
     results = []
     for n in names:                               # the report is rewritten after every preset
-        results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log))
+        results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log, args.engine_only))
         report = write_record(args.out, results, header, command)
     print(report)
     return 0
