@@ -18,8 +18,19 @@ the launch boundary orders every read before every write. A row already in place
 (``accepted[j] == j``) is skipped by both launches; if every row is in place, ``compact``
 launches nothing.
 
+Version 2 (the default) needs neither scratch nor a second launch: parallelise over the columns
+instead of the rows. One thread owns one column of one layer (Ly x (R + dr) threads, every layer
+in one launch) and replays numpy's loop for it, j = 0 .. m-1 in increasing order. No two threads
+touch the same element, and within a thread the rule that makes numpy's loop safe holds: slot
+P + s is written by step s only, after every step that reads it (``accepted`` increases strictly
+from 0, so step j reads slot accepted[j] >= j). A thread issues COMPACT_BATCH reads before their
+writes, so a batch's loads overlap: a batch reads slots accepted[j] >= j, all past what earlier
+batches wrote.
+
 Kernels:
-- ``compact_kernel``: one block per (row j, layer), the threads stride over the R latent and then
+- ``compact_columns_kernel`` (version 2): one thread per (layer, column), every layer in one
+  launch, no scratch; P, accepted and m read from device arrays as below.
+- ``compact_kernel`` (version 1): one block per (row j, layer), the threads stride over the R latent and then
   the dr rope columns; ``gather``: scratch[layer, j] <- cache[layer, P + accepted[j]], else
   cache[layer, P + j] <- scratch[layer, j]. P, accepted and m are read from device arrays and the
   grid may cover more rows than m (blocks past m return): the engine captures it in a CUDA graph
@@ -34,13 +45,15 @@ is compacted in place).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import cuda, float32
 
 from ddtree.kv_cache import LatentKVCache, check_accepted
-from kernels.device import is_device_array, poisoned, to_device
+from kernels.device import check_version, is_device_array, poisoned, to_device
 
 TPB = 128
 F32, I64 = 4, 8
+COMPACT_BATCH = 8          # version 2: reads in flight per thread before their writes
+VERSIONS = (1, 2)          # compact's kernel versions
 
 
 # --8<-- [start:compact_kernel]
@@ -78,6 +91,49 @@ def launch_compact(cache_latent, cache_rope, start, accepted, count, scratch_lat
     for gather in (True, False):                                             # 1. gather, 2. write back
         compact_kernel[grid, TPB, stream](cache_latent, cache_rope, start, accepted, count,
                                           scratch_latent, scratch_rope, gather)
+
+
+# --8<-- [start:compact_columns_kernel]
+@cuda.jit
+def compact_columns_kernel(cache_latent, cache_rope, start, accepted, count):
+    """Version 2: thread (layer, column) of the Ly x (R + dr) columns (R latent, then dr rope)
+    runs numpy's loop for its column: slot P + j <- slot P + accepted[0, j], j = 0 .. m - 1 in
+    order (P = start[0], m = count[0]), rows in place skipped. Reads COMPACT_BATCH rows into
+    registers, then writes them. No shared memory; the grid may have spare threads (they return).
+    """
+    index = cuda.grid(1)
+    rank = cache_latent.shape[2]
+    width = rank + cache_rope.shape[2]
+    layer = index // width
+    column = index % width
+    if layer >= cache_latent.shape[0]:
+        return
+    first = start[0]
+    kept = count[0]
+    values = cuda.local.array(COMPACT_BATCH, float32)
+    for base in range(0, kept, COMPACT_BATCH):
+        for b in range(COMPACT_BATCH):                       # reads: slots accepted[j] >= j
+            j = base + b
+            if j < kept and accepted[0, j] != j:
+                source = first + accepted[0, j]
+                values[b] = cache_latent[layer, source, column] if column < rank \
+                    else cache_rope[layer, source, column - rank]
+        for b in range(COMPACT_BATCH):                       # writes: slots j, read before now
+            j = base + b
+            if j < kept and accepted[0, j] != j:
+                if column < rank:
+                    cache_latent[layer, first + j, column] = values[b]
+                else:
+                    cache_rope[layer, first + j, column - rank] = values[b]
+# --8<-- [end:compact_columns_kernel]
+
+
+def launch_compact_columns(cache_latent, cache_rope, start, accepted, count, stream=None) -> None:
+    """Version 2's one launch on device arrays: cache (Ly, C, R) / (Ly, C, dr), start and count
+    (1,), accepted (1, >= m)."""
+    columns = cache_latent.shape[0] * (cache_latent.shape[2] + cache_rope.shape[2])
+    compact_columns_kernel[(columns + TPB - 1) // TPB, TPB, stream](cache_latent, cache_rope, start,
+                                                                    accepted, count)
 
 
 # --8<-- [start:write_rows_kernel]
@@ -118,14 +174,17 @@ def check_compact(cache: LatentKVCache, start: int, accepted):
 
 
 # --8<-- [start:compact]
-def compact(cache: LatentKVCache, start: int, accepted, *, stream=None) -> None:
+def compact(cache: LatentKVCache, start: int, accepted, *, stream=None, version: int = 2) -> None:
     """Keep only the accepted tree rows: slot ``start + j`` <- slot ``start + accepted[j]``.
 
     ``cache.latent`` / ``cache.rope`` may be numpy arrays (the tree's window of slots is copied
     to the device and back) or device arrays (compacted in place, no host copy of the cache).
     ``accepted`` is tiny and decides the new length on the host, so a device ``accepted`` is
     copied to the host. ``stream`` is where the kernels are launched (None: the default stream).
+    ``version``: 2 (the default) one launch, a thread per column; 1 gathers through scratch and
+    writes back (two launches). The same bits either way (a copy).
     """
+    check_version(version, VERSIONS)
     accepted = check_compact(cache, start, accepted)                          # [m] int64
     kept = accepted.size
     if np.any(accepted != np.arange(kept)):                                   # fast path: nothing to move
@@ -134,10 +193,14 @@ def compact(cache: LatentKVCache, start: int, accepted, *, stream=None) -> None:
         latent = cache.latent if on_device else to_device(cache.latent[:, window])   # [Ly, C or span, R]
         rope = cache.rope if on_device else to_device(cache.rope[:, window])         # [Ly, C or span, dr]
         layers = latent.shape[0]
-        launch_compact(latent, rope, to_device(np.array([start if on_device else 0], np.int64)),
-                       to_device(accepted[None]), to_device(np.array([kept], np.int64)),
-                       poisoned((layers, kept, latent.shape[2]), stream=stream),
-                       poisoned((layers, kept, rope.shape[2]), stream=stream), kept, stream)
+        first, path = to_device(np.array([start if on_device else 0], np.int64)), to_device(accepted[None])
+        count = to_device(np.array([kept], np.int64))
+        if version == 2:
+            launch_compact_columns(latent, rope, first, path, count, stream)
+        else:
+            scratch = (poisoned((layers, kept, latent.shape[2]), stream=stream),      # [Ly, m, R]
+                       poisoned((layers, kept, rope.shape[2]), stream=stream))        # [Ly, m, dr]
+            launch_compact(latent, rope, first, path, count, *scratch, kept, stream)
         if not on_device:
             cache.latent[:, start:start + kept] = latent.copy_to_host()[:, :kept]
             cache.rope[:, start:start + kept] = rope.copy_to_host()[:, :kept]
@@ -148,7 +211,8 @@ def compact(cache: LatentKVCache, start: int, accepted, *, stream=None) -> None:
 def bytes_moved(*, Ly: int, R: int, dr: int, m: int, moved: int) -> int:
     """Fewest bytes ``compact`` moves: the ``moved`` accepted rows not already in place (of the m)
     read once and written once in each of the Ly layers (R + dr floats), and the m accepted
-    indices (int64). The kernel moves more: it gathers all m rows through scratch."""
+    indices (int64). Version 2 moves exactly these; version 1 moves the rows twice, through
+    scratch."""
     return 2 * F32 * moved * Ly * (R + dr) + I64 * m
 
 
@@ -158,7 +222,12 @@ def flops(*, Ly: int, R: int, dr: int, m: int, moved: int) -> int:
 
 
 def bench_cases(sizes):
-    """This module's case of ``python -m kernels.bench``: compact a verified tree's accepted path."""
+    """This module's cases of ``python -m kernels.bench``: compact a verified tree's accepted path,
+    version 2 (one launch) and version 1 (gather through scratch, then write back)."""
+    return [_compact_case(sizes, 2), _compact_case(sizes, 1)]
+
+
+def _compact_case(sizes, version: int):
     from kernels.bench.case import (  # lazily: kernels.bench imports this module
         Case,
         accepted_path,
@@ -184,21 +253,29 @@ def bench_cases(sizes):
     def call(inputs):
         cache, first, path, nodes = inputs
         cache.length = first + nodes           # verification appended the tree; compaction cuts it back
-        return compact(cache, first, path)
+        return compact(cache, first, path, version=version)
 
-    def prepare(inputs):                       # the engine's device buffers: start, path, count, scratch
+    def prepare(inputs):                       # the engine's device buffers: start, path, count (+ scratch)
         kept = accepted.size
         return (cuda.to_device(np.array([start], np.int64)), cuda.to_device(accepted[None]),
                 cuda.to_device(np.array([kept], np.int64)), poisoned((layers, kept, rank)),
                 poisoned((layers, kept, rope_dim)))
 
     def launch(inputs, given, stream):         # what the engine's round launches: no host copy
-        launch_compact(inputs[0].latent, inputs[0].rope, *given, accepted.size, stream)
+        cache, (first, path, count, scratch_latent, scratch_rope) = inputs[0], given
+        if version == 2:
+            launch_compact_columns(cache.latent, cache.rope, first, path, count, stream)
+        else:
+            launch_compact(cache.latent, cache.rope, first, path, count, scratch_latent, scratch_rope,
+                           accepted.size, stream)
 
     size_gb = layers * capacity * (rank + rope_dim) * F32 / 1e9
     dims = {"Ly": layers, "R": rank, "dr": rope_dim, "m": accepted.size, "moved": moved}
-    return [Case("kv_compact", f"keep a {accepted.size}-node accepted path of a {tree.size}-node tree, "
-                 f"{layers} layers", f"cache ({layers}, {capacity}, {rank}+{rope_dim}) {size_gb:.2f} GB",
-                 setup=setup, call=call, bytes=bytes_moved(**dims), flops=flops(**dims),
-                 note=f"bytes: {moved} rows moved; the kernel gathers all {accepted.size} through scratch",
-                 footprint=round(size_gb * 1e9), prepare=prepare, launch=launch)]
+    kernels = "one launch, a thread per column" if version == 2 else \
+        f"two launches, all {accepted.size} rows through scratch"
+    return Case("kv_compact" + ("" if version == 2 else "_v1"),
+                f"keep a {accepted.size}-node accepted path of a {tree.size}-node tree, {layers} layers",
+                f"cache ({layers}, {capacity}, {rank}+{rope_dim}) {size_gb:.2f} GB",
+                setup=setup, call=call, bytes=bytes_moved(**dims), flops=flops(**dims),
+                note=f"version {version}: {kernels}; bytes: {moved} rows moved",
+                footprint=round(size_gb * 1e9), prepare=prepare, launch=launch)

@@ -53,7 +53,7 @@ from kernels.accept import accept_batch
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
-from kernels.kv_cache import launch_compact, write_rows
+from kernels.kv_cache import launch_compact_columns, write_rows
 from kernels.linear import argmax, embed, linear
 from kernels.mla import (
     absorb_output,
@@ -456,8 +456,6 @@ class Transformer:
         merged = self.attention_splits > 1 or self.attention_heads_per_block > 1
         self.attention_partials = None if not merged else poisoned(
             (self.max_rows, config.num_attention_heads, self.attention_splits, config.kv_lora_rank + 2))
-        self.compact_latent = poisoned((config.num_hidden_layers, self.max_rows, config.kv_lora_rank))
-        self.compact_rope = poisoned((config.num_hidden_layers, self.max_rows, config.qk_rope_head_dim))
         self.device_root = None       # the root token the device holds (the last round's bonus)
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
@@ -609,8 +607,8 @@ class Transformer:
                          out=(accepted, b.accepted_count, b.bonus), stream=stream)  # path + bonus
 
         def compact(stream):
-            launch_compact(self.cache.latent, self.cache.rope, b.prefix, accepted, b.accepted_count,
-                           self.compact_latent, self.compact_rope, rows, stream)
+            launch_compact_columns(self.cache.latent, self.cache.rope, b.prefix, accepted, b.accepted_count,
+                                   stream)
             commit_round_kernel[1, 1, stream](
                 b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, accepted, b.accepted_count,
                 b.bonus, b.root, b.record[:3 + 4 * rows])

@@ -32,7 +32,7 @@ CASE_NAMES = [
     "moe_route", "moe_reduced", "tree_build_small", "tree_build_medium", "tree_build_large",
     "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1",
     "top_candidates_v1", "top_candidates_v2",
-    "accept_batch", "kv_compact", "sample", "rejection_step",
+    "accept_batch", "kv_compact", "kv_compact_v1", "sample", "rejection_step",
 ]
 
 

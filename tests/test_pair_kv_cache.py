@@ -1,8 +1,9 @@
 """Equivalence: kernels/kv_cache.py compact (numba.cuda) against ddtree/kv_cache.py compact (numpy).
 
 Compaction only copies float32 rows, so the caches must be equal bit for bit: assert_exact.
-The caches are filled with random values in every slot (no NaN), and the kernel's scratch
+The caches are filled with random values in every slot (no NaN), and version 1's scratch
 buffers start as NaN: a row the gather missed would show up as NaN in the compacted cache.
+Both versions (version 2: a thread per column, one launch) run every case.
 """
 
 import numpy as np
@@ -45,16 +46,24 @@ CASES = [
     (3, 33, 5, 0, 13, [0, 3, 7, 8, 12]),
     (1, 7, 3, 9, 4, [0, 3]),
     (2, 130, 9, 2, 6, [0, 1, 4, 5]),        # the first rows stay, then a jump
+    (2, 10, 3, 3, 30, [0, 1, 3, 4, 6, 9, 11, 14, 15, 19, 22, 27]),   # m = 12: version 2's 2 batches
 ]
 
 
+@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("layers, latent_dim, rope_dim, start, tree, accepted", CASES)
-def test_compact_matches_reference(layers, latent_dim, rope_dim, start, tree, accepted):
+def test_compact_matches_reference(layers, latent_dim, rope_dim, start, tree, accepted, version):
     cache = filled_cache(layers, start + tree + 3, latent_dim, rope_dim, start + tree, seed=tree)
     expected = copy_cache(cache)
     reference.compact(expected, start, np.array(accepted))
-    kernel.compact(cache, start, np.array(accepted))
+    kernel.compact(cache, start, np.array(accepted), version=version)
     assert_same_cache(cache, expected)
+
+
+def test_bad_version_is_refused():
+    cache = filled_cache(1, 12, 4, 2, 8)
+    with pytest.raises(ValueError, match="version"):
+        kernel.compact(cache, 2, np.array([0, 2]), version=3)
 
 
 def test_naive_parallel_in_place_copy_races():
@@ -78,6 +87,7 @@ def test_fast_path_launches_nothing(monkeypatch):
         raise AssertionError("compact launched a kernel for an in-place path")
 
     monkeypatch.setattr(kernel, "launch_compact", fail)
+    monkeypatch.setattr(kernel, "launch_compact_columns", fail)
     cache = filled_cache(2, 12, 8, 4, 10)
     expected = copy_cache(cache)
     kernel.compact(cache, 4, np.arange(3))
@@ -124,8 +134,9 @@ def test_mixed_host_and_device_cache_raises():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("on_device", [False, True])
-def test_compact_kimi_dims(on_device):
+def test_compact_kimi_dims(on_device, version):
     # Kimi-K2 per-layer dims (R 512, dr 64), 4 layers instead of 61, 8192 slots, a 257-node tree
     layers, capacity, start, tree = 4, 8192, 7000, 257
     cache = filled_cache(layers, capacity, 512, 64, start + tree, seed=7)
@@ -135,5 +146,5 @@ def test_compact_kimi_dims(on_device):
     reference.compact(expected, start, accepted)
     if on_device:
         cache.latent, cache.rope = cuda.to_device(cache.latent), cuda.to_device(cache.rope)
-    kernel.compact(cache, start, accepted)
+    kernel.compact(cache, start, accepted, version=version)
     assert_same_cache(cache, expected)
