@@ -7,10 +7,11 @@ same way), TPB threads per block.
 
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
 ``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
-block has up to ROW_THREADS = 1024 threads, a thread per element or close: a thread's loads of
-the row wait on each other (one loop iteration's load, then its add), so the row's time is
-about (D / TPB) memory latencies; with 128 threads the H200 ran a (64, 7168) norm in 27 µs
-of device time (docs/results/bench-h200-2026-12-01b.md). Bytes
+block has up to ROW_THREADS = 1024 threads, and each thread loads its elements ROW_BATCH at a time
+into registers before adding them: in a plain loop each iteration's load waits for the one
+before, so a row costs (D / TPB) memory latencies: with 1024 threads and such a loop the H200
+ran a (64, 7168) norm in 8.1 µs of device time (docs/results/bench-h200-2026-12-01b.md). A row
+of at most TPB x ROW_BATCH elements is read once: the scale pass uses the registers. Bytes
 (``bytes_moved``): each row is read twice (sum of squares, then scale; the second read usually
 hits L1/L2) and written once, plus the weight vector: the kernel is memory-bound.
 
@@ -41,6 +42,7 @@ from kernels.device import (
 
 F32 = 4            # bytes per float32
 ROW_THREADS = 1024  # the default block on a GPU: up to one thread per element of the row
+ROW_BATCH = 8       # a thread's row elements loaded together (registers)
 
 
 # --8<-- [start:rmsnorm_kernel]
@@ -51,24 +53,36 @@ def rmsnorm_kernel(threads: int):
     @cuda.jit
     def kernel(x, weight, eps, out):
         # one block = one row of x (T, D); one thread = columns tid, tid + TPB, tid + 2 TPB, ...
-        # shared memory: TPB float32 partial sums of squares, reduced to partial[0]
+        # read ROW_BATCH at a time into registers (their loads overlap), squares summed in column
+        # order; shared memory: TPB float32 partial sums of squares, reduced to partial[0]
         partial = cuda.shared.array(threads, float32)
+        values = cuda.local.array(ROW_BATCH, float32)
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         width = x.shape[1]
 
         acc = float32(0.0)
-        for d in range(tid, width, threads):
-            value = x[row, d]
-            acc += value * value
+        for base in range(tid, width, threads * ROW_BATCH):
+            for b in range(ROW_BATCH):
+                d = min(base + b * threads, width - 1)      # past the row: re-read its last column
+                values[b] = x[row, d]
+            for b in range(ROW_BATCH):
+                if base + b * threads < width:
+                    acc += values[b] * values[b]
         partial[tid] = acc
         block_sum(partial)
 
         # every thread reads the total; the same float32 operations, in the same order, as numpy
         mean_square = partial[0] / float32(width)
         inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-        for d in range(tid, width, threads):
-            out[row, d] = x[row, d] * inv_rms * weight[d]
+        if width <= threads * ROW_BATCH:                    # one batch: the row is in registers
+            for b in range(ROW_BATCH):
+                d = tid + b * threads
+                if d < width:
+                    out[row, d] = values[b] * inv_rms * weight[d]
+        else:
+            for d in range(tid, width, threads):
+                out[row, d] = x[row, d] * inv_rms * weight[d]
 
     return kernel
 # --8<-- [end:rmsnorm_kernel]
