@@ -63,6 +63,7 @@ _NEG_INF = np.float32(-np.inf)
 VIS_TILE = 16                    # visibility: 16 x 16 threads per block over (i, j)
 F32, I64 = 4, 8
 _STAGE = 1536                    # builder version 2: staged log-probs, L' x K' floats (6 KB)
+STAGE_BATCH = 8                  # ... copied 8 per thread at a time (their loads overlap)
 TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
 _NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
 VERSIONS = (1, 2)                # kernel versions of top_candidates and build_trees_device
@@ -305,9 +306,16 @@ def build_trees_sorted_kernel(root_tokens, top_logprobs, top_ids, budget, stage_
     front_weight = cuda.shared.array((2, _SLOTS), float32)
     stage = cuda.shared.array(_STAGE, float32)
 
-    if stage_width > 0:
-        for i in range(tid, stage_depths * stage_width, cuda.blockDim.x):
-            stage[i] = top_logprobs[request, i // stage_width, i % stage_width]
+    if stage_width > 0:                                       # STAGE_BATCH loads in flight per thread
+        staged = cuda.local.array(STAGE_BATCH, float32)
+        total = stage_depths * stage_width
+        for base in range(tid, total, cuda.blockDim.x * STAGE_BATCH):
+            for b in range(STAGE_BATCH):
+                i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
+                staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
+            for b in range(STAGE_BATCH):
+                if base + b * cuda.blockDim.x < total:
+                    stage[base + b * cuda.blockDim.x] = staged[b]
     depth_limit = top_logprobs.shape[1]                       # L
     rank_limit = top_logprobs.shape[2]                        # K
     nodes = 1 if budget > 0 and depth_limit > 0 else 0        # node 1 = (depth 1, rank 0), pops first
