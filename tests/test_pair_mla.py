@@ -533,6 +533,24 @@ def test_attention_gemm_tree_row_equals_the_chain_row_bit_for_bit(splits, rank, 
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
 
 
+def test_attention_gemm_sums_do_not_depend_on_the_heads_per_block():
+    """A head's partials are the same bits whichever GH heads share its block (1, 2 or 4: the head
+    in another group place, beside phantom heads or real ones): the kernel launched by hand."""
+    heads, prefix, depths, paths = 4, 20, np.array([2]), np.array([[0, 1, 2]])
+    case = Case("gemm", rows=3, prefix=prefix, mask="causal", heads=heads, rank=20, rope=5)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=2)
+    arrays = [to_device(a) for a in (q_lat[2:], q_pe[2:], cache_latent, cache_rope,
+                                     np.array([prefix], np.int64), depths, paths)]
+    bits = {}
+    for group in (1, 2, 4):
+        partials = to_device(np.full((1, heads, 1, 22), np.nan, np.float32))
+        launch = (heads // group, 1, 1), gpu.gemm_threads(group), 0, gpu.gemm_shared_bytes(group)
+        gpu.attention_gemm_kernel[launch](*arrays, np.float32(scale), gpu.GEMM_TILE, partials)
+        bits[group] = partials.copy_to_host().view(np.uint32)
+    for group in (2, 4):
+        assert_exact(bits[group], bits[1], name=f"partials bits, GH = {group} vs 1")
+
+
 def _tiny_paths_arrays(heads: int = 2, rank: int = 4):
     return (to_device(np.zeros((1, heads, rank), np.float32)), to_device(np.zeros((1, heads, 2), np.float32)),
             to_device(np.zeros((4, rank), np.float32)), to_device(np.zeros((4, 2), np.float32)),
