@@ -314,16 +314,19 @@ def test_attention_absorb_kimi_dims(rows):
 # ------------------------------------------------------------------------- attention over paths
 
 def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
-              heads_per_block=1):
-    """attention_paths on device copies, its outputs (and partials) poisoned with NaN first."""
+              heads_per_block=1, gemm=False, partials_out=None):
+    """attention_paths on device copies, its outputs (and partials) poisoned with NaN first;
+    ``partials_out`` (a list), when given, receives the partials as the kernel left them."""
     rows, heads, rank = q_lat.shape
     partials = None
-    if splits > 1 or heads_per_block > 1:
+    if splits > 1 or heads_per_block > 1 or gemm:
         partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32))
     out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
                               to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
-                              scale, splits=splits, heads_per_block=heads_per_block, partials=partials,
-                              out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+                              scale, splits=splits, heads_per_block=heads_per_block, gemm=gemm,
+                              partials=partials, out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+    if partials_out is not None:
+        partials_out.append(partials.copy_to_host())
     return out.copy_to_host()
 
 
@@ -467,6 +470,121 @@ def test_attention_paths_refuses_host_arrays():
         gpu.attention_paths(np.zeros((1, 1, 4), np.float32), *([None] * 6), 1.0)
 
 
+# ------------------------------------------------------ version 4: register-tiled (gemm=True)
+
+@pytest.mark.parametrize("rows, prefix, rank, rope, heads, splits", [
+    (3, 0, 13, 4, 2, 1),          # no prefix; GH = 2 < 4: one group with 2 phantom heads
+    (3, 30, 24, 6, 3, 2),         # tile 0 = 30 prefix keys + the path's first 2, tile 1 the rest; GH = 1
+    (2, 40, 200, 8, 4, 1),        # R + dr = 208: a full d-chunk of 192 and a partial one (R not a multiple)
+    (3, 29, 11, 3, 8, 3),         # GH = 8: 2 groups of 4 heads; one tile, 2 splits idle
+    (2, 20, 9, 2, 6, 2),          # GH = 2 < H = 6: 3 blocks of heads per (row, split)
+    (1, 5, 8, 2, 32, 1),          # GH = 16: 256 threads, 4 groups
+    (2, 35, 512, 64, 2, 2)])      # Kimi's R and dr: 3 d-chunks, 8 output columns a thread
+def test_attention_gemm_equals_the_masked_attention(rows, prefix, rank, rope, heads, splits):
+    """Version 4: a random tree's rows over prefix + path == attention_absorb under its ancestor
+    mask (outputs and partials poisoned with NaN first)."""
+    rng = np.random.default_rng(rows + prefix)
+    parents = random_parents(rng, rows)
+    depths, paths = ancestor_paths(parents)
+    case = Case("gemm", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
+                                    scale)
+    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits, gemm=True)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
+                 name=f"o_lat, version 4, GH = {gpu.gemm_heads(heads)}, Z = {splits}")
+
+
+def test_attention_gemm_writes_every_used_partial_and_no_idle_one():
+    """Splits with keys (z * GEMM_TILE < S_i) get every (acc, max, sum) entry; idle splits keep
+    their poison (the merge never reads them). Rows of 35 and 36 keys, 3 splits: 2 used."""
+    parents = np.array([-1, 0])
+    depths, paths = ancestor_paths(parents)
+    case = Case("gemm", rows=2, prefix=34, mask="causal", heads=2, rank=7, rope=2)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=4)
+    partials = []
+    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 3, gemm=True,
+                    partials_out=partials)
+    assert np.isfinite(out).all()
+    assert np.isfinite(partials[0][:, :, :2]).all(), "a used split left an entry unwritten"
+    assert np.isnan(partials[0][:, :, 2]).all(), "an idle split wrote its partial"
+
+
+@pytest.mark.parametrize("splits, rank, rope, heads", [(2, 10, 4, 2), (1, 10, 4, 6), (2, 512, 64, 2)])
+def test_attention_gemm_tree_row_equals_the_chain_row_bit_for_bit(splits, rank, rope, heads):
+    """Version 4: a tree node and the same keys laid out as a committed chain give bit-identical
+    outputs (40 keys: 2 tiles of 32; with 2 splits one each and a merge), also with the heads
+    spread over 3 blocks (H = 6, GH = 2, one split) and at Kimi's R = 512, dr = 64 (3 d-chunks).
+    The launch holds the tree's last 4 rows (their paths run through the other rows' slots), to
+    keep the simulator's time down."""
+    parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
+    depths, paths = ancestor_paths(parents)
+    case = Case("gemm", rows=8, prefix=35, mask="causal", heads=heads, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
+    tree_out = np.full(q_lat.shape, np.nan, np.float32)
+    tree_out[4:] = run_paths(q_lat[4:], q_pe[4:], cache_latent, cache_rope, prefix, depths[4:], paths[4:],
+                             scale, splits, gemm=True)
+    for node in (6, 7):
+        chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
+        rows_used = list(range(prefix)) + chain
+        latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
+        alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, gemm=True)
+        assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+def test_attention_gemm_sums_do_not_depend_on_the_heads_per_block():
+    """A head's partials are the same bits whichever GH heads share its block (1, 2 or 4: the head
+    in another group place, beside phantom heads or real ones): the kernel launched by hand."""
+    heads, prefix, depths, paths = 4, 20, np.array([2]), np.array([[0, 1, 2]])
+    case = Case("gemm", rows=3, prefix=prefix, mask="causal", heads=heads, rank=20, rope=5)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=2)
+    arrays = [to_device(a) for a in (q_lat[2:], q_pe[2:], cache_latent, cache_rope,
+                                     np.array([prefix], np.int64), depths, paths)]
+    bits = {}
+    for group in (1, 2, 4):
+        partials = to_device(np.full((1, heads, 1, 22), np.nan, np.float32))
+        launch = (heads // group, 1, 1), gpu.gemm_threads(group), 0, gpu.gemm_shared_bytes(group)
+        gpu.attention_gemm_kernel[launch](*arrays, np.float32(scale), gpu.GEMM_TILE, partials)
+        bits[group] = partials.copy_to_host().view(np.uint32)
+    for group in (2, 4):
+        assert_exact(bits[group], bits[1], name=f"partials bits, GH = {group} vs 1")
+
+
+def _tiny_paths_arrays(heads: int = 2, rank: int = 4):
+    return (to_device(np.zeros((1, heads, rank), np.float32)), to_device(np.zeros((1, heads, 2), np.float32)),
+            to_device(np.zeros((4, rank), np.float32)), to_device(np.zeros((4, 2), np.float32)),
+            to_device(np.zeros(1, np.int64)), to_device(np.zeros(1, np.int64)),
+            to_device(np.zeros((1, 1), np.int64)))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gemm": 1}, "gemm must be True or False, got 1"),
+    ({"gemm": "yes"}, "gemm must be True or False"),
+    ({"gemm": None}, "gemm must be True or False"),
+    ({"gemm": True, "heads_per_block": 2}, "heads_per_block must be 1 with gemm=True"),
+    ({"gemm": True, "heads_per_block": True}, "heads_per_block must be 1 with gemm=True"),
+    ({"gemm": True, "splits": 0}, "splits must be an integer in")])
+def test_attention_paths_refuses_bad_gemm_combinations(options, message):
+    with pytest.raises(ValueError, match=message):
+        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, **options)
+
+
+def test_attention_gemm_refuses_a_rank_past_its_registers():
+    with pytest.raises(ValueError, match=r"gemm=True needs a rank R <= 512 \(q_lat's last axis\), got 513"):
+        gpu.attention_paths(*_tiny_paths_arrays(rank=513), 1.0, gemm=True)
+
+
+@pytest.mark.parametrize("heads, group, threads", [
+    (64, 16, 256), (8, 8, 128), (48, 16, 256), (12, 4, 64), (6, 2, 64), (3, 1, 64), (1, 1, 64)])
+def test_gemm_heads(heads, group, threads):
+    """GH: the largest of 16, 8, 4, 2, 1 dividing H; 64 threads per group of 4 heads; the shared
+    memory fits the budget."""
+    assert gpu.gemm_heads(heads) == group
+    assert gpu.gemm_threads(group) == threads
+    assert gpu.gemm_shared_bytes(group) <= gpu.SHARED_BUDGET
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads_per_block", [1, 2, 4])
 @pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
@@ -494,4 +612,34 @@ def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
     chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
     alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
                       np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, heads_per_block)
+    assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 8])
+@pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
+def test_attention_gemm_kimi_dims(rows, splits, heads):
+    """Version 4 at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix; 64 heads: GH = 16, 256
+    threads; one rank's 8: GH = 8): equal to the masked reference, and a tree row bit-identical
+    to the same keys laid out as a chain."""
+    config = preset("kimi-k2.6")
+    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+    prefix = 4096 + 37
+    rng = np.random.default_rng(rows + splits + heads)
+    parents = random_parents(rng, rows)
+    depths, paths = ancestor_paths(parents)
+    keys = prefix + rows
+    q_lat = rng.standard_normal((rows, heads, rank), dtype=np.float32) * np.float32(0.2)
+    q_pe = rng.standard_normal((rows, heads, rope_dim), dtype=np.float32) * np.float32(0.2)
+    latent = rng.standard_normal((keys, rank), dtype=np.float32)
+    rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
+    scale = softmax_scale(config)
+    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
+    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits, gemm=True)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
+                 name=f"o_lat, version 4, {splits} splits, H = {heads}")
+    node = rows - 1
+    chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
+    alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
+                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, gemm=True)
     assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
