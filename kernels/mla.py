@@ -1022,11 +1022,14 @@ def check_splits(splits, name: str = "splits") -> None:
         raise ValueError(f"{name} must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
 
 
-def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int = 1) -> int:
+def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int = 1,
+                 gemm: bool = False) -> int:
     """Z for an engine whose cache holds ``capacity`` keys: the power of two that leaves each split
-    at most ``SPLIT_TILES`` tiles of a full cache, in [1, MAX_SPLITS]. Fixed by the engine's sizes,
-    never by the call, so every row of every step splits its keys the same way."""
-    tiles = -(-capacity // paths_heads_tile(rank, rope_dim, heads_per_block))
+    at most ``SPLIT_TILES`` tiles of a full cache, in [1, MAX_SPLITS] (tiles of ``paths_heads_tile``,
+    or version 4's GEMM_TILE with ``gemm``). Fixed by the engine's sizes, never by the call, so
+    every row of every step splits its keys the same way."""
+    tile = GEMM_TILE if gemm else paths_heads_tile(rank, rope_dim, heads_per_block)
+    tiles = -(-capacity // tile)
     splits = 1
     while splits < MAX_SPLITS and splits * SPLIT_TILES < tiles:
         splits *= 2
@@ -1130,8 +1133,9 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
     visible = visibility(parents)                                             # [T, T]
     keys = context + rows                                                     # S cache rows
     heads_per_block = paths_heads(heads) if version == 3 else 1               # G
-    splits = 1 if version == 1 else paths_splits(keys, rank, rope_dim, heads_per_block)   # Z
-    options = {"splits": splits, "heads_per_block": heads_per_block}
+    gemm = version == 4
+    splits = 1 if version == 1 else paths_splits(keys, rank, rope_dim, heads_per_block, gemm)   # Z
+    options = {"splits": splits, "heads_per_block": heads_per_block, "gemm": gemm}
 
     def setup(seed):
         return (uniform((rows, heads, rank), seed), uniform((rows, heads, rope_dim), seed + 1),
@@ -1139,7 +1143,7 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
                 cuda.to_device(np.array([context], np.int64)), cuda.to_device(depths),
                 cuda.to_device(paths), scale)
 
-    def prepare(inputs):                      # the output and version 2/3's partials, as the engine keeps
+    def prepare(inputs):                      # the output and version 2-4's partials, as the engine keeps
         partials = poisoned((rows, heads, splits, rank + 2)) if version > 1 else None
         return poisoned((rows, heads, rank)), partials
 
@@ -1150,7 +1154,8 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
                 f"q ({rows}, {heads}, {rank}+{rope_dim}) cache ({keys}, {rank}+{rope_dim})", setup=setup,
                 call=lambda inputs, **given: attention_paths(*inputs, **options, **given),
                 bytes=bytes_moved("attention_absorb", **dims), flops=flops("attention_absorb", **dims),
-                note=f"version {version}: Z={splits} G={heads_per_block}",
+                note=f"version {version}: Z={splits} " + (f"GH={gemm_heads(heads)}" if gemm
+                                                            else f"G={heads_per_block}"),
                 prepare=prepare,
                 launch=lambda inputs, given, stream: attention_paths(
                     *inputs, **options, partials=given[1], out=given[0], stream=stream),
@@ -1160,7 +1165,7 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
 def paths_cases(sizes):
     """The engine's attention: versions 1 to 3 for a decode row and a 16-node tree at the short
     context; version 2 and 3 for a 64-node tree; version 3 (the engine's) at the long context and
-    for one tensor-parallel rank's heads."""
+    for one tensor-parallel rank's heads; version 4 (register-tiled) beside version 3."""
     short, long = sizes.paths_contexts
     few, many = sizes.paths_trees
     every, rank = sizes.paths_heads
@@ -1168,7 +1173,9 @@ def paths_cases(sizes):
             (3, 1, every, long, "decode_long"), (3, 1, rank, long, "decode_rank_long"),
             (1, few, every, short, "tree_few"), (2, few, every, short, "tree_few"),
             (3, few, every, short, "tree_few"), (2, many, every, short, "tree_many"),
-            (3, many, every, short, "tree_many"), (3, many, rank, long, "tree_many_rank_long")]
+            (3, many, every, short, "tree_many"), (3, many, rank, long, "tree_many_rank_long"),
+            (4, 1, every, short, "decode"), (4, 1, every, long, "decode_long"),
+            (4, many, every, short, "tree_many"), (4, many, rank, long, "tree_many_rank_long")]
     return [_paths_case(sizes, version, rows, heads, context, f"paths_v{version}_{role}")
             for version, rows, heads, context, role in plan]
 # --8<-- [end:paths_cases]
@@ -1206,13 +1213,11 @@ def bench_cases(sizes):
     from kernels.bench.case import verified_tree  # lazily: kernels.bench imports this module
 
     tree = verified_tree(sizes)
-    short, long = sizes.decode_prefixes
+    short = sizes.decode_prefix
     decode = np.ones((1, 1), bool)
     cases = [
         _attention_case("attention_decode_short", f"absorbed MLA, 1 decode row, {short}-token context",
                         sizes, short, decode),
-        _attention_case("attention_decode_long", f"absorbed MLA, 1 decode row, {long}-token context",
-                        sizes, long, decode),
         _attention_case("attention_verify", f"verify a {tree.size}-node draft tree over a "
                         f"{sizes.verify_prefix}-token context", sizes, sizes.verify_prefix,
                         visibility(tree.parents)),

@@ -59,6 +59,7 @@ from kernels.mla import (
     absorb_output,
     absorb_query,
     attention_paths,
+    check_gemm,
     check_heads_per_block,
     check_splits,
     paths_heads,
@@ -396,7 +397,8 @@ class Transformer:
     ``attention_heads_per_block`` (G: 1, 2 or 4, dividing H) > 1 picks version 3, a block per
     (G heads, row, split) that stages each key tile once for its G heads; None takes
     ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
-    tile. Like Z, G is fixed per engine.
+    tile. Like Z, G is fixed per engine. ``attention_gemm=True`` picks version 4 instead (the
+    register-tiled kernel, ``gemm=True``; G must stay None or 1, Z's default follows its 32-key tile).
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
@@ -408,7 +410,7 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
-                 attention_heads_per_block: int | None = None,
+                 attention_heads_per_block: int | None = None, attention_gemm: bool = False,
                  moe_grouped_from_rows: int | None = None, linear_version: str = "tiles"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
@@ -418,6 +420,8 @@ class Transformer:
         if attention_heads_per_block is not None:
             check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
                                   name="attention_heads_per_block")
+        check_gemm(attention_gemm, 1 if attention_heads_per_block is None else attention_heads_per_block,
+                   config.kv_lora_rank)
         if moe_grouped_from_rows is None:
             moe_grouped_from_rows = moe_grouped_from(config)
         if isinstance(moe_grouped_from_rows, bool) or not isinstance(moe_grouped_from_rows, int) \
@@ -450,10 +454,13 @@ class Transformer:
         # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
         # cache's size (paths_splits), so every step and every bucket splits the keys alike;
         # version 3 (G > 1 heads per block) merges partials too
-        self.attention_heads_per_block = attention_heads_per_block or paths_heads(config.num_attention_heads)
+        self.attention_gemm = attention_gemm
+        self.attention_heads_per_block = 1 if attention_gemm else \
+            attention_heads_per_block or paths_heads(config.num_attention_heads)
         self.attention_splits = attention_splits or paths_splits(
-            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block)
-        merged = self.attention_splits > 1 or self.attention_heads_per_block > 1
+            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block,
+            attention_gemm)
+        merged = self.attention_splits > 1 or self.attention_heads_per_block > 1 or attention_gemm
         self.attention_partials = None if not merged else poisoned(
             (self.max_rows, config.num_attention_heads, self.attention_splits, config.kv_lora_rank + 2))
         self.device_root = None       # the root token the device holds (the last round's bonus)
@@ -522,8 +529,8 @@ class Transformer:
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
                                 b.paths[:rows], self.softmax_scale, splits=self.attention_splits,
-                                heads_per_block=self.attention_heads_per_block, partials=partials,
-                                out=b.o_lat[:rows], stream=s)                         # [T, H, R]
+                                heads_per_block=self.attention_heads_per_block, gemm=self.attention_gemm,
+                                partials=partials, out=b.o_lat[:rows], stream=s)      # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)

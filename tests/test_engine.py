@@ -194,13 +194,14 @@ def test_rejection_verifier_matches_numpy():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("attention_heads_per_block", 2),
+    ("attention_heads_per_block", 2), ("attention_gemm", True),
     pytest.param("linear_version", "warps", marks=pytest.mark.gpu)])   # 19 s in the simulator
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
-    2 heads in one block, with the engine's Z), or linear's "warps" for every projection and the
-    lm_head. A branching DDTree round gives the engine's AR tokens, which are numpy's. A one-token
-    prompt: no prefill; two AR forwards, and one verify forward (one round)."""
+    2 heads in one block, with the engine's Z), version 4 (register-tiled), or linear's "warps" for
+    every projection and the lm_head. A branching DDTree round gives the engine's AR tokens, which
+    are numpy's. A one-token prompt: no prefill; two AR forwards, and one verify forward (one
+    round)."""
     config = preset("micro")
     model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
                               **{option: value})

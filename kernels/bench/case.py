@@ -70,7 +70,7 @@ class Sizes:
     rows: int                     # T of the many-row cases: a tree of this many nodes is verified
     large_rows: int               # T of the bandwidth-bound row cases (a prefill)
     argmax_rows: int              # rows of logits for the argmax
-    decode_prefixes: tuple        # (short, long) context lengths of a decode step (masked attention)
+    decode_prefix: int            # context length of a decode step (masked attention)
     paths_contexts: tuple         # (short, long) context lengths of the engine's attention
     paths_trees: tuple            # (few, many) tree nodes verified by the engine's attention
     paths_heads: tuple            # (every head, one tensor-parallel rank's heads) of that attention
@@ -92,7 +92,7 @@ class Sizes:
 def full_sizes() -> Sizes:
     """Kimi K2.6 per-layer dimensions (``ddtree.config.preset("kimi-k2.6")``)."""
     return Sizes(config=preset("kimi-k2.6"), rows=64, large_rows=4096, argmax_rows=8,
-                 decode_prefixes=(4096, 32768),
+                 decode_prefix=4096,
                  paths_contexts=(16384, 131072), paths_trees=(16, 64), paths_heads=(64, 8),
                  verify_prefix=4096, route_tokens=16, moe_experts=32, moe_tokens=16, requests=64,
                  depths=15, budgets=(16, 64, 256), accept_budget=256, kv_layers=61, kv_capacity=8192,
@@ -103,7 +103,7 @@ def quick_sizes() -> Sizes:
     """Tiny shapes (preset "micro", vocab 16, MLP 8) that the CUDA simulator runs in seconds; the
     case names stay (a GEMV block per output: a small vocabulary keeps the simulator quick)."""
     config = dataclasses.replace(preset("micro"), vocab_size=16, intermediate_size=8)
-    return Sizes(config=config, rows=5, large_rows=7, argmax_rows=2, decode_prefixes=(8, 40),
+    return Sizes(config=config, rows=5, large_rows=7, argmax_rows=2, decode_prefix=8,
                  paths_contexts=(8, 24), paths_trees=(2, 3), paths_heads=(4, 4),
                  verify_prefix=8, route_tokens=2, moe_experts=4, moe_tokens=2, requests=2,
                  depths=3, budgets=(2, 4, 8), accept_budget=8, kv_layers=2, kv_capacity=64,
