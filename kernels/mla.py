@@ -93,6 +93,7 @@ GEMM_KEY_TILES = GEMM_TILE // GEMM_SCORE_KEYS          # 8
 GEMM_LANES = GEMM_KEY_TILES * GEMM_PARTS               # 64 threads per group of SH heads
 GEMM_COLUMNS = 8              # output columns a thread holds per head: lane + 64 j
 GEMM_MAX_RANK = GEMM_LANES * GEMM_COLUMNS              # 512
+GEMM_FROM_RANK = 512          # the engine takes version 4 from this R on (``paths_gemm``)
 GEMM_SLOTS = 2 * GEMM_TILE                             # the tile's cache slots, double-buffered
 GEMM_MAX_HEADS = 16           # GH at most (gemm_heads)
 GEMM_STATS = 2 * GEMM_MAX_HEADS                        # each head's running max and rescale factor
@@ -1034,6 +1035,15 @@ def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int =
     while splits < MAX_SPLITS and splits * SPLIT_TILES < tiles:
         splits *= 2
     return splits
+
+
+def paths_gemm(rank: int) -> bool:
+    """Whether the engine takes version 4: where R >= GEMM_FROM_RANK. Measured on the H200: at
+    R = 512 it made small's forward at 16k context 29% faster at T = 1 and 69% at T = 72
+    (profile-h200-2026-12-01f.md), and Kimi's attention 3.6x to 4x faster than version 3
+    (bench-h200-2026-12-01c.md); at tiny's R = 64 its AR step took 533 µs (record f) against
+    version 3's 496 µs (record e, an earlier call)."""
+    return rank >= GEMM_FROM_RANK
 
 
 def paths_heads(heads: int) -> int:

@@ -62,6 +62,7 @@ from kernels.mla import (
     check_gemm,
     check_heads_per_block,
     check_splits,
+    paths_gemm,
     paths_heads,
     paths_splits,
 )
@@ -397,8 +398,10 @@ class Transformer:
     ``attention_heads_per_block`` (G: 1, 2 or 4, dividing H) > 1 picks version 3, a block per
     (G heads, row, split) that stages each key tile once for its G heads; None takes
     ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
-    tile. Like Z, G is fixed per engine. ``attention_gemm=True`` picks version 4 instead (the
-    register-tiled kernel, ``gemm=True``; G must stay None or 1, Z's default follows its 32-key tile).
+    tile. Like Z, G is fixed per engine. ``attention_gemm`` True picks version 4 instead (the
+    register-tiled kernel, ``gemm=True``; G must stay None or 1, Z's default follows its 32-key
+    tile); None (the default) takes it where ``kernels.mla.paths_gemm`` does (R >= 512: small,
+    Kimi) unless G is given.
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
@@ -410,7 +413,7 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
-                 attention_heads_per_block: int | None = None, attention_gemm: bool = False,
+                 attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
                  moe_grouped_from_rows: int | None = None, linear_version: str = "tiles"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
@@ -420,6 +423,8 @@ class Transformer:
         if attention_heads_per_block is not None:
             check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
                                   name="attention_heads_per_block")
+        if attention_gemm is None:
+            attention_gemm = attention_heads_per_block is None and paths_gemm(config.kv_lora_rank)
         check_gemm(attention_gemm, 1 if attention_heads_per_block is None else attention_heads_per_block,
                    config.kv_lora_rank)
         if moe_grouped_from_rows is None:

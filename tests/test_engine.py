@@ -8,6 +8,7 @@ on == off bit for bit, the cache after every round, and a 2,000-token n-gram gen
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -247,6 +248,18 @@ def test_moe_versions_give_the_engine_the_same_logits():
     assert listed == [True, False], "version 2 lists the pairs (-1 poison overwritten), version 1 never does"
 
 
+def test_attention_version_4_is_the_default_from_rank_512():
+    """kernels.mla.paths_gemm decides the default: micro's R = 16 keeps versions 1-3; micro with
+    small's and Kimi's R = 512 takes version 4 unless G is given (only the choice: no forward)."""
+    assert not engine("micro", max_tree_nodes=8).attention_gemm
+    config = dataclasses.replace(preset("micro"), kv_lora_rank=512)
+    weights = init_weights(config, 0)
+    for heads_per_block, gemm in ((None, True), (2, False), (1, False)):
+        model = EngineTransformer(config, weights, max_tree_nodes=8,
+                                  attention_heads_per_block=heads_per_block)
+        assert model.attention_gemm is gemm, heads_per_block
+
+
 def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
@@ -263,6 +276,10 @@ def test_engine_refuses_bad_input_before_running():
             EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
     with pytest.raises(ValueError, match="attention_heads_per_block must be 1, 2 or 4"):
         EngineTransformer(model.config, {}, attention_heads_per_block=4)         # micro has 2 heads
+    with pytest.raises(ValueError, match="heads_per_block must be 1 with gemm=True"):
+        EngineTransformer(model.config, {}, attention_heads_per_block=2, attention_gemm=True)
+    with pytest.raises(ValueError, match="gemm must be True or False"):
+        EngineTransformer(model.config, {}, attention_gemm=1)
     for version in ("gemv", "rows", None):
         with pytest.raises(ValueError, match=r"linear_version must be one of \('tiles', 'warps'\)"):
             EngineTransformer(model.config, init_weights(model.config, 0), linear_version=version)

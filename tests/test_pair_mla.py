@@ -435,6 +435,11 @@ def test_attention_paths_refuses_bad_heads_per_block(heads_per_block):
         gpu.attention_paths(*arrays, 1.0, heads_per_block=heads_per_block)
 
 
+@pytest.mark.parametrize("rank, gemm", [(512, True), (64, False), (16, False), (511, False)])
+def test_paths_gemm_takes_version_4_from_rank_512(rank, gemm):
+    assert gpu.paths_gemm(rank) is gemm
+
+
 @pytest.mark.parametrize("heads, heads_per_block", [(16, 4), (64, 4), (4, 4), (8, 4), (6, 1), (2, 1), (3, 1)])
 def test_paths_heads(heads, heads_per_block):
     """G: 4 where 4 divides H, else 1 (2 measured slower for tiny-b's AR step)."""

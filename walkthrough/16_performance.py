@@ -2,7 +2,7 @@
 engine against tree size and context length. Everything here is read from the committed H200
 records under docs/results/ (nothing is measured on this machine):
 
-* bench-h200-2026-12-01b.md: each kernel at Kimi K2.6 shapes (``python -m kernels.bench``): its
+* bench-h200-2026-12-01c.md: each kernel at Kimi K2.6 shapes (``python -m kernels.bench``): its
   device time (outputs given, from a CUDA graph) and its public call's, against its floor
   max(bytes / copy bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
   kernel issue's targets that it measures;
@@ -30,7 +30,7 @@ import numpy as np
 
 STEM = "16_performance"
 RESULTS = chapter.ROOT / "docs" / "results"
-BENCH = RESULTS / "bench-h200-2026-12-01b.md"
+BENCH = RESULTS / "bench-h200-2026-12-01c.md"
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
 SMALL = RESULTS / "engine-small-h200-2026-11-30.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
@@ -124,8 +124,8 @@ def kernel_targets(cases) -> list[tuple[str, str, float, float, bool]]:
     heap = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"\| (tree_build_\w+) \|[^\n]*= ([\d.]+)x the GPU time", text)}
     rows = []
-    for name in ("paths_v3_decode", "paths_v3_decode_long", "paths_v3_decode_rank_long",
-                 "paths_v3_tree_few", "paths_v3_tree_many", "paths_v3_tree_many_rank_long"):
+    for name in ("paths_v4_decode", "paths_v4_decode_long", "paths_v4_tree_many",
+                 "paths_v4_tree_many_rank_long"):
         rows.append(("attention >= 40% of floor", name, 100 * by_name[name]["of_floor"], 40.0))
         rows.append(("attention >= 0.6x torch", name, by_name[name]["torch"] / by_name[name]["device"], 0.6))
     for name in ("rmsnorm_large", "rope_q_pe_large", "linear_gemv_mlp_up", "linear_gemv_lm_head"):

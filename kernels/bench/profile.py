@@ -203,7 +203,8 @@ def main(argv=None) -> int:
                         help="attention_paths' G (2 or 4: version 3, a block per G heads; default: "
                         "the engine's choice, kernels.mla.paths_heads)")
     parser.add_argument("--attention-gemm", action="store_const", const=True, default=None,
-                        help="attention_paths' version 4 (register-tiled, gemm=True)")
+                        help="attention_paths' version 4 (register-tiled, gemm=True; default: the "
+                        "engine's choice, kernels.mla.paths_gemm)")
     parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
                         help="forwards of at least this many rows run the MoE kernels' version 2, "
                         "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
