@@ -12,7 +12,8 @@ records under docs/results/ (nothing is measured on this machine):
   against the tree's size (``python -m kernels.bench engine --floor-only``);
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
-  with attention's version 2 (split over the keys).
+  with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
+  contexts with version 4 (register-tiled), the engine's default for small.
 
 Run: python walkthrough/16_performance.py
 
@@ -35,6 +36,7 @@ PROFILE = RESULTS / "profile-h200-2026-11-30.md"
 SMALL = RESULTS / "engine-small-h200-2026-11-30.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
+SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
 
 
@@ -240,7 +242,7 @@ def plot_small(result, sweeps) -> None:
     left.set_ylabel("ms")
     left.set_title("small: verify time against tree size")
     left.legend()
-    for (version, rows), style in zip(sweeps.items(), ("-", "--"), strict=True):
+    for (version, rows), style in zip(sweeps.items(), ("-", "--", ":"), strict=True):
         contexts = [r["context"] for r in rows]
         right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], "o" + style, color="tab:blue",
                    label=f"AR, attention {version}")
@@ -266,7 +268,7 @@ def main() -> None:
     plot_profile(before, after)
     result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
     sweeps = sweep_report({version: json.loads(path.read_text(encoding="utf-8"))
-                           for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT))})
+                           for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT), ("v4", SWEEP_GEMM))})
     plot_small(result, sweeps)
 
 
