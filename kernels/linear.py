@@ -14,7 +14,8 @@ TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state d
                     (what the engine runs by default: never picked by ``version=None``)
     version "warps": one warp per output column, lanes striding Din with their loads unrolled,
                     rows in registers; batch-invariant, built to stream W near copy bandwidth
-                    (an engine option until measured on the GPU)
+                    (an engine option: on the H200 it ran the AR step faster and tree rows
+                    slower than "tiles", profile-h200-2026-12-01e.md)
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so

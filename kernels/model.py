@@ -406,9 +406,12 @@ class Transformer:
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
     ``linear_version``: the projections' and lm_head's ``kernels.linear`` version, one of
-    LINEAR_VERSIONS ("tiles" by default; "warps" streams the weights with a warp per output column,
-    not yet measured on the GPU). Both are batch-invariant, so either keeps DDTree == AR, but they
-    round differently: two engines with different versions may differ in the last bits.
+    LINEAR_VERSIONS ("tiles" by default; "warps" streams the weights with a warp per output column:
+    on the H200 it made the AR step of tiny, tiny-b and small 9%, 10% and 1% shorter and every
+    forward of 24 rows or more longer, profile-h200-2026-12-01e.md; alone on Kimi's up projection
+    it ran at half the speed of "tiles", bench-h200-2026-12-01c.md). Both are batch-invariant, so
+    either keeps DDTree == AR, but they round differently: two engines with different versions may
+    differ in the last bits.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
