@@ -217,6 +217,7 @@ def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
 
 
+@pytest.mark.gpu                                                  # 8 s in the simulator
 def test_warps_engine_logits_match_numpy():
     """linear's "warps" for every projection and the lm_head: one 4-token forward's logits are
     numpy's (the whole DDTree round with warps is a GPU test, above)."""

@@ -51,8 +51,10 @@ How it is timed (per case):
      graph) uses set i mod sets.
   6. torch, where the case has a peer (``peers``) and torch runs here: the same work on the same
      device arrays, C copies in a torch CUDA graph, timed the same way.
-With ``--quick`` (the simulator's smoke test) one call is the warm-up and the timing, and the
-outputs-given launches run once, directly (the simulator has no graphs).
+With ``--quick`` (the simulator's smoke test) one input set; one call is the warm-up and the
+timing, and the outputs-given launches run once into its outputs, directly (the simulator has
+no graphs). Without it, input set 0's outputs-given launches also write into the warm-up's
+outputs (when the case has no ``prepare``).
 The tree-build cases also time the numpy reference (``ddtree.tree.build_tree``, a Python heap)
 on the same requests, on the CPU with the host clock: the GPU's speed-up over it is in the note.
 
