@@ -1173,15 +1173,15 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
 
 
 def paths_cases(sizes):
-    """The engine's attention: versions 1 to 3 for a decode row and a 16-node tree at the short
-    context; version 2 and 3 for a 64-node tree; version 3 (the engine's) at the long context and
-    for one tensor-parallel rank's heads; version 4 (register-tiled) beside version 3."""
+    """The engine's attention: versions 1 to 3 for a decode row at the short context; version 3 for
+    a 16-node tree; versions 2 and 3 for a 64-node tree; version 3 at the long context and for one
+    tensor-parallel rank's heads; version 4 (register-tiled, the engine's from R = 512) beside it.
+    (Versions 1 and 2 on a 16-node tree are in bench-h200-2026-12-01b.md and -c.md.)"""
     short, long = sizes.paths_contexts
     few, many = sizes.paths_trees
     every, rank = sizes.paths_heads
     plan = [(1, 1, every, short, "decode"), (2, 1, every, short, "decode"), (3, 1, every, short, "decode"),
             (3, 1, every, long, "decode_long"), (3, 1, rank, long, "decode_rank_long"),
-            (1, few, every, short, "tree_few"), (2, few, every, short, "tree_few"),
             (3, few, every, short, "tree_few"), (2, many, every, short, "tree_many"),
             (3, many, every, short, "tree_many"), (3, many, rank, long, "tree_many_rank_long"),
             (4, 1, every, short, "decode"), (4, 1, every, long, "decode_long"),

@@ -26,7 +26,7 @@ CASE_NAMES = [
     "linear_tiles_verify", "linear_warps_verify", "linear_gemm_prefill", "linear_tiles_prefill", "argmax",
     "attention_decode_short", "attention_verify",
     "paths_v1_decode", "paths_v2_decode", "paths_v3_decode", "paths_v3_decode_long",
-    "paths_v3_decode_rank_long", "paths_v1_tree_few", "paths_v2_tree_few", "paths_v3_tree_few",
+    "paths_v3_decode_rank_long", "paths_v3_tree_few",
     "paths_v2_tree_many", "paths_v3_tree_many", "paths_v3_tree_many_rank_long",
     "paths_v4_decode", "paths_v4_decode_long", "paths_v4_tree_many", "paths_v4_tree_many_rank_long",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",

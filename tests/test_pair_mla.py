@@ -346,8 +346,8 @@ def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, s
                  expected, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("splits, heads_per_block, rank, rope", [
-    (1, 1, 10, 4), (2, 1, 10, 4), (2, 2, 10, 4), (2, 1, 512, 64), (2, 2, 512, 64)])
+@pytest.mark.parametrize("splits, heads_per_block, rank, rope", [       # R = 512: the short tiles'
+    (1, 1, 10, 4), (2, 1, 10, 4), (2, 2, 10, 4), (2, 2, 512, 64)])         # score parts (version 3)
 def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads_per_block, rank, rope):
     """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
     one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2;
