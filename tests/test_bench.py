@@ -196,3 +196,15 @@ def test_device_timings_are_refused_in_the_simulator(command, capsys):
     with pytest.raises(SystemExit):
         main([command])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_gc_pauses_times_the_collector_and_unhooks_itself():
+    """The engine bench's round split reports the collector's pauses (a GPU run): the helper."""
+    import gc
+
+    from kernels.bench.engine import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect()
+    assert pauses.collections >= 1 and pauses.seconds > 0
+    assert pauses._callback not in gc.callbacks

@@ -12,7 +12,8 @@ Every figure side by side, measured in one run on one machine:
 - target forwards per run (prefill included in both decoders), kernel launches per forward;
 - each round's time split: draft (the drafter on the host), top-k, build, verify, accept, compact
   (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
-  round's wall time: copies, the wait for the record, Python);
+  round's wall time: copies, the wait for the record, Python); and the garbage collector's
+  pauses inside the round (``GcPauses``: already counted in draft or host, shown beside them);
 - ``small``: the AR step against its floor (the weight bytes one token reads / the copy
   bandwidth measured in this run), and the verify forward's time against the tree's size with the
   number of distinct experts the tree wakes per MoE layer.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import pathlib
@@ -64,6 +66,7 @@ SPLIT_BUDGET = 32                      # the round split is measured at this bud
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
 DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for the tree-size sweep
 PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "host")
+GC = "gc"                              # the garbage collector's pauses inside the round (in draft or host)
 
 
 def median_rate(run, tokens: int, repeats: int):
@@ -94,6 +97,28 @@ class TimedDrafter:
         logits = self.drafter.propose(context, block_size)
         self.seconds += time.perf_counter() - begin
         return logits
+
+
+class GcPauses:
+    """Seconds the garbage collector ran inside the block (``gc.callbacks``), and how many times:
+    ``with GcPauses() as pauses: ...; pauses.seconds, pauses.collections``."""
+
+    def __init__(self):
+        self.seconds, self.collections, self.started = 0.0, 0, 0.0
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.started
+            self.collections += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
 
 
 class RandomDrafter:
@@ -220,15 +245,18 @@ def round_split(model, prompt, continuation) -> dict[str, dict[str, float]]:
                                             continuation=continuation))
         model.round_timings = {}
         begin = time.perf_counter()
-        _, trace = engine_decode.generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK,
-                                                 budget=SPLIT_BUDGET)
+        with GcPauses() as pauses:
+            _, trace = engine_decode.generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK,
+                                                     budget=SPLIT_BUDGET)
         wall = time.perf_counter() - begin
         device_phases, model.round_timings = model.round_timings, None
         rounds = trace.verify_forwards
         phases = {"draft": drafter.seconds, **device_phases}
         phases["host"] = wall - sum(phases.values())
-        split[drafter_name] = {name: 1e6 * phases[name] / rounds for name in PHASES}
+        phases[GC] = pauses.seconds
+        split[drafter_name] = {name: 1e6 * phases[name] / rounds for name in (*PHASES, GC)}
         split[drafter_name]["rounds"] = rounds
+        split[drafter_name]["collections"] = pauses.collections
     return split
 
 
@@ -467,9 +495,11 @@ def format_report(results: list[dict], header: list, command: str) -> str:
         if "launches" in result:
             lines += ["", "Kernel launches: " + ", ".join(f"{k} {v}" for k, v in result["launches"].items())]
         if "split" in result:
-            split = ["| drafter | rounds | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 2) + "|"]
+            split = ["| drafter | rounds | " + " | ".join(PHASES) + " | gc (of draft + host) |",
+                     "|---" * (len(PHASES) + 3) + "|"]
             split += [f"| {drafter_name} | {row['rounds']} | " + " | ".join(f"{row[p]:.0f}" for p in PHASES)
-                      + " |" for drafter_name, row in result["split"].items()]
+                      + (f" | {row[GC]:.0f} ({row['collections']} collections) |" if GC in row else " | - |")
+                      for drafter_name, row in result["split"].items()]
             lines += ["", f"Round split at budget {SPLIT_BUDGET} (µs per round; device phases between CUDA "
                       "events):", ""] + section(f"split-{name}", split)
         if "floor" in result:
