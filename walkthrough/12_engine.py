@@ -103,13 +103,17 @@ def bus_bytes() -> None:
             print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {sent:>18,} B {read:>11,} B")
 
 
-def measured() -> dict | None:
-    if not RESULTS:
-        print("no committed engine benchmark record under docs/results (python -m kernels.bench engine)")
-        return None
-    record = json.loads(RESULTS[-1].read_text())
-    print(f"measured on the H200: {pathlib.Path(RESULTS[-1]).name}")
-    return record
+def measured(complete: bool) -> dict | None:
+    """The newest committed engine record; with ``complete``, the newest with every system (the
+    engine with and without graphs, numpy, transformers: not an ``--engine-only`` run)."""
+    for path in reversed(RESULTS):
+        record = json.loads(path.read_text())
+        systems = {run["system"] for result in record["results"] for run in result.get("runs", [])}
+        if not complete or "engine, no graphs" in systems:
+            print(f"measured on the H200: {pathlib.Path(path).name}")
+            return record
+    print("no committed engine benchmark record under docs/results (python -m kernels.bench engine)")
+    return None
 
 
 def plot_tokens(record) -> None:
@@ -169,11 +173,13 @@ def main() -> None:
         with chapter.timed("one round on the engine"):
             one_round(setup)
         bus_bytes()
-        record = measured()
+        record = measured(complete=True)
         if record:
             print_results(record)
             plot_tokens(record)
-            plot_split(record)
+        newest = measured(complete=False)
+        if newest:
+            plot_split(newest)
 
 
 if __name__ == "__main__":
