@@ -590,17 +590,14 @@ def test_gemm_heads(heads, group, threads):
     assert gpu.gemm_shared_bytes(group) <= gpu.SHARED_BUDGET
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads_per_block", [1, 2, 4])
-@pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
-def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
-    """Every version at Kimi K2.6 dims (64 heads, latent 512 + rope 64, a 4k prefix; G = 1: versions
-    1 and 2, G = 2, 4: version 3, tile 8): equal to the masked reference, and a tree row
-    bit-identical to the same keys laid out as a chain."""
+def check_kimi_dims(rows: int, heads: int, seed: int, name: str, **options) -> None:
+    """attention_paths with ``options`` at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix, a
+    random tree of ``rows`` nodes): equal to the masked reference, and the last row bit-identical
+    to the same keys laid out as a chain."""
     config = preset("kimi-k2.6")
-    heads, rank, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
     prefix = 4096 + 37
-    rng = np.random.default_rng(rows + splits)
+    rng = np.random.default_rng(seed)
     parents = random_parents(rng, rows)
     depths, paths = ancestor_paths(parents)
     keys = prefix + rows
@@ -610,41 +607,30 @@ def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
     rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
     scale = softmax_scale(config)
     expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
-    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits, heads_per_block)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
-                 name=f"o_lat, {splits} splits, G = {heads_per_block}")
+    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, **options)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=name)
     node = rows - 1
     chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
     alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
-                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, heads_per_block)
+                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, **options)
     assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block", [1, 2, 4])
+@pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
+def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
+    """Every version at Kimi K2.6 dims (64 heads; G = 1: versions 1 and 2, G = 2, 4: version 3,
+    tile 8): equal to the masked reference, and a tree row equal to its chain bit for bit."""
+    check_kimi_dims(rows, 64, rows + splits, f"o_lat, {splits} splits, G = {heads_per_block}",
+                    splits=splits, heads_per_block=heads_per_block)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [64, 8])
 @pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
 def test_attention_gemm_kimi_dims(rows, splits, heads):
-    """Version 4 at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix; 64 heads: GH = 16, 256
-    threads; one rank's 8: GH = 8): equal to the masked reference, and a tree row bit-identical
-    to the same keys laid out as a chain."""
-    config = preset("kimi-k2.6")
-    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
-    prefix = 4096 + 37
-    rng = np.random.default_rng(rows + splits + heads)
-    parents = random_parents(rng, rows)
-    depths, paths = ancestor_paths(parents)
-    keys = prefix + rows
-    q_lat = rng.standard_normal((rows, heads, rank), dtype=np.float32) * np.float32(0.2)
-    q_pe = rng.standard_normal((rows, heads, rope_dim), dtype=np.float32) * np.float32(0.2)
-    latent = rng.standard_normal((keys, rank), dtype=np.float32)
-    rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
-    scale = softmax_scale(config)
-    expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
-    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, splits, gemm=True)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
-                 name=f"o_lat, version 4, {splits} splits, H = {heads}")
-    node = rows - 1
-    chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
-    alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
-                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, gemm=True)
-    assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
+    """Version 4 at Kimi K2.6 dims (64 heads: GH = 16, 256 threads; one rank's 8: GH = 8): equal
+    to the masked reference, and a tree row equal to its chain bit for bit."""
+    check_kimi_dims(rows, heads, rows + splits + heads, f"o_lat, version 4, {splits} splits, H = {heads}",
+                    splits=splits, gemm=True)
