@@ -257,17 +257,17 @@ def _compact_case(sizes, version: int):
 
     def prepare(inputs):                       # the engine's device buffers: start, path, count (+ scratch)
         kept = accepted.size
-        return (cuda.to_device(np.array([start], np.int64)), cuda.to_device(accepted[None]),
-                cuda.to_device(np.array([kept], np.int64)), poisoned((layers, kept, rank)),
-                poisoned((layers, kept, rope_dim)))
+        given = (cuda.to_device(np.array([start], np.int64)), cuda.to_device(accepted[None]),
+                 cuda.to_device(np.array([kept], np.int64)))
+        return given if version == 2 else (*given, poisoned((layers, kept, rank)),
+                                           poisoned((layers, kept, rope_dim)))
 
     def launch(inputs, given, stream):         # what the engine's round launches: no host copy
-        cache, (first, path, count, scratch_latent, scratch_rope) = inputs[0], given
+        cache = inputs[0]
         if version == 2:
-            launch_compact_columns(cache.latent, cache.rope, first, path, count, stream)
+            launch_compact_columns(cache.latent, cache.rope, *given, stream)
         else:
-            launch_compact(cache.latent, cache.rope, first, path, count, scratch_latent, scratch_rope,
-                           accepted.size, stream)
+            launch_compact(cache.latent, cache.rope, *given, accepted.size, stream)
 
     size_gb = layers * capacity * (rank + rope_dim) * F32 / 1e9
     dims = {"Ly": layers, "R": rank, "dr": rope_dim, "m": accepted.size, "moved": moved}
