@@ -230,6 +230,7 @@ class Result:
     device: DeviceTime | None = None           # the kernels alone, outputs given, from a graph
     device_error: str = ""                     # why there is no device time
     peer_seconds: float | None = None          # torch's device time for the same work
+    peer_error: str = ""                       # why torch has no time, when it has a peer and failed
 
     @property
     def best_seconds(self) -> float:
@@ -262,6 +263,13 @@ class Report:
         return self.fp32_flops or hardware.fp32_flops()
 
 
+def graph_copies(seconds: float, sets: int) -> int:
+    """Calls per graph replay for a call of about ``seconds``: GRAPH_SECONDS of work, at most
+    MAX_COPIES, a multiple of the input sets (each set used equally often)."""
+    copies = max(sets, min(MAX_COPIES, math.ceil(GRAPH_SECONDS / seconds)))
+    return -(-copies // sets) * sets
+
+
 def run_case(case: Case, quick: bool) -> Result:
     seed = zlib.crc32(case.name.encode())
     # enough input sets to touch at least twice the L2 between two uses of one set, so no timed
@@ -288,19 +296,17 @@ def run_case(case: Case, quick: bool) -> Result:
                   for i, state in enumerate(states)]
         launches = [lambda stream, state=state, given=given: case.launch_given(state, given, stream)
                     for state, given in zip(states, givens, strict=True)]
-        copies = 1 if quick else max(sets, min(MAX_COPIES, math.ceil(GRAPH_SECONDS / seconds)))
-        device = graph_seconds(launches, -(-copies // sets) * sets, quick)
+        device = graph_seconds(launches, 1 if quick else graph_copies(seconds, sets), quick)
     except Exception as error:                                                  # reported, not fatal
         device_error = f"{type(error).__name__}: {error}"[:200]
-    peer_seconds = None
+    peer_seconds, peer_error = None, ""
     if case.peer is not None and peers.available():
-        per_call = device.seconds if device else seconds
-        copies = max(sets, min(MAX_COPIES, math.ceil(GRAPH_SECONDS / per_call)))
         try:
             peer_seconds = peers.graph_seconds([case.peer(state) for state in states],
-                                               -(-copies // sets) * sets, MIN_REPEATS)
+                                               graph_copies(device.seconds if device else seconds, sets),
+                                               MIN_REPEATS)
         except Exception as error:                                              # reported, not fatal
-            device_error += f" torch: {type(error).__name__}: {error}"[:200]
+            peer_error = f"{type(error).__name__}: {error}"[:200]
     baseline_seconds = None
     if case.baseline is not None:
         begin = time.perf_counter()
@@ -316,7 +322,7 @@ def run_case(case: Case, quick: bool) -> Result:
     del states, calls, givens, launches, first
     free_device_memory()
     return Result(case, seconds, repeats, sets, count[0], baseline_seconds, host_seconds, device,
-                  device_error, peer_seconds)
+                  device_error, peer_seconds, peer_error)
 
 
 def measure_copy(nbytes: int, quick: bool) -> float:

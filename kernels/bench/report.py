@@ -45,6 +45,8 @@ def table_row(result: Result, report: Report) -> list[str]:
                  + (f", {result.sets} input sets" if result.sets > 1 else ""))
     if result.device_error:
         notes.append(f"no device time: {result.device_error}")
+    if result.peer_error:
+        notes.append(f"no torch time: {result.peer_error}")
     return [case.name, case.shape, _number(result.device.seconds * 1e6) if result.device else "-",
             _number(result.seconds * 1e6), _number(result.host_seconds * 1e6), _number(rate / 1e9),
             "-" if compute_bound else _number(100 * rate / report.copy_bandwidth),
