@@ -303,8 +303,13 @@ def tree_size_sweep(model, prompt) -> list[dict]:
 
 
 def load_transformers():
+    """(torch, transformers) with TF32 off (``peers.torch_or_none``), or None and why not."""
+    from kernels.bench import peers
+
+    torch = peers.torch_or_none()
+    if torch is None:
+        return None, "torch with CUDA is not available here: the peer column is skipped"
     try:
-        import torch
         import transformers
     except ImportError as error:
         return None, f"transformers not installed ({error}): the peer column is skipped"
@@ -313,9 +318,7 @@ def load_transformers():
 
 def transformers_rate(modules, config, weights, prompt, expected, repeats: int) -> tuple[float, bool]:
     """transformers' DeepseekV3ForCausalLM (eager, fp32, TF32 off) generate from our checkpoint."""
-    torch, transformers = modules
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch, transformers = modules                                  # TF32 off: load_transformers
     with tempfile.TemporaryDirectory() as directory:
         save_pretrained(directory, config, weights)
         kwargs = dict(attn_implementation="eager", dtype=torch.float32)
