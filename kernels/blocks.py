@@ -93,10 +93,15 @@ def block_sums(scratch):
 # --8<-- [start:block_max]
 @cuda.jit(device=True)
 def block_max(scratch):
-    """scratch[0] = max(scratch[:TPB]) (-inf entries are fine): ``segment_max``'s tree over one
-    segment, the whole block (thread t keeps max(scratch[t], scratch[t + stride]) for halving
-    strides, a barrier per level)."""
-    segment_max(scratch, cuda.blockDim.x)
+    """scratch[0] = max(scratch[:TPB]) (-inf entries are fine)."""
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            scratch[tid] = max(scratch[tid], scratch[tid + stride])
+        cuda.syncthreads()
+        stride //= 2
 # --8<-- [end:block_max]
 
 
