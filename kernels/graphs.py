@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from kernels.device import SIMULATOR, cuda
+import numpy as np
+
+from kernels.device import SIMULATOR
+
+if not SIMULATOR:
+    from cuda.bindings import driver
 
 
 class Graphs:
@@ -34,15 +39,13 @@ class Graphs:
         self.marks: list = []                     # CUDA events of run_timed
         if SIMULATOR:
             self.stream = 0                       # the simulator's only stream
-            self.copy_stream = 0
         else:
             from cuda.core import Device
 
             device = Device()
             device.set_current()
-            self.stream = device.create_stream()  # launches and graph replays
-            # the same stream, wrapped for numba's host <-> device copies
-            self.copy_stream = cuda.external_stream(int(self.stream.handle))
+            self.stream = device.create_stream()  # launches, graph replays and copies
+            self.stream_handle = int(self.stream.handle)
 
     # --8<-- [start:run]
     def run(self, key: Hashable, sequence: Callable[[object], None]) -> None:
@@ -88,17 +91,50 @@ class Graphs:
         if not SIMULATOR:
             self.stream.sync()
 
+    # --8<-- [start:copies]
     def upload(self, host, device_array) -> None:
-        """Copy a small host array into a fixed device buffer, ordered on the engine's stream."""
+        """Copy a small host array into a fixed device buffer, ordered on the engine's stream.
+
+        On a GPU this is one driver call (``cuMemcpyHtoDAsync``): numba's ``copy_to_device`` builds
+        and checks array wrappers first, which cost more host time than the copy of a round's few
+        kilobytes. From pageable memory the driver stages the bytes before it returns, so ``host``
+        may be reused at once."""
+        host = _matching_host(host, device_array)
         if SIMULATOR:
             device_array.copy_to_device(host)
-        else:
-            device_array.copy_to_device(host, stream=self.copy_stream)
+        elif host.nbytes:
+            _check(driver.cuMemcpyHtoDAsync(_device_pointer(device_array), host.ctypes.data, host.nbytes,
+                                            self.stream_handle))
 
     def download(self, device_array):
-        """Copy a device buffer to the host; waits for everything launched before it."""
+        """Copy a device buffer to the host; waits for everything launched before it (one driver
+        call, then the stream's synchronisation)."""
         if SIMULATOR:
             return device_array.copy_to_host()
-        host = device_array.copy_to_host(stream=self.copy_stream)
-        self.copy_stream.synchronize()
+        host = np.empty(device_array.shape, device_array.dtype)
+        if host.nbytes:
+            _check(driver.cuMemcpyDtoHAsync(host.ctypes.data, _device_pointer(device_array), host.nbytes,
+                                            self.stream_handle))
+        self.stream.sync()
         return host
+    # --8<-- [end:copies]
+
+
+def _check(result) -> None:
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {result[0]!r}")
+
+
+def _device_pointer(device_array) -> int:
+    if not device_array.is_c_contiguous():
+        raise ValueError("device_array must be C-contiguous (a fixed engine buffer or a leading slice)")
+    return device_array.device_ctypes_pointer.value
+
+
+def _matching_host(host, device_array) -> np.ndarray:
+    """``host`` as a C-contiguous array of the device buffer's dtype and size (no silent casts)."""
+    host = np.ascontiguousarray(host)
+    if host.dtype != device_array.dtype or host.size != device_array.size:
+        raise ValueError(f"host must be {device_array.dtype} with {device_array.size} elements to fill the "
+                         f"device buffer, got {host.dtype} with {host.size}")
+    return host
