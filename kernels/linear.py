@@ -354,7 +354,7 @@ class GemmTiles(NamedTuple):
 
 
 # ptxas (sm_90) for the GPU's shapes: no spills; WIDE 128 registers and 33 KB of shared memory,
-# NARROW 96 and 36 KB: two blocks of 256 threads per SM either way (not yet timed on the H200)
+# NARROW 98 and 36 KB: two blocks of 256 threads per SM either way (not yet timed on the H200)
 GEMM_WIDE = GemmTiles(128, 128, 8, 8, 1, 16)   # many rows: a slice per launch
 GEMM_NARROW = GemmTiles(32, 32, 4, 4, 4, 16)   # few rows: 4 slices at once, so 64 rows fill the GPU
 GEMM_SIMULATED = GemmTiles(8, 16, 4, 4, 2, 8)  # the simulator's: 16 threads per block
@@ -478,13 +478,17 @@ def tiles_gemm_kernel(tiles: GemmTiles):
                 load(x, t0, k, s < slices and k < depth, x_next, x_loads, lr)
                 load(weight, n0, k, s < slices and k < depth, w_next, w_loads, lr)
             width = min(step, depth - start(s, at, slices)) if s < slices else 0
-            if width == step:                # 4 calls: numba leaves a loop over all `step` rolled
-                for k4 in range(step // 4):
-                    r = row + non_negative(k4 * 4)
+            if width == step:                # 8 calls: numba leaves a loop over them rolled
+                for k8 in range(step // 8):
+                    r = row + non_negative(k8 * 8)
                     rank1(xs, ws, r, ty4, tx4, acc, xf, wf)
                     rank1(xs, ws, r + 1, ty4, tx4, acc, xf, wf)
                     rank1(xs, ws, r + 2, ty4, tx4, acc, xf, wf)
                     rank1(xs, ws, r + 3, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 4, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 5, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 6, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 7, ty4, tx4, acc, xf, wf)
             else:                            # the end of Din: `width` terms (none past it)
                 for q in range(width):
                     rank1(xs, ws, row + non_negative(q), ty4, tx4, acc, xf, wf)
