@@ -4,7 +4,7 @@ Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden
 TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
 ``y = x @ W.T``.
 
-``linear`` has five kernel versions; ``version=None`` picks by the number of rows:
+``linear`` has six kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
     version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
     version "rows": one block per output column n for every row, the GEMV's reduction per row;
@@ -12,6 +12,9 @@ TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state d
     version "tiles": one lane per output column, 32 columns per block, rows in registers, Din
                     cut into fixed slices summed in order; batch-invariant and far fewer blocks
                     (what the engine runs by default: never picked by ``version=None``)
+    version "tiles_gemm": a register-tiled GEMM that adds every output's terms in "tiles"' order:
+                    the same bits as "tiles", 4 to 16 times fewer weight reads for many rows
+                    (the engine's projections from ``kernels.model.GEMM_FROM_ROWS`` rows on)
     version "warps": one warp per output column, lanes striding Din with their loads unrolled,
                     rows in registers; batch-invariant, built to stream W near copy bandwidth
                     (an engine option: on the H200 it ran the AR step faster and tree rows
@@ -34,23 +37,38 @@ shared memory so that the loads stay coalesced, and every staged weight serves a
 the block's warps take Din's slices 0, S, 2S, ... / 1, S + 1, ... and their S partial sums are
 added in slice order. S depends on Din only (``k_slices``), never on T.
 
+"tiles" still reads W once per pass of 8 rows, and its inner loop reads shared memory once per
+multiply-add (the x value; each weight serves 8): on the H200 its 64-row 7168 -> 2048 projection
+ran at 0.22x torch's SGEMM. "tiles_gemm" computes the same sums as a register-tiled GEMM. Its
+order is "tiles"': slice s of Din (chunks s, s + S, ...) is summed from zero, k in order, into
+P_s, and y = P_0 + P_1 + ... + P_{S-1}. Within that order it is free to tile: a block owns a tile
+of rows x columns of y (32 x 32 or 128 x 128, ``GemmTiles``), each thread a 4 x 4 or 8 x 8
+sub-tile in registers, so every staged weight serves a whole tile of rows and every fragment read
+(one float4) feeds 4 or 8 multiply-adds; the next step's tiles are loaded into registers while
+the current step's sums run. Its thread groups sum several slices at once (32 x 32 tiles: all 4,
+so a 64-row projection still fills the GPU) and add them into y in slice order; with one group
+per block (128 x 128 tiles) one launch per slice continues the sum in y. The tile shape depends
+on the result's size, never the order, so the bits are "tiles"' at any T (on the GPU both compile
+``acc += x * w`` to the same fused multiply-add).
+
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
 first maximal index wins, and NaN counts as larger than everything (np.argmax returns the first
 NaN).
 
 Kernels whose shared arrays depend on TPB are built per block size and cached
-(``gemv_kernel(TPB)``, ``argmax_kernel(TPB)``): a shared array needs a size known when the
-kernel compiles. ``bytes_moved`` and ``flops`` give each operation's cost model.
+(``gemv_kernel(TPB)``, ``argmax_kernel(TPB)``, ``tiles_gemm_kernel(tiles)``): a shared array
+needs a size known when the kernel compiles. ``bytes_moved`` and ``flops`` give each operation's cost model.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64, uint32
 
 from ddtree import linear as reference
 from kernels.blocks import (
@@ -79,7 +97,7 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows", "tiles", "warps")
+VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
@@ -95,6 +113,12 @@ LANES_PADDED = 33   # "tiles": a W tile row, one float longer than LANES (no ban
 # the simulator, where every thread is a Python thread, runs one
 WARPS_PER_BLOCK = 1 if SIMULATOR else 4
 UNROLL = 4          # "warps": W loads a lane issues before it adds them (in order)
+
+# "tiles_gemm": the register-tiled GEMM that sums exactly as "tiles" (tiles_gemm_kernel, GemmTiles)
+GEMM_PAD = 4        # floats after each staged k-row of a tile: rows stay 16-byte aligned (float4 reads)
+GEMM_ALIGN = None if SIMULATOR else 16   # the staged tiles' alignment (the simulator takes none)
+GEMM_SHARED_BYTES = 48 * 1024            # numba's cap on a block's static shared memory
+GEMM_WIDE_BLOCKS = 264   # GEMM_WIDE only where its tiles fill 2 blocks on each of the H200's 132 SMs
 
 
 def k_slices(depth: int) -> int:
@@ -305,6 +329,207 @@ def tiles_kernel(x, weight, out):
 # --8<-- [end:tiles_kernel]
 
 
+# --8<-- [start:tiles_gemm_kernel]
+class GemmTiles(NamedTuple):
+    """A launch shape of "tiles_gemm" (none of it changes a sum). A block computes a ``rows`` x
+    ``cols`` tile of y with ``groups`` groups of threads, each group summing its own slice of Din;
+    a group is (rows / thread_rows) x (cols / thread_cols) threads, each holding a thread_rows x
+    thread_cols tile of y in registers. ``step``: Din staged at a time (a divisor of LANES)."""
+
+    rows: int
+    cols: int
+    thread_rows: int
+    thread_cols: int
+    groups: int
+    step: int
+
+    @property
+    def group_threads(self) -> int:
+        return (self.rows // self.thread_rows) * (self.cols // self.thread_cols)
+
+    @property
+    def shared_bytes(self) -> int:
+        # per group, two buffers (double-buffered) of ``step`` k-rows of the x and W tiles
+        return F32 * self.groups * 2 * self.step * (self.rows + self.cols + 2 * GEMM_PAD)
+
+
+# ptxas (sm_90) for the GPU's shapes: no spills; WIDE 128 registers and 33 KB of shared memory,
+# NARROW 98 and 36 KB: two blocks of 256 threads per SM either way (not yet timed on the H200)
+GEMM_WIDE = GemmTiles(128, 128, 8, 8, 1, 16)   # many rows: a slice per launch
+GEMM_NARROW = GemmTiles(32, 32, 4, 4, 4, 16)   # few rows: 4 slices at once, so 64 rows fill the GPU
+GEMM_SIMULATED = GemmTiles(8, 16, 4, 4, 2, 8)  # the simulator's: 16 threads per block
+
+
+def check_gemm_tiles(tiles) -> None:
+    """A GemmTiles the kernel can run: thread tiles of whole float4 fragments dividing the block's,
+    a step of 8, 16 or 32 dividing a group's threads, whose load rows divide the tile's rows and
+    columns (every staged element loaded once), at most 1024 threads and 48 KB of shared memory."""
+    fits = isinstance(tiles, GemmTiles) and all(isinstance(v, int) and v > 0 for v in tiles)
+    if fits:
+        load_rows = tiles.group_threads // tiles.step
+        fits = (tiles.thread_rows % 4 == 0 and tiles.thread_cols % 4 == 0
+                and tiles.rows % tiles.thread_rows == 0 and tiles.cols % tiles.thread_cols == 0
+                and tiles.step in (8, 16, 32) and tiles.group_threads % tiles.step == 0
+                and tiles.rows % load_rows == 0 and tiles.cols % load_rows == 0
+                and tiles.groups * tiles.group_threads <= 1024
+                and tiles.shared_bytes <= GEMM_SHARED_BYTES)
+    if not fits:
+        raise ValueError("tiles must be a GemmTiles whose thread tiles are multiples of 4 dividing its "
+                         "rows and cols, with step 8, 16 or 32 dividing a group's threads, at most 1024 "
+                         f"threads and {GEMM_SHARED_BYTES} bytes of shared memory, got {tiles!r}")
+
+
+@cuda.jit(device=True)
+def non_negative(value):
+    """``value`` (0 <= value < 2**32) as int64 by way of uint32: the compiler then knows it is not
+    negative, and numba's negative-index wraparound and Python's floor-division sign fixups drop
+    out of the index arithmetic built on it."""
+    return int64(uint32(value))
+
+
+@functools.cache
+def tiles_gemm_kernel(tiles: GemmTiles):
+    """The "tiles_gemm" kernel for one launch shape (shared and local array sizes are literals)."""
+    check_gemm_tiles(tiles)
+    tile_rows, tile_cols, thread_rows, thread_cols, most_groups, step = tiles
+    down, across = tile_rows // thread_rows, tile_cols // thread_cols    # a group's threads
+    group_threads = down * across
+    load_rows = group_threads // step            # tile rows a group stages per load instruction
+    x_loads, w_loads = tile_rows // load_rows, tile_cols // load_rows
+    parts = LANES // step                        # steps per 32-wide chunk
+    staged_rows = most_groups * 2 * step         # per group two buffers of ``step`` k-rows
+    x_width, w_width = tile_rows + GEMM_PAD, tile_cols + GEMM_PAD
+
+    @cuda.jit(device=True)
+    def start(s, i, slices):
+        """Where step i of slice s begins in Din: part i % parts of its chunk s + (i // parts) S."""
+        return (s + i // parts * slices) * LANES + i % parts * step
+
+    @cuda.jit(device=True)
+    def load(matrix, first, k, loaded, staged, count, lr):
+        """staged[p] = matrix[first + lr + p * load_rows, k] (a row past the end re-reads the last
+        one, never used): a warp's loads are row segments along k, coalesced."""
+        if loaded:
+            last = matrix.shape[0] - 1
+            for p in range(count):
+                staged[p] = matrix[min(first + lr + p * load_rows, last), k]
+
+    @cuda.jit(device=True)
+    def store(tile, row, staged, count, lr):
+        """The loaded elements into shared memory k-major: tile[k-row, tile row or column]."""
+        for p in range(count):
+            tile[row, lr + p * load_rows] = staged[p]
+
+    @cuda.jit(device=True)
+    def rank1(xs, ws, row, ty4, tx4, acc, xf, wf):
+        """Every output's next term (k-row ``row`` of the staged tiles): acc[i, j] += x[i] * w[j].
+        A thread's rows (columns) come in runs of 4, down * 4 (across * 4) apart, so its fragments
+        are float4 reads and a warp reads consecutive float4s."""
+        for i in range(thread_rows):
+            xf[i] = xs[row, i // 4 * (down * 4) + ty4 + i % 4]
+        for j in range(thread_cols):
+            wf[j] = ws[row, j // 4 * (across * 4) + tx4 + j % 4]
+        for i in range(thread_rows):
+            for j in range(thread_cols):
+                acc[i, j] += xf[i] * wf[j]
+
+    @cuda.jit
+    def kernel(x, weight, out, slices, first):
+        # one block = the tile_rows x tile_cols tile of y at (blockIdx.y, blockIdx.x); its thread
+        # group g sums slice s = first + g of Din: chunks s, s + S, ... as "tiles"' warp s, each
+        # of the group's threads its thread_rows x thread_cols outputs in registers, k in order.
+        # Shared memory, per group: the x and W tiles' `step` k-rows (k-major, two buffers; the
+        # next step's loads wait in registers while this step's sums run). Then the groups add
+        # their slices' sums into out in slice order (slice 0 writes its own): the launches for
+        # first = 0, G, 2G, ... continue that order, so y = P_0 + P_1 + ... + P_{S-1} as in "tiles".
+        xs = cuda.shared.array((staged_rows, x_width), float32, alignment=GEMM_ALIGN)
+        ws = cuda.shared.array((staged_rows, w_width), float32, alignment=GEMM_ALIGN)
+        acc = cuda.local.array((thread_rows, thread_cols), float32)
+        xf = cuda.local.array(thread_rows, float32)
+        wf = cuda.local.array(thread_cols, float32)
+        x_next = cuda.local.array(x_loads, float32)
+        w_next = cuda.local.array(w_loads, float32)
+        tid = non_negative(cuda.threadIdx.x)
+        group, member = tid // group_threads, tid % group_threads
+        ty4, tx4 = member // across * 4, member % across * 4     # its first row and column in the tile
+        kk, lr = member % step, member // step                   # what it stages: k and first row
+        groups = non_negative(cuda.blockDim.x) // group_threads
+        rows, depth = x.shape
+        outputs = weight.shape[0]
+        t0 = non_negative(cuda.blockIdx.y) * tile_rows
+        n0 = non_negative(cuda.blockIdx.x) * tile_cols
+        chunks = (depth + LANES - 1) // LANES
+        steps = (chunks + slices - 1) // slices * parts          # slice 0's (the most): every group's
+        s = first + group
+        for i in range(thread_rows):
+            for j in range(thread_cols):
+                acc[i, j] = float32(0.0)
+        k = start(s, 0, slices) + kk
+        load(x, t0, k, s < slices and k < depth, x_next, x_loads, lr)
+        load(weight, n0, k, s < slices and k < depth, w_next, w_loads, lr)
+        for i in range(steps):
+            at = non_negative(i)
+            row = (group * 2 + at % 2) * step                    # this step's buffer
+            store(xs, row + kk, x_next, x_loads, lr)
+            store(ws, row + kk, w_next, w_loads, lr)
+            cuda.syncthreads()
+            if at + 1 < steps:
+                k = start(s, at + 1, slices) + kk
+                load(x, t0, k, s < slices and k < depth, x_next, x_loads, lr)
+                load(weight, n0, k, s < slices and k < depth, w_next, w_loads, lr)
+            width = min(step, depth - start(s, at, slices)) if s < slices else 0
+            if width == step:                # 8 calls: numba leaves a loop over them rolled
+                for k8 in range(step // 8):
+                    r = row + non_negative(k8 * 8)
+                    rank1(xs, ws, r, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 1, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 2, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 3, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 4, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 5, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 6, ty4, tx4, acc, xf, wf)
+                    rank1(xs, ws, r + 7, ty4, tx4, acc, xf, wf)
+            else:                            # the end of Din: `width` terms (none past it)
+                for q in range(width):
+                    rank1(xs, ws, row + non_negative(q), ty4, tx4, acc, xf, wf)
+        for g in range(groups):              # slice order: group g adds slice first + g
+            if g == group and s < slices:
+                for i in range(thread_rows):
+                    t = t0 + i // 4 * (down * 4) + ty4 + i % 4
+                    for j in range(thread_cols):
+                        n = n0 + j // 4 * (across * 4) + tx4 + j % 4
+                        if t < rows and n < outputs:
+                            out[t, n] = acc[i, j] if s == 0 else out[t, n] + acc[i, j]
+            cuda.syncthreads()               # group g's sums are in out before group g + 1 reads them
+
+    return kernel
+
+
+def gemm_tiles(rows: int, outputs: int) -> GemmTiles:
+    """"tiles_gemm"'s launch shape for a (rows, outputs) result: GEMM_WIDE where its tiles are full
+    in rows and make GEMM_WIDE_BLOCKS blocks or more, else GEMM_NARROW; GEMM_SIMULATED in the
+    simulator. Every shape gives the same bits."""
+    if SIMULATOR:
+        return GEMM_SIMULATED
+    wide_blocks = blocks(rows, GEMM_WIDE.rows) * blocks(outputs, GEMM_WIDE.cols)
+    return GEMM_WIDE if rows >= GEMM_WIDE.rows and wide_blocks >= GEMM_WIDE_BLOCKS else GEMM_NARROW
+
+
+def launch_tiles_gemm(x, weight, out, stream=None, tiles: GemmTiles | None = None) -> None:
+    """out = x @ weight.T by "tiles_gemm", device arrays x (T, Din), weight (Dout, Din), out
+    (T, Dout): one launch per ``tiles.groups`` slices of Din, in slice order (``tiles``: None
+    takes ``gemm_tiles``)."""
+    rows, depth, outputs = x.shape[0], x.shape[1], weight.shape[0]
+    tiles = tiles or gemm_tiles(rows, outputs)
+    kernel = tiles_gemm_kernel(tiles)
+    slices = k_slices(depth)
+    groups = min(tiles.groups, slices)
+    grid = (blocks(outputs, tiles.cols), blocks(rows, tiles.rows))      # x over Dout, y over T
+    for first in range(0, slices, groups):
+        kernel[grid, groups * tiles.group_threads, stream](x, weight, out, slices, first)
+# --8<-- [end:tiles_gemm_kernel]
+
+
 # --8<-- [start:warps_kernel]
 @cuda.jit
 def warps_kernel(x, weight, out):
@@ -371,9 +596,10 @@ def check_linear(x, weight, *, version=None, threads=None, out=None):
 def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles" and
-    "warps" are the batch-invariant ones; ``threads`` is the GEMV / rows block size (default: the smallest
-    power of two covering Din, at most 128; "tiles" sizes its own blocks). ``out`` receives
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles",
+    "tiles_gemm" (the bits of "tiles") and "warps" are the batch-invariant ones; ``threads`` is the
+    GEMV / rows block size (default: the smallest power of two covering Din, at most 128; "tiles"
+    and "tiles_gemm" size their own blocks). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
@@ -388,6 +614,8 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
         if version == "tiles":                                            # x over Dout, y over T
             grid = (blocks(outputs, LANES), row_passes(rows))
             tiles_kernel[grid, LANES * k_slices(depth), stream](d_x, d_weight, d_y)
+        elif version == "tiles_gemm":
+            launch_tiles_gemm(d_x, d_weight, d_y, stream)
         elif version == "warps":                                          # x over Dout, y over T
             grid = (blocks(outputs, WARPS_PER_BLOCK), row_passes(rows))
             warps_kernel[grid, LANES * WARPS_PER_BLOCK, stream](d_x, d_weight, d_y)
@@ -572,8 +800,8 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, a
-    prefill's GEMM ("gemm" and "tiles"), argmax."""
+    engine's batch-invariant versions ("tiles", "warps") for a decode row and ("tiles", "warps",
+    "tiles_gemm") for tree rows, a prefill's GEMM ("gemm", "tiles" and "tiles_gemm"), argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
@@ -593,10 +821,12 @@ def bench_cases(sizes):
           for version in ("tiles", "warps")),
         *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
                        f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
-                       config.moe_intermediate_size, version) for version in ("tiles", "warps")),
+                       config.moe_intermediate_size, version)
+          for version in ("tiles", "warps", "tiles_gemm")),
         *(_linear_case(f"linear_{version}_prefill", f"{sizes.large_rows} prefill rows, {hidden} -> "
                        f"{config.moe_intermediate_size}", sizes.large_rows, hidden,
-                       config.moe_intermediate_size, version) for version in ("gemm", "tiles")),
+                       config.moe_intermediate_size, version)
+          for version in ("gemm", "tiles", "tiles_gemm")),
         Case("argmax", f"greedy tokens of {rows} rows of logits", f"logits ({rows}, {vocab})",
              setup=lambda seed: (uniform((rows, vocab), seed),),
              call=lambda inputs, **given: argmax(*inputs, **given),

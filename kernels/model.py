@@ -21,11 +21,12 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear`` version "tiles", ``attention_paths``, the MoE
-kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
-DDTree == AR holds exactly in the engine, for any weights. The MoE kernels' version depends on the
-forward's row count (``moe_version``: per pair for few rows, grouped by expert for many); both
-versions give the same bits, so an AR step and a large tree's verify still agree row for row.
+runs in an order fixed by its own row (``linear`` version "tiles", or "tiles_gemm" for many rows
+with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are bit-identical
+to the AR logits at the same position, so DDTree == AR holds exactly in the engine, for any weights.
+The MoE kernels' version depends on the forward's row count (``moe_version``: per pair for few
+rows, grouped by expert for many); both versions give the same bits, so an AR step and a large
+tree's verify still agree row for row.
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Two differences of form: q_proj and kv_a_proj are split at load into their nope / rope (latent /
@@ -76,6 +77,7 @@ DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax -
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
+GEMM_FROM_ROWS = 16             # forwards of this many rows or more run "tiles" as "tiles_gemm"
 GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
@@ -108,6 +110,24 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
     tree's verify (version 2) get bit-identical logits.
     """
     return 2 if rows >= grouped_from_rows else 1
+
+
+# --8<-- [start:projection_version]
+def projection_version(linear_version: str, rows: int, gemm_from_rows: int) -> str:
+    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) for the engine's
+    ``linear_version``: "tiles" runs as "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's:
+    GEMM_FROM_ROWS); "warps" stays.
+
+    "tiles_gemm" adds every output's terms in "tiles"' order (the same bits), so the switch cannot
+    break DDTree == AR: an AR step ("tiles") and the same row in a large tree's verify
+    ("tiles_gemm") get bit-identical logits. It is a register-tiled GEMM: every staged weight
+    serves a tile of 32 rows or more, where "tiles" reads W again for each pass of 8 rows (on the
+    H200 its 64-row 7168 -> 2048 projection took 311 µs, about 8 of its 1-row times). Why 16 rows:
+    from 2 passes on, "tiles" reads W at least twice while "tiles_gemm" reads it once; a guess from
+    that count, not yet timed (``exp_gemm_time.py`` times both at 8 to 64 rows).
+    """
+    return "tiles_gemm" if linear_version == "tiles" and rows >= gemm_from_rows else linear_version
+# --8<-- [end:projection_version]
 
 
 def moe_grouped_from(config: ModelConfig) -> int:
@@ -411,7 +431,9 @@ class Transformer:
     forward of 24 rows or more longer, profile-h200-2026-12-01e.md; alone on Kimi's up projection
     it ran at half the speed of "tiles", bench-h200-2026-12-01c.md). Both are batch-invariant, so
     either keeps DDTree == AR, but they round differently: two engines with different versions may
-    differ in the last bits.
+    differ in the last bits. With "tiles", forwards of GEMM_FROM_ROWS rows or more (tree verifies,
+    prefill chunks) run "tiles_gemm", a register-tiled GEMM that adds each output's terms in
+    "tiles"' order: the same bits, so AR steps and verifies still agree (``projection_version``).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -510,8 +532,10 @@ class Transformer:
     # --8<-- [end:forward_rows]
 
     def project(self, x, weight, *, out, stream):
-        """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version``."""
-        return linear(x, weight, version=self.linear_version, out=out, stream=stream)
+        """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version`` for T rows
+        (``projection_version``)."""
+        version = projection_version(self.linear_version, x.shape[0], GEMM_FROM_ROWS)
+        return linear(x, weight, version=version, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:

@@ -22,12 +22,15 @@ from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
+from kernels import model as engine_model
 from kernels.model import (
+    GEMM_FROM_ROWS,
     MOE_GROUPED_FROM_ROWS,
     bucket_rows,
     candidate_count,
     moe_grouped_from,
     moe_version,
+    projection_version,
     rows_of,
 )
 from kernels.model import Transformer as EngineTransformer
@@ -108,6 +111,14 @@ def test_moe_version_per_bucket():
     assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
     assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
     assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
+
+
+def test_projection_version_per_bucket():
+    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on; "warps" never changes."""
+    assert GEMM_FROM_ROWS == 16
+    assert [projection_version("tiles", rows, GEMM_FROM_ROWS) for rows in (1, 8, 15, 16, 40, 128)] == \
+        ["tiles"] * 3 + ["tiles_gemm"] * 3
+    assert {projection_version("warps", rows, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
 
 
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
@@ -404,6 +415,20 @@ def test_rejection_verifier_equals_numpy_on_hardware(name):
                 assert_exact(tokens, expected, name=where)
                 for actual, wanted in zip(trace.rounds, expected_trace.rounds, strict=True):
                     assert_same_round(actual, wanted, where=where + ": ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatch):
+    """A 40-row forward runs every projection and the lm_head as "tiles_gemm"; with GEMM_FROM_ROWS
+    past Tmax the same forward runs "tiles": the same logits, bit for bit."""
+    config = preset(name)
+    weights = init_weights(config, golden.WEIGHT_SEED)
+    prompt = np.random.default_rng(5).integers(0, config.vocab_size, 40)
+    gemm = EngineTransformer(config, weights).logits(prompt)
+    monkeypatch.setattr(engine_model, "GEMM_FROM_ROWS", 129)
+    tiles = EngineTransformer(config, weights).logits(prompt)
+    assert np.array_equal(gemm.view(np.uint32), tiles.view(np.uint32))
 
 
 @pytest.mark.gpu

@@ -86,6 +86,56 @@ def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
     assert np.array_equal(kernel.linear(x[5:rows], weight, version=version), together[5:])
 
 
+def _bits(values):
+    return np.asarray(values, np.float32).view(np.uint32)
+
+
+# (T, Din, Dout): Din = 70 is 3 chunks, 2 for slice 0 (the last one 6 wide) and 1 for slice 1; 100
+# is 4 chunks, 2 each, the last 4 wide; rows and columns span partial tiles of the simulator's
+# 8 x 16 tiles (and of a 16 x 8 one)
+@pytest.mark.parametrize("rows, depth, outputs", [(11, 70, 19), (3, 100, 5)])
+def test_tiles_gemm_equals_tiles_bit_for_bit(rows, depth, outputs):
+    """"tiles_gemm" sums every output in "tiles"' order: the same bits, with the simulator's tile
+    shape (two slices in one launch) and with one slice per launch (out carries the sum from one
+    launch to the next); both into NaN-poisoned outputs, so an unwritten element shows."""
+    x, weight = _inputs(rows, depth, outputs, seed=4)
+    tiles = kernel.linear(x, weight, version="tiles")
+    assert_close(tiles, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
+    assert np.array_equal(_bits(kernel.linear(x, weight, version="tiles_gemm")), _bits(tiles))
+    out = device.poisoned((rows, outputs))
+    kernel.launch_tiles_gemm(cuda.to_device(x), cuda.to_device(weight), out,
+                             tiles=kernel.GemmTiles(16, 8, 4, 4, 1, 8))
+    assert np.array_equal(_bits(out.copy_to_host()), _bits(tiles))
+
+
+def test_tiles_gemm_every_element_written():
+    """Negative control for the poison: a grid one column tile short leaves those columns NaN."""
+    x, weight = _inputs(3, 40, 20)
+    out = device.poisoned((3, 20))
+    kernel.tiles_gemm_kernel(kernel.GEMM_SIMULATED)[(1, 1), 16](cuda.to_device(x), cuda.to_device(weight),
+                                                                  out, kernel.k_slices(40), 0)
+    written = ~np.isnan(out.copy_to_host())
+    assert written[:, :16].all() and not written[:, 16:].any()
+
+
+def test_tiles_gemm_shapes(monkeypatch):
+    """The GPU's tile shapes fit (threads, 48 KB of shared memory) and are picked by the result's
+    size; shapes the kernel cannot run are refused by name."""
+    for tiles in (kernel.GEMM_WIDE, kernel.GEMM_NARROW, kernel.GEMM_SIMULATED):
+        kernel.check_gemm_tiles(tiles)
+    monkeypatch.setattr(kernel, "SIMULATOR", False)
+    assert kernel.gemm_tiles(4096, 2048) == kernel.GEMM_WIDE                # 512 wide tiles
+    assert kernel.gemm_tiles(128, 163840) == kernel.GEMM_WIDE
+    for rows, outputs in ((4096, 576), (64, 2048), (100, 163840)):          # 160 tiles; rows < 128
+        assert kernel.gemm_tiles(rows, outputs) == kernel.GEMM_NARROW
+    for bad in (kernel.GemmTiles(32, 32, 4, 6, 4, 16),         # not whole float4 fragments
+                kernel.GemmTiles(64, 64, 8, 8, 4, 16),         # 69632 bytes of shared memory
+                kernel.GemmTiles(8, 8, 4, 4, 2, 8),            # a group of 4 threads, fewer than step
+                (32, 32, 4, 4, 4, 16)):
+        with pytest.raises(ValueError, match="tiles must be a GemmTiles"):
+            kernel.check_gemm_tiles(bad)
+
+
 def test_version_choice():
     assert [kernel.pick_version(rows) for rows in (1, 2, 3, 4, 5, 16, 64)] == \
         ["gemv"] * 4 + ["gemm"] * 3
@@ -334,7 +384,7 @@ def test_kimi_k26_linear():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["tiles", "warps"])
+@pytest.mark.parametrize("version", ["tiles", "tiles_gemm", "warps"])
 def test_invariant_versions_batch_invariant_at_kimi_sizes(version):
     """"tiles" (four warps splitting Din = 7168) and "warps" (four columns per block): 72 tree rows
     equal each row alone, bit for bit."""
@@ -344,6 +394,29 @@ def test_invariant_versions_batch_invariant_at_kimi_sizes(version):
     for t in (0, 9, 40, 71):
         alone = kernel.linear(x[t:t + 1], d_weight, version=version).copy_to_host()
         assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7168, 2048, 1536, 511])
+def test_tiles_gemm_bit_identical_to_tiles_at_kimi_sizes(depth):
+    """On the GPU the bits also need the same fused multiply-adds: "tiles_gemm" against "tiles" for
+    rows 1..64 and 4096, Dout 2048, 576 and 33 (Din 511: a partial last chunk), with the picked
+    tile shape, then with GEMM_WIDE and GEMM_NARROW forced at 64 and 4096 rows."""
+    x, weight = _inputs(4096, depth, 2048, seed=9)
+    d_x = cuda.to_device(x)
+    for outputs in (2048, 576, 33):
+        d_weight = cuda.to_device(np.ascontiguousarray(weight[:outputs]))
+        for rows in (*range(1, 65), 4096):
+            expected = _bits(kernel.linear(d_x[:rows], d_weight, version="tiles").copy_to_host())
+            runs = {"picked": kernel.linear(d_x[:rows], d_weight, version="tiles_gemm")}
+            if rows in (64, 4096):
+                for name, tiles in (("wide", kernel.GEMM_WIDE), ("narrow", kernel.GEMM_NARROW)):
+                    runs[name] = device.poisoned((rows, outputs))
+                    kernel.launch_tiles_gemm(d_x[:rows], d_weight, runs[name], tiles=tiles)
+            for name, run in runs.items():
+                actual = _bits(run.copy_to_host())
+                assert np.array_equal(actual, expected), \
+                    f"{name}, {rows}x{depth}x{outputs}: {int((actual != expected).sum())} elements differ"
 
 
 @pytest.mark.gpu
