@@ -4,7 +4,7 @@ Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden
 TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
 ``y = x @ W.T``.
 
-``linear`` has five kernel versions; ``version=None`` picks by the number of rows:
+``linear`` has six kernel versions; ``version=None`` picks by the number of rows:
     version "gemm": tiled shared-memory GEMM, 16 x 16 output tiles, one thread per output (T > 4)
     version "gemv": one block per output y[t, n], a block reduction over Din (T <= 4: decode steps)
     version "rows": one block per output column n for every row, the GEMV's reduction per row;
@@ -16,6 +16,8 @@ TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state d
                     rows in registers; batch-invariant, built to stream W near copy bandwidth
                     (an engine option: on the H200 it ran the AR step faster and tree rows
                     slower than "tiles", profile-h200-2026-12-01e.md)
+    version "stream": "tiles"' sums bit for bit, one thread per (output column, Din slice)
+                    reading its W row straight from global memory, no shared-memory staging
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
@@ -33,6 +35,21 @@ sequentially along a slice of Din for ROWS_PER_PASS rows at once (the W tile is 
 shared memory so that the loads stay coalesced, and every staged weight serves all the rows);
 the block's warps take Din's slices 0, S, 2S, ... / 1, S + 1, ... and their S partial sums are
 added in slice order. S depends on Din only (``k_slices``), never on T.
+
+"stream" computes exactly those sums (the same terms, the same order, the same ``acc += x * w``
+multiply-adds, the S partials added in slice order: bit-identical to "tiles") with the W tile's
+detour through shared memory taken out. A thread owns one (column n, slice s) chain and reads its
+own W row's 32 consecutive floats of each chunk straight into registers, all the loads issued
+before the first add; its rows' sums stay in registers, and only the S partials meet in shared
+memory, once per pass. In "tiles" each lane stores its 32 loaded weights of a 32 x 32 tile to
+shared memory and reads 32 back, between two block-wide barriers: no warp issues the next tile's
+loads before the whole block has added the current one. "stream" has no barrier and no shared
+traffic inside the sum, so its warps run independently, more of W is in flight, and it should
+stream closer to copy bandwidth. The price: a warp's load touches
+32 lines of W (one per row) instead of one, and the next 31 loads of those lines must find them in
+L1. Its variants (``stream_kernel``'s threads per block, loads in flight, whether neighbouring
+threads take neighbouring columns or slices) trade L1 reuse against loads in flight; none changes
+a bit.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
@@ -79,7 +96,7 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows", "tiles", "warps")
+VERSIONS = ("gemm", "gemv", "rows", "tiles", "warps", "stream")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
@@ -95,6 +112,12 @@ LANES_PADDED = 33   # "tiles": a W tile row, one float longer than LANES (no ban
 # the simulator, where every thread is a Python thread, runs one
 WARPS_PER_BLOCK = 1 if SIMULATOR else 4
 UNROLL = 4          # "warps": W loads a lane issues before it adds them (in order)
+
+# "stream": threads per block (S per column); few in the simulator, where each is a Python thread
+STREAM_THREADS = 32 if SIMULATOR else 256
+STREAM_LOADS = 32   # "stream": W loads a thread issues before it adds them (in order)
+STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring threads differ in
+STREAM_ADJACENT = "columns"
 
 
 def k_slices(depth: int) -> int:
@@ -346,6 +369,102 @@ def warps_kernel(x, weight, out):
 # --8<-- [end:warps_kernel]
 
 
+# --8<-- [start:stream_kernel]
+@functools.cache
+def stream_kernel(rows: int, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
+                  adjacent: str = STREAM_ADJACENT):
+    """The "stream" kernel for passes of ``rows`` rows (a literal: the sums live in registers),
+    blocks of ``threads // S * S`` threads, ``loads`` W loads in flight per thread (a divisor of
+    LANES) and ``adjacent`` threads taking adjacent "columns" or adjacent "slices". None of them
+    changes a bit of the result: every output is summed in "tiles"' order."""
+    if not (isinstance(rows, int) and 1 <= rows <= ROWS_PER_PASS):
+        raise ValueError(f"rows must be an int in [1, {ROWS_PER_PASS}], got {rows!r}")
+    if not (isinstance(threads, int) and MAX_SLICES <= threads <= 1024):
+        raise ValueError(f"threads must be an int in [{MAX_SLICES}, 1024], got {threads!r}")
+    if not (isinstance(loads, int) and loads >= 1 and LANES % loads == 0):
+        raise ValueError(f"loads must divide {LANES}, got {loads!r}")
+    if adjacent not in STREAM_ADJACENT_CHOICES:
+        raise ValueError(f"adjacent must be one of {STREAM_ADJACENT_CHOICES}, got {adjacent!r}")
+    slices_adjacent = adjacent == "slices"
+
+    @cuda.jit(device=True)
+    def add_terms(x, t0, last_row, weight, n, k1, width, acc, w):
+        """acc[r] += x[t0 + r, k] * weight[n, k] for k = k1 .. k1 + width - 1 in order (rows past
+        last_row repeat it). A full batch passes width = loads, a literal once inlined, and its
+        guards fold away; the views put every load at a constant offset from one address."""
+        weights = weight[n, k1:k1 + loads]
+        for i in range(loads):                   # all loads first, into registers: they overlap
+            if i < width:                        # instead of waiting one by one
+                w[i] = weights[i]
+        for r in range(rows):                    # then each row's sums, in k order
+            xs = x[min(t0 + r, last_row), k1:k1 + loads]
+            for i in range(loads):
+                if i < width:
+                    acc[r] += xs[i] * w[i]
+
+    @cuda.jit
+    def kernel(x, weight, out):
+        # one thread = output column n and slice s of Din ("tiles"' chunks s, s + S, ... of LANES
+        # consecutive k), summed sequentially in k for the pass's rows at once; the block is
+        # (columns, S) threads, or (S, columns) with adjacent slices, so blockDim holds
+        # S = k_slices(Din); blockIdx.x = a group of columns, blockIdx.y = the passes
+        # blockIdx.y, blockIdx.y + gridDim.y, ... of ``rows`` rows. W comes straight from global
+        # memory, ``loads`` consecutive floats of the thread's row at a time; x by loads that the
+        # column-adjacent threads share. Shared memory: every thread's partial sums, which slice
+        # 0's thread adds in slice order.
+        partial = cuda.shared.array((rows, threads), float32)
+        acc = cuda.local.array(rows, float32)
+        w = cuda.local.array(loads, float32)
+        if slices_adjacent:
+            s, c = cuda.threadIdx.x, cuda.threadIdx.y
+            slices, columns = cuda.blockDim.x, cuda.blockDim.y
+        else:
+            c, s = cuda.threadIdx.x, cuda.threadIdx.y
+            columns, slices = cuda.blockDim.x, cuda.blockDim.y
+        tid = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        n = cuda.blockIdx.x * columns + c
+        depth, outputs = x.shape[1], weight.shape[0]
+        for t0 in range(cuda.blockIdx.y * rows, x.shape[0], cuda.gridDim.y * rows):
+            last_row = min(t0 + rows, x.shape[0]) - 1
+            for r in range(rows):
+                acc[r] = float32(0.0)
+            if n < outputs:
+                for k0 in range(s * LANES, depth, slices * LANES):     # the slice's chunks, in order
+                    for k1 in range(k0, min(k0 + LANES, depth), loads):
+                        if k1 + loads <= depth:
+                            add_terms(x, t0, last_row, weight, n, k1, loads, acc, w)
+                        else:                                          # Din's last, partial batch
+                            add_terms(x, t0, last_row, weight, n, k1, depth - k1, acc, w)
+            for r in range(rows):
+                partial[r, tid] = acc[r]
+            cuda.syncthreads()
+            if s == 0 and n < outputs:
+                for r in range(rows):                                  # (literal indices: acc stays
+                    if t0 + r <= last_row:                             # in registers)
+                        total = acc[r]                                 # slice 0's own partial
+                        for other in range(1, slices):                 # (the tid of thread (c, other))
+                            total += partial[r, c * slices + other if slices_adjacent else
+                                             other * columns + c]
+                        out[t0 + r, n] = total
+            cuda.syncthreads()                                         # partial is rewritten next pass
+
+    return kernel
+
+
+def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
+                  adjacent: str = STREAM_ADJACENT, stream=None):
+    """out (T, Dout) = x (T, Din) @ weight.T, device arrays, by ``stream_kernel``: S = k_slices(Din)
+    slices, ``threads // S`` columns per block, one pass of min(T, ROWS_PER_PASS) rows per block
+    row (rows past T in the last pass repeat its last row, never written)."""
+    rows, depth = x.shape
+    slices = k_slices(depth)
+    columns = threads // slices
+    block = (slices, columns) if adjacent == "slices" else (columns, slices)
+    grid = (blocks(weight.shape[0], columns), row_passes(rows))
+    stream_kernel(min(rows, ROWS_PER_PASS), threads, loads, adjacent)[grid, block, stream](x, weight, out)
+# --8<-- [end:stream_kernel]
+
+
 # --8<-- [start:pick_version]
 def pick_version(rows: int) -> str:
     """The ``linear`` version for ``rows`` rows when none is forced: GEMV for a few rows, else GEMM."""
@@ -371,9 +490,10 @@ def check_linear(x, weight, *, version=None, threads=None, out=None):
 def linear(x, weight, *, version: str | None = None, threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles" and
-    "warps" are the batch-invariant ones; ``threads`` is the GEMV / rows block size (default: the smallest
-    power of two covering Din, at most 128; "tiles" sizes its own blocks). ``out`` receives
+    ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles",
+    "warps" and "stream" ("tiles"' bits) are the batch-invariant ones; ``threads`` is the GEMV /
+    rows block size (default: the smallest power of two covering Din, at most 128; "tiles",
+    "warps" and "stream" size their own blocks). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
@@ -391,6 +511,8 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
         elif version == "warps":                                          # x over Dout, y over T
             grid = (blocks(outputs, WARPS_PER_BLOCK), row_passes(rows))
             warps_kernel[grid, LANES * WARPS_PER_BLOCK, stream](d_x, d_weight, d_y)
+        elif version == "stream":
+            stream_launch(d_x, d_weight, d_y, stream=stream)
         elif version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
@@ -572,7 +694,8 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, a
+    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, "stream"
+    (tiles' bits, W read straight into registers) for a decode row, a
     prefill's GEMM ("gemm" and "tiles"), argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
@@ -590,7 +713,7 @@ def bench_cases(sizes):
                      sizes.rows, hidden, config.moe_intermediate_size, "gemm"),
         *(_linear_case(f"linear_{version}_mlp_up", f"the up projection, 1 decode row, batch-invariant "
                        f"(W {up_mb:.0f} MB)", 1, hidden, config.intermediate_size, version)
-          for version in ("tiles", "warps")),
+          for version in ("tiles", "warps", "stream")),
         *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
                        f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
                        config.moe_intermediate_size, version) for version in ("tiles", "warps")),
