@@ -45,11 +45,14 @@ memory, once per pass. In "tiles" each lane stores its 32 loaded weights of a 32
 shared memory and reads 32 back, between two block-wide barriers: no warp issues the next tile's
 loads before the whole block has added the current one. "stream" has no barrier and no shared
 traffic inside the sum, so its warps run independently, more of W is in flight, and it should
-stream closer to copy bandwidth. The price: a warp's load touches
-32 lines of W (one per row) instead of one, and the next 31 loads of those lines must find them in
-L1. Its variants (``stream_kernel``'s threads per block, loads in flight, whether neighbouring
-threads take neighbouring columns or slices) trade L1 reuse against loads in flight; none changes
-a bit.
+stream closer to copy bandwidth. The price: a warp's load touches 32 lines of W (one per row)
+instead of one, and the next 31 loads of those lines must find them in L1. The loads all go out
+first only if the compiler may spend the registers: launch bounds (``STREAM_RESIDENT`` threads per
+SM, up to 128 registers each) let ptxas put a chunk's 32 W and 32 x loads ahead of the first
+multiply-add; without them it kept 56 registers and issued about half. Its variants
+(``STREAM_VARIANTS``: threads per block, loads in flight, launch bounds, whether neighbouring
+threads take neighbouring columns or slices) trade L1 reuse, registers and the spread of a small
+Dout's S * Dout chains over the SMs; none changes a bit.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
@@ -118,6 +121,7 @@ STREAM_THREADS = 32 if SIMULATOR else 256
 STREAM_LOADS = 32   # "stream": W loads a thread issues before it adds them (in order)
 STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring threads differ in
 STREAM_ADJACENT = "columns"
+STREAM_RESIDENT = 512  # "stream": threads per SM the launch bounds leave registers for (<= 128 each)
 
 
 def k_slices(depth: int) -> int:
@@ -372,44 +376,70 @@ def warps_kernel(x, weight, out):
 # --8<-- [start:stream_kernel]
 @functools.cache
 def stream_kernel(rows: int, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
-                  adjacent: str = STREAM_ADJACENT):
+                  adjacent: str = STREAM_ADJACENT, resident: int | None = STREAM_RESIDENT,
+                  max_l1: bool = False):
     """The "stream" kernel for passes of ``rows`` rows (a literal: the sums live in registers),
-    blocks of ``threads // S * S`` threads, ``loads`` W loads in flight per thread (a divisor of
-    LANES) and ``adjacent`` threads taking adjacent "columns" or adjacent "slices". None of them
-    changes a bit of the result: every output is summed in "tiles"' order."""
+    blocks of ``threads // S * S`` threads, ``loads`` W loads in flight per thread (a divisor or a
+    multiple of LANES) and ``adjacent`` threads taking adjacent "columns" or adjacent "slices".
+    ``resident``: the threads per SM the compiler must leave registers for (launch bounds of
+    resident // threads blocks; None: its own choice, which for sm_90 kept about 56 registers
+    and issued only half of the loads before the first add); ``max_l1``: ask for the largest L1
+    (the kernel needs little shared memory). None of them changes a bit of the result: every
+    output is summed in "tiles"' order."""
     if not (isinstance(rows, int) and 1 <= rows <= ROWS_PER_PASS):
         raise ValueError(f"rows must be an int in [1, {ROWS_PER_PASS}], got {rows!r}")
     if not (isinstance(threads, int) and MAX_SLICES <= threads <= 1024):
         raise ValueError(f"threads must be an int in [{MAX_SLICES}, 1024], got {threads!r}")
-    if not (isinstance(loads, int) and loads >= 1 and LANES % loads == 0):
-        raise ValueError(f"loads must divide {LANES}, got {loads!r}")
+    if not (isinstance(loads, int) and loads >= 1 and (LANES % loads == 0 or loads % LANES == 0)):
+        raise ValueError(f"loads must divide {LANES} or be a multiple of it, got {loads!r}")
     if adjacent not in STREAM_ADJACENT_CHOICES:
         raise ValueError(f"adjacent must be one of {STREAM_ADJACENT_CHOICES}, got {adjacent!r}")
+    if resident is not None and not (isinstance(resident, int) and 1 <= resident <= 2048):
+        raise ValueError(f"resident must be None or an int in [1, 2048], got {resident!r}")
     slices_adjacent = adjacent == "slices"
+    span = min(loads, LANES)              # a batch: `pieces` runs of `span` consecutive k, the runs
+    pieces = max(1, loads // LANES)       # (whole chunks when pieces > 1) S chunks apart
 
     @cuda.jit(device=True)
-    def add_terms(x, t0, last_row, weight, n, k1, width, acc, w):
-        """acc[r] += x[t0 + r, k] * weight[n, k] for k = k1 .. k1 + width - 1 in order (rows past
-        last_row repeat it). A full batch passes width = loads, a literal once inlined, and its
-        guards fold away; the views put every load at a constant offset from one address."""
-        weights = weight[n, k1:k1 + loads]
-        for i in range(loads):                   # all loads first, into registers: they overlap
-            if i < width:                        # instead of waiting one by one
-                w[i] = weights[i]
+    def add_batch(x, t0, last_row, weight, n, k1, step, acc, w):
+        """acc[r] += x[t0 + r, k] * weight[n, k] in order over a whole batch's k: k1 + j * step + i
+        for piece j < pieces, i < span (rows past last_row repeat it). No guards, and the views
+        put every load at a constant offset from one address per piece."""
+        for j in range(pieces):                  # all loads first, into registers: they overlap
+            weights = weight[n, k1 + j * step:k1 + j * step + span]            # instead of waiting
+            for i in range(span):                                              # one by one
+                w[j * span + i] = weights[i]
         for r in range(rows):                    # then each row's sums, in k order
-            xs = x[min(t0 + r, last_row), k1:k1 + loads]
-            for i in range(loads):
-                if i < width:
-                    acc[r] += xs[i] * w[i]
+            total = acc[r]
+            for j in range(pieces):
+                xs = x[min(t0 + r, last_row), k1 + j * step:k1 + j * step + span]
+                for i in range(span):
+                    total += xs[i] * w[j * span + i]
+            acc[r] = total
 
-    @cuda.jit
+    @cuda.jit(device=True)
+    def add_tail(x, t0, last_row, weight, n, k1, step, acc):
+        """add_batch's sums for Din's last, partial batch: the same terms in the same order, one
+        weight at a time (a plain loop: an unrolled, guarded copy would cost registers)."""
+        depth = x.shape[1]
+        for j in range(pieces):
+            for k in range(k1 + j * step, min(k1 + j * step + span, depth)):
+                w = weight[n, k]
+                for r in range(rows):
+                    acc[r] += x[min(t0 + r, last_row), k] * w
+
+    options = {"shared_memory_carveout": "MaxL1" if max_l1 else None}
+    if resident is not None and not SIMULATOR:      # (the simulator has no registers to bound)
+        options["launch_bounds"] = (threads, max(1, resident // threads))
+
+    @cuda.jit(**options)
     def kernel(x, weight, out):
         # one thread = output column n and slice s of Din ("tiles"' chunks s, s + S, ... of LANES
         # consecutive k), summed sequentially in k for the pass's rows at once; the block is
         # (columns, S) threads, or (S, columns) with adjacent slices, so blockDim holds
         # S = k_slices(Din); blockIdx.x = a group of columns, blockIdx.y = the passes
         # blockIdx.y, blockIdx.y + gridDim.y, ... of ``rows`` rows. W comes straight from global
-        # memory, ``loads`` consecutive floats of the thread's row at a time; x by loads that the
+        # memory, ``loads`` floats of the thread's row at a time; x by loads that the
         # column-adjacent threads share. Shared memory: every thread's partial sums, which slice
         # 0's thread adds in slice order.
         partial = cuda.shared.array((rows, threads), float32)
@@ -424,17 +454,18 @@ def stream_kernel(rows: int, threads: int = STREAM_THREADS, loads: int = STREAM_
         tid = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
         n = cuda.blockIdx.x * columns + c
         depth, outputs = x.shape[1], weight.shape[0]
+        step = slices * LANES                                          # from a chunk to the slice's next
         for t0 in range(cuda.blockIdx.y * rows, x.shape[0], cuda.gridDim.y * rows):
             last_row = min(t0 + rows, x.shape[0]) - 1
             for r in range(rows):
                 acc[r] = float32(0.0)
             if n < outputs:
-                for k0 in range(s * LANES, depth, slices * LANES):     # the slice's chunks, in order
-                    for k1 in range(k0, min(k0 + LANES, depth), loads):
-                        if k1 + loads <= depth:
-                            add_terms(x, t0, last_row, weight, n, k1, loads, acc, w)
-                        else:                                          # Din's last, partial batch
-                            add_terms(x, t0, last_row, weight, n, k1, depth - k1, acc, w)
+                for k0 in range(s * LANES, depth, pieces * step):      # the slice's chunks, in order
+                    for k1 in range(k0, min(k0 + LANES, depth), span):
+                        if k1 + (pieces - 1) * step + span <= depth:
+                            add_batch(x, t0, last_row, weight, n, k1, step, acc, w)
+                        else:
+                            add_tail(x, t0, last_row, weight, n, k1, step, acc)
             for r in range(rows):
                 partial[r, tid] = acc[r]
             cuda.syncthreads()
@@ -452,7 +483,8 @@ def stream_kernel(rows: int, threads: int = STREAM_THREADS, loads: int = STREAM_
 
 
 def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
-                  adjacent: str = STREAM_ADJACENT, stream=None):
+                  adjacent: str = STREAM_ADJACENT, resident: int | None = STREAM_RESIDENT,
+                  max_l1: bool = False, stream=None):
     """out (T, Dout) = x (T, Din) @ weight.T, device arrays, by ``stream_kernel``: S = k_slices(Din)
     slices, ``threads // S`` columns per block, one pass of min(T, ROWS_PER_PASS) rows per block
     row (rows past T in the last pass repeat its last row, never written)."""
@@ -461,8 +493,22 @@ def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int =
     columns = threads // slices
     block = (slices, columns) if adjacent == "slices" else (columns, slices)
     grid = (blocks(weight.shape[0], columns), row_passes(rows))
-    stream_kernel(min(rows, ROWS_PER_PASS), threads, loads, adjacent)[grid, block, stream](x, weight, out)
+    kernel = stream_kernel(min(rows, ROWS_PER_PASS), threads, loads, adjacent, resident, max_l1)
+    kernel[grid, block, stream](x, weight, out)
 # --8<-- [end:stream_kernel]
+
+
+# "stream": the variants offered for timing, as stream_launch's options besides the defaults
+# (256 threads, 32 loads, adjacent columns, 512 resident). Fewer threads spread a small Dout's
+# few chains over more SMs; more loads put more of W in flight per chain; a block alone on its
+# SM (resident = threads) may take every register it wants.
+STREAM_VARIANTS = (
+    {}, {"adjacent": "slices"}, {"loads": 16}, {"loads": 64}, {"resident": None}, {"resident": 768},
+    {"max_l1": True}, {"threads": 512}, {"threads": 128}, {"threads": 128, "loads": 64},
+    {"threads": 64}, {"threads": 64, "loads": 64}, {"threads": 64, "loads": 64, "adjacent": "slices"},
+    {"threads": 64, "loads": 64, "resident": 64}, {"threads": 32, "loads": 64},
+    {"threads": 32, "loads": 64, "resident": 32},
+)
 
 
 # --8<-- [start:pick_version]

@@ -373,10 +373,11 @@ def _stream_and_tiles(x, weight, **variant):
 
 
 # (T, Din, Dout, variant): Din not a multiple of 32 (a partial last chunk, and a partial batch of
-# loads), 1-3 rows, Dout spanning 1-3 blocks; the default block, then adjacent slices with fewer
-# loads in flight (batches inside a chunk), then blocks of 12 threads (6 columns of 2 slices)
+# loads), 1-3 rows, Dout spanning 1-3 blocks; batches of two chunks (slice 1's second one past
+# Din), adjacent slices with batches inside a chunk, blocks of 12 threads (6 columns of 2
+# slices); the default variant through ``linear`` each time
 @pytest.mark.parametrize("rows, depth, outputs, variant", [
-    (1, 70, 5, {}), (3, 45, 37, {"adjacent": "slices", "loads": 16}),
+    (1, 70, 5, {"loads": 64}), (3, 45, 37, {"adjacent": "slices", "loads": 16}),
     (2, 100, 9, {"threads": 12, "loads": 8})])
 def test_stream_equals_tiles_bit_for_bit(rows, depth, outputs, variant):
     x, weight = _inputs(rows, depth, outputs, seed=9)
@@ -391,14 +392,13 @@ def test_stream_equals_tiles_bit_for_bit(rows, depth, outputs, variant):
 
 @pytest.mark.parametrize("option, message", [
     ({"loads": 12}, "loads must divide 32"), ({"adjacent": "rows"}, "adjacent must be one of"),
-    ({"threads": 2}, r"threads must be an int in \[4, 1024\]")])
+    ({"threads": 2}, r"threads must be an int in \[4, 1024\]"),
+    ({"resident": 0}, r"resident must be None or an int in \[1, 2048\]")])
 def test_stream_bad_variants(option, message):
     with pytest.raises(ValueError, match=message):
         kernel.stream_kernel(1, **option)
 
 
-STREAM_VARIANTS = [{"threads": threads, "loads": loads, "adjacent": adjacent}
-                   for threads in (128, 256, 512) for loads in (16, 32) for adjacent in ("columns", "slices")]
 
 
 @pytest.mark.gpu
@@ -421,9 +421,10 @@ def test_stream_equals_tiles_at_real_sizes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", STREAM_VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+@pytest.mark.parametrize("variant", kernel.STREAM_VARIANTS,
+                         ids=lambda v: "-".join(f"{k}={value}" for k, value in v.items()) or "default")
 def test_stream_variants_equal_tiles(variant):
-    """Every variant of ``stream_kernel`` the timing script measures: "tiles"' bits for 1 and 5
+    """Every variant in STREAM_VARIANTS (the ones offered for timing): "tiles"' bits for 1 and 5
     rows (Din 7168 -> 2048, and 511 -> 33: a partial chunk, fewer columns than a block)."""
     for rows, depth, outputs in ((1, 7168, 2048), (5, 7168, 2048), (1, 511, 33), (5, 511, 33)):
         x, weight = _inputs(rows, depth, outputs, seed=11)
