@@ -486,8 +486,8 @@ def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int =
                   adjacent: str = STREAM_ADJACENT, resident: int | None = STREAM_RESIDENT,
                   max_l1: bool = False, stream=None):
     """out (T, Dout) = x (T, Din) @ weight.T, device arrays, by ``stream_kernel``: S = k_slices(Din)
-    slices, ``threads // S`` columns per block, one pass of min(T, ROWS_PER_PASS) rows per block
-    row (rows past T in the last pass repeat its last row, never written)."""
+    slices, ``threads // S`` columns per block, passes of min(T, ROWS_PER_PASS) rows (a last,
+    partial pass repeats T's last row, never written)."""
     rows, depth = x.shape
     slices = k_slices(depth)
     columns = threads // slices
@@ -539,8 +539,8 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
     ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles",
     "warps" and "stream" ("tiles"' bits) are the batch-invariant ones; ``threads`` is the GEMV /
     rows block size (default: the smallest power of two covering Din, at most 128; "tiles",
-    "warps" and "stream" size their own blocks). ``out`` receives
-    the result; ``stream`` is where the kernel is launched (None: the default stream).
+    "warps" and "stream" size their own blocks). ``out`` receives the result; ``stream`` is
+    where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
     x, weight = check_linear(x, weight, version=version, threads=threads, out=out)
@@ -740,9 +740,9 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows, "stream"
-    (tiles' bits, W read straight into registers) for a decode row, a
-    prefill's GEMM ("gemm" and "tiles"), argmax."""
+    engine's batch-invariant versions ("tiles", "warps") for a decode row and for tree rows,
+    "stream" ("tiles"' bits, W read straight into registers) for a decode row, a prefill's GEMM
+    ("gemm" and "tiles"), argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
