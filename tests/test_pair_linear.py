@@ -364,8 +364,8 @@ def test_kimi_k26_argmax_and_embed():
 # ---------------------------------------------------------------- "stream": "tiles"' bits, streamed
 
 def _stream_and_tiles(x, weight, **variant):
-    """"stream" (``variant``: stream_launch's threads, loads, adjacent) into a NaN-poisoned output,
-    and "tiles"; both (T, Dout) on the host."""
+    """"stream" (``variant``: stream_launch's options) into a NaN-poisoned output, and "tiles";
+    both (T, Dout) on the host."""
     d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
     d_out = device.poisoned((x.shape[0], weight.shape[0]))
     kernel.stream_launch(d_x, d_weight, d_out, **variant)
@@ -399,14 +399,12 @@ def test_stream_bad_variants(option, message):
         kernel.stream_kernel(1, **option)
 
 
-
-
 @pytest.mark.gpu
 def test_stream_equals_tiles_at_real_sizes():
     """"stream" (its default launch, through ``linear``) equals "tiles" bit for bit for 1, 2, 5 and
-    8 rows at every pairing of Din 7168, 2048, 1408, 511 and Dout 18432, 2048, 33 (the H200's fused
-    multiply-adds included); every output written."""
-    for depth in (7168, 2048, 1408, 511):
+    8 rows at every pairing of Din 7168, 2048, 1408, 511 (4 slices), 80 (3) and 20 (1) and Dout
+    18432, 2048, 33 (the H200's fused multiply-adds included); every output written."""
+    for depth in (7168, 2048, 1408, 511, 80, 20):
         for outputs in (18432, 2048, 33):
             x, weight = _inputs(8, depth, outputs, seed=10)
             d_weight = cuda.to_device(weight)
@@ -429,4 +427,5 @@ def test_stream_variants_equal_tiles(variant):
     for rows, depth, outputs in ((1, 7168, 2048), (5, 7168, 2048), (1, 511, 33), (5, 511, 33)):
         x, weight = _inputs(rows, depth, outputs, seed=11)
         streamed, tiled = _stream_and_tiles(x, weight, **variant)
+        assert not np.isnan(streamed).any(), f"unwritten outputs: {variant} at {rows}x{depth}x{outputs}"
         assert np.array_equal(streamed, tiled), f"{variant} at {rows}x{depth}x{outputs}"
