@@ -19,6 +19,8 @@ TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state d
                     rows in registers; batch-invariant, built to stream W near copy bandwidth
                     (an engine option: on the H200 it ran the AR step faster and tree rows
                     slower than "tiles", profile-h200-2026-12-01e.md)
+    version "stream": "tiles"' sums bit for bit, one thread per (output column, Din slice)
+                    reading its W row straight from global memory, no shared-memory staging
 Bytes: W (Dout * Din floats) dominates at decode sizes. The GEMM loads each W tile once per
 16-row strip of x and reuses every loaded element 16 times from shared memory, which pays off
 when many rows share W; with T <= 4 most of its 16 x 16 threads would compute padding rows, so
@@ -50,6 +52,24 @@ so a 64-row projection still fills the GPU) and add them into y in slice order; 
 per block (128 x 128 tiles) one launch per slice continues the sum in y. The tile shape depends
 on the result's size, never the order, so the bits are "tiles"' at any T (on the GPU both compile
 ``acc += x * w`` to the same fused multiply-add).
+
+"stream" computes exactly those sums (the same terms, the same order, the same ``acc += x * w``
+multiply-adds, the S partials added in slice order: bit-identical to "tiles") with the W tile's
+detour through shared memory taken out. A thread owns one (column n, slice s) chain and reads its
+own W row's 32 consecutive floats of each chunk straight into registers, all the loads issued
+before the first add; its rows' sums stay in registers, and only the S partials meet in shared
+memory, once per pass. In "tiles" each lane stores its 32 loaded weights of a 32 x 32 tile to
+shared memory and reads 32 back, between two block-wide barriers: no warp issues the next tile's
+loads before the whole block has added the current one. "stream" has no barrier and no shared
+traffic inside the sum, so its warps run independently, more of W is in flight, and it should
+stream closer to copy bandwidth. The price: a warp's load touches 32 lines of W (one per row)
+instead of one, and the next 31 loads of those lines must find them in L1. The loads all go out
+first only if the compiler may spend the registers: launch bounds (``STREAM_RESIDENT`` threads per
+SM, up to 128 registers each) let ptxas put a chunk's 32 W and 32 x loads ahead of the first
+multiply-add; without them it kept 56 registers and issued about half. Its variants
+(``STREAM_VARIANTS``: threads per block, loads in flight, launch bounds, whether neighbouring
+threads take neighbouring columns or slices) trade L1 reuse, registers and the spread of a small
+Dout's S * Dout chains over the SMs; none changes a bit.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
@@ -97,7 +117,7 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps")
+VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps", "stream")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
@@ -119,6 +139,13 @@ GEMM_PAD = 4        # floats after each staged k-row of a tile: rows stay 16-byt
 GEMM_ALIGN = None if SIMULATOR else 16   # the staged tiles' alignment (the simulator takes none)
 GEMM_SHARED_BYTES = 48 * 1024            # numba's cap on a block's static shared memory
 GEMM_WIDE_BLOCKS = 264   # GEMM_WIDE only where its tiles fill 2 blocks on each of the H200's 132 SMs
+
+# "stream": threads per block (S per column); few in the simulator, where each is a Python thread
+STREAM_THREADS = 32 if SIMULATOR else 256
+STREAM_LOADS = 32   # "stream": W loads a thread issues before it adds them (in order)
+STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring threads differ in
+STREAM_ADJACENT = "columns"
+STREAM_RESIDENT = 512  # "stream": threads per SM the launch bounds leave registers for (<= 128 each)
 
 
 def k_slices(depth: int) -> int:
@@ -571,6 +598,144 @@ def warps_kernel(x, weight, out):
 # --8<-- [end:warps_kernel]
 
 
+# --8<-- [start:stream_kernel]
+@functools.cache
+def stream_kernel(rows: int, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
+                  adjacent: str = STREAM_ADJACENT, resident: int | None = STREAM_RESIDENT,
+                  max_l1: bool = False):
+    """The "stream" kernel for passes of ``rows`` rows (a literal: the sums live in registers),
+    blocks of ``threads // S * S`` threads, ``loads`` W loads in flight per thread (a divisor or a
+    multiple of LANES) and ``adjacent`` threads taking adjacent "columns" or adjacent "slices".
+    ``resident``: the threads per SM the compiler must leave registers for (launch bounds of
+    resident // threads blocks; None: its own choice, which for sm_90 kept about 56 registers
+    and issued only half of the loads before the first add); ``max_l1``: ask for the largest L1
+    (the kernel needs little shared memory). None of them changes a bit of the result: every
+    output is summed in "tiles"' order."""
+    if not (isinstance(rows, int) and 1 <= rows <= ROWS_PER_PASS):
+        raise ValueError(f"rows must be an int in [1, {ROWS_PER_PASS}], got {rows!r}")
+    if not (isinstance(threads, int) and MAX_SLICES <= threads <= 1024):
+        raise ValueError(f"threads must be an int in [{MAX_SLICES}, 1024], got {threads!r}")
+    if not (isinstance(loads, int) and loads >= 1 and (LANES % loads == 0 or loads % LANES == 0)):
+        raise ValueError(f"loads must divide {LANES} or be a multiple of it, got {loads!r}")
+    if adjacent not in STREAM_ADJACENT_CHOICES:
+        raise ValueError(f"adjacent must be one of {STREAM_ADJACENT_CHOICES}, got {adjacent!r}")
+    if resident is not None and not (isinstance(resident, int) and 1 <= resident <= 2048):
+        raise ValueError(f"resident must be None or an int in [1, 2048], got {resident!r}")
+    slices_adjacent = adjacent == "slices"
+    span = min(loads, LANES)              # a batch: `pieces` runs of `span` consecutive k, the runs
+    pieces = max(1, loads // LANES)       # (whole chunks when pieces > 1) S chunks apart
+
+    @cuda.jit(device=True)
+    def add_batch(x, t0, last_row, weight, n, k1, step, acc, w):
+        """acc[r] += x[t0 + r, k] * weight[n, k] in order over a whole batch's k: k1 + j * step + i
+        for piece j < pieces, i < span (rows past last_row repeat it). No guards, and the views
+        put every load at a constant offset from one address per piece."""
+        for j in range(pieces):                  # all loads first, into registers: they overlap
+            weights = weight[n, k1 + j * step:k1 + j * step + span]            # instead of waiting
+            for i in range(span):                                              # one by one
+                w[j * span + i] = weights[i]
+        for r in range(rows):                    # then each row's sums, in k order
+            total = acc[r]
+            for j in range(pieces):
+                xs = x[min(t0 + r, last_row), k1 + j * step:k1 + j * step + span]
+                for i in range(span):
+                    total += xs[i] * w[j * span + i]
+            acc[r] = total
+
+    @cuda.jit(device=True)
+    def add_tail(x, t0, last_row, weight, n, k1, step, acc):
+        """add_batch's sums for Din's last, partial batch: the same terms in the same order, one
+        weight at a time (a plain loop: an unrolled, guarded copy would cost registers)."""
+        depth = x.shape[1]
+        for j in range(pieces):
+            for k in range(k1 + j * step, min(k1 + j * step + span, depth)):
+                w = weight[n, k]
+                for r in range(rows):
+                    acc[r] += x[min(t0 + r, last_row), k] * w
+
+    options = {"shared_memory_carveout": "MaxL1" if max_l1 else None}
+    if resident is not None and not SIMULATOR:      # (the simulator has no registers to bound)
+        options["launch_bounds"] = (threads, max(1, resident // threads))
+
+    @cuda.jit(**options)
+    def kernel(x, weight, out):
+        # one thread = output column n and slice s of Din ("tiles"' chunks s, s + S, ... of LANES
+        # consecutive k), summed sequentially in k for the pass's rows at once; the block is
+        # (columns, S) threads, or (S, columns) with adjacent slices, so blockDim holds
+        # S = k_slices(Din); blockIdx.x = a group of columns, blockIdx.y = the passes
+        # blockIdx.y, blockIdx.y + gridDim.y, ... of ``rows`` rows. W comes straight from global
+        # memory, ``loads`` floats of the thread's row at a time; x by loads that the
+        # column-adjacent threads share. Shared memory: every thread's partial sums, which slice
+        # 0's thread adds in slice order.
+        partial = cuda.shared.array((rows, threads), float32)
+        acc = cuda.local.array(rows, float32)
+        w = cuda.local.array(loads, float32)
+        if slices_adjacent:
+            s, c = cuda.threadIdx.x, cuda.threadIdx.y
+            slices, columns = cuda.blockDim.x, cuda.blockDim.y
+        else:
+            c, s = cuda.threadIdx.x, cuda.threadIdx.y
+            columns, slices = cuda.blockDim.x, cuda.blockDim.y
+        tid = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        n = cuda.blockIdx.x * columns + c
+        depth, outputs = x.shape[1], weight.shape[0]
+        step = slices * LANES                                          # from a chunk to the slice's next
+        for t0 in range(cuda.blockIdx.y * rows, x.shape[0], cuda.gridDim.y * rows):
+            last_row = min(t0 + rows, x.shape[0]) - 1
+            for r in range(rows):
+                acc[r] = float32(0.0)
+            if n < outputs:
+                for k0 in range(s * LANES, depth, pieces * step):      # the slice's chunks, in order
+                    for k1 in range(k0, min(k0 + LANES, depth), span):
+                        if k1 + (pieces - 1) * step + span <= depth:
+                            add_batch(x, t0, last_row, weight, n, k1, step, acc, w)
+                        else:
+                            add_tail(x, t0, last_row, weight, n, k1, step, acc)
+            for r in range(rows):
+                partial[r, tid] = acc[r]
+            cuda.syncthreads()
+            if s == 0 and n < outputs:
+                for r in range(rows):                                  # (literal indices: acc stays
+                    if t0 + r <= last_row:                             # in registers)
+                        total = acc[r]                                 # slice 0's own partial
+                        for other in range(1, slices):                 # (the tid of thread (c, other))
+                            total += partial[r, c * slices + other if slices_adjacent else
+                                             other * columns + c]
+                        out[t0 + r, n] = total
+            cuda.syncthreads()                                         # partial is rewritten next pass
+
+    return kernel
+
+
+def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int = STREAM_LOADS,
+                  adjacent: str = STREAM_ADJACENT, resident: int | None = STREAM_RESIDENT,
+                  max_l1: bool = False, stream=None):
+    """out (T, Dout) = x (T, Din) @ weight.T, device arrays, by ``stream_kernel``: S = k_slices(Din)
+    slices, ``threads // S`` columns per block, passes of min(T, ROWS_PER_PASS) rows (a last,
+    partial pass repeats T's last row, never written)."""
+    rows, depth = x.shape
+    slices = k_slices(depth)
+    columns = threads // slices
+    block = (slices, columns) if adjacent == "slices" else (columns, slices)
+    grid = (blocks(weight.shape[0], columns), row_passes(rows))
+    kernel = stream_kernel(min(rows, ROWS_PER_PASS), threads, loads, adjacent, resident, max_l1)
+    kernel[grid, block, stream](x, weight, out)
+# --8<-- [end:stream_kernel]
+
+
+# "stream": the variants offered for timing, as stream_launch's options besides the defaults
+# (256 threads, 32 loads, adjacent columns, 512 resident). Fewer threads spread a small Dout's
+# few chains over more SMs; more loads put more of W in flight per chain; a block alone on its
+# SM (resident = threads) may take every register it wants.
+STREAM_VARIANTS = (
+    {}, {"adjacent": "slices"}, {"loads": 16}, {"loads": 64}, {"resident": None}, {"resident": 768},
+    {"max_l1": True}, {"threads": 512}, {"threads": 128}, {"threads": 128, "loads": 64},
+    {"threads": 64}, {"threads": 64, "loads": 64}, {"threads": 64, "loads": 64, "adjacent": "slices"},
+    {"threads": 64, "loads": 64, "resident": 64}, {"threads": 32, "loads": 64},
+    {"threads": 32, "loads": 64, "resident": 32},
+)
+
+
 # --8<-- [start:pick_version]
 def pick_version(rows: int) -> str:
     """The ``linear`` version for ``rows`` rows when none is forced: GEMV for a few rows, else GEMM."""
@@ -597,9 +762,9 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
     ``version``: None picks "gemv" for T <= 4 rows and "gemm" otherwise; "rows", "tiles",
-    "tiles_gemm" (the bits of "tiles") and "warps" are the batch-invariant ones; ``threads`` is the
-    GEMV / rows block size (default: the smallest power of two covering Din, at most 128; "tiles"
-    and "tiles_gemm" size their own blocks). ``out`` receives
+    "tiles_gemm" and "stream" (both the bits of "tiles") and "warps" are the batch-invariant ones;
+    ``threads`` is the GEMV / rows block size (default: the smallest power of two covering Din, at
+    most 128; "tiles", "tiles_gemm", "warps" and "stream" size their own blocks). ``out`` receives
     the result; ``stream`` is where the kernel is launched (None: the default stream).
     numpy in -> numpy out; device arrays stay on the device.
     """
@@ -619,6 +784,8 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
         elif version == "warps":                                          # x over Dout, y over T
             grid = (blocks(outputs, WARPS_PER_BLOCK), row_passes(rows))
             warps_kernel[grid, LANES * WARPS_PER_BLOCK, stream](d_x, d_weight, d_y)
+        elif version == "stream":
+            stream_launch(d_x, d_weight, d_y, stream=stream)
         elif version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
@@ -800,8 +967,9 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps") for a decode row and ("tiles", "warps",
-    "tiles_gemm") for tree rows, a prefill's GEMM ("gemm", "tiles" and "tiles_gemm"), argmax."""
+    engine's batch-invariant versions ("tiles", "warps", "stream") for a decode row and ("tiles",
+    "warps", "tiles_gemm") for tree rows, a prefill's GEMM ("gemm", "tiles" and "tiles_gemm"),
+    argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
@@ -818,7 +986,7 @@ def bench_cases(sizes):
                      sizes.rows, hidden, config.moe_intermediate_size, "gemm"),
         *(_linear_case(f"linear_{version}_mlp_up", f"the up projection, 1 decode row, batch-invariant "
                        f"(W {up_mb:.0f} MB)", 1, hidden, config.intermediate_size, version)
-          for version in ("tiles", "warps")),
+          for version in ("tiles", "warps", "stream")),
         *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
                        f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
                        config.moe_intermediate_size, version)

@@ -23,6 +23,7 @@ from kernels.bench.report import TABLE_HEADER, format_report
 CASE_NAMES = [
     "rmsnorm", "rmsnorm_large", "rope_q_pe", "rope_q_pe_large", "linear_gemv_mlp_up",
     "linear_gemv_lm_head", "linear_gemm", "linear_tiles_mlp_up", "linear_warps_mlp_up",
+    "linear_stream_mlp_up",
     "linear_tiles_verify", "linear_warps_verify", "linear_tiles_gemm_verify", "linear_gemm_prefill",
     "linear_tiles_prefill", "linear_tiles_gemm_prefill", "argmax",
     "attention_decode_short", "attention_verify",

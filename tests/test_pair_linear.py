@@ -432,3 +432,73 @@ def test_kimi_k26_argmax_and_embed():
     table = rng.standard_normal((163840, 64)).astype(np.float32)
     tokens = rng.integers(0, 163840, size=64)
     assert_exact(kernel.embed(tokens, table), reference.embed(tokens, table))
+
+
+# ---------------------------------------------------------------- "stream": "tiles"' bits, streamed
+
+def _stream_and_tiles(x, weight, **variant):
+    """"stream" (``variant``: stream_launch's options) into a NaN-poisoned output, and "tiles";
+    both (T, Dout) on the host."""
+    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
+    d_out = device.poisoned((x.shape[0], weight.shape[0]))
+    kernel.stream_launch(d_x, d_weight, d_out, **variant)
+    return d_out.copy_to_host(), kernel.linear(d_x, d_weight, version="tiles").copy_to_host()
+
+
+# (T, Din, Dout, variant): Din not a multiple of 32 (a partial last chunk, and a partial batch of
+# loads), 1-3 rows, Dout spanning 1-3 blocks; batches of two chunks (slice 1's second one past
+# Din), adjacent slices with batches inside a chunk, blocks of 12 threads (6 columns of 2
+# slices); the default variant through ``linear`` each time
+@pytest.mark.parametrize("rows, depth, outputs, variant", [
+    (1, 70, 5, {"loads": 64}), (3, 45, 37, {"adjacent": "slices", "loads": 16}),
+    (2, 100, 9, {"threads": 12, "loads": 8})])
+def test_stream_equals_tiles_bit_for_bit(rows, depth, outputs, variant):
+    x, weight = _inputs(rows, depth, outputs, seed=9)
+    streamed, tiled = _stream_and_tiles(x, weight, **variant)
+    assert not np.isnan(streamed).any(), "an output was never written"
+    assert np.array_equal(streamed, tiled)
+    assert np.array_equal(kernel.linear(x, weight, version="stream"), tiled)
+    # the order is visible at these sizes: summing each dot product straight along Din differs
+    straight = np.cumsum(x[:, None, :] * weight[None, :, :], axis=-1, dtype=np.float32)[..., -1]
+    assert not np.array_equal(straight, tiled)
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"loads": 12}, "loads must divide 32"), ({"adjacent": "rows"}, "adjacent must be one of"),
+    ({"threads": 2}, r"threads must be an int in \[4, 1024\]"),
+    ({"resident": 0}, r"resident must be None or an int in \[1, 2048\]")])
+def test_stream_bad_variants(option, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.stream_kernel(1, **option)
+
+
+@pytest.mark.gpu
+def test_stream_equals_tiles_at_real_sizes():
+    """"stream" (its default launch, through ``linear``) equals "tiles" bit for bit for 1, 2, 5 and
+    8 rows at every pairing of Din 7168, 2048, 1408, 511 (4 slices), 80 (3) and 20 (1) and Dout
+    18432, 2048, 33 (the H200's fused multiply-adds included); every output written."""
+    for depth in (7168, 2048, 1408, 511, 80, 20):
+        for outputs in (18432, 2048, 33):
+            x, weight = _inputs(8, depth, outputs, seed=10)
+            d_weight = cuda.to_device(weight)
+            for rows in (1, 2, 5, 8):
+                d_x = cuda.to_device(x[:rows])
+                d_out = device.poisoned((rows, outputs))
+                kernel.linear(d_x, d_weight, version="stream", out=d_out)
+                streamed = d_out.copy_to_host()
+                tiled = kernel.linear(d_x, d_weight, version="tiles").copy_to_host()
+                assert not np.isnan(streamed).any(), f"unwritten outputs at {rows}x{depth}x{outputs}"
+                assert np.array_equal(streamed, tiled), f"stream != tiles at {rows}x{depth}x{outputs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", kernel.STREAM_VARIANTS,
+                         ids=lambda v: "-".join(f"{k}={value}" for k, value in v.items()) or "default")
+def test_stream_variants_equal_tiles(variant):
+    """Every variant in STREAM_VARIANTS (the ones offered for timing): "tiles"' bits for 1 and 5
+    rows (Din 7168 -> 2048, and 511 -> 33: a partial chunk, fewer columns than a block)."""
+    for rows, depth, outputs in ((1, 7168, 2048), (5, 7168, 2048), (1, 511, 33), (5, 511, 33)):
+        x, weight = _inputs(rows, depth, outputs, seed=11)
+        streamed, tiled = _stream_and_tiles(x, weight, **variant)
+        assert not np.isnan(streamed).any(), f"unwritten outputs: {variant} at {rows}x{depth}x{outputs}"
+        assert np.array_equal(streamed, tiled), f"{variant} at {rows}x{depth}x{outputs}"
