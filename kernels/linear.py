@@ -61,11 +61,12 @@ before the first add; its rows' sums stay in registers, and only the S partials 
 memory, once per pass. In "tiles" each lane stores its 32 loaded weights of a 32 x 32 tile to
 shared memory and reads 32 back, between two block-wide barriers: no warp issues the next tile's
 loads before the whole block has added the current one. "stream" has no barrier and no shared
-traffic inside the sum, so its warps run independently, more of W is in flight, and it should
-stream closer to copy bandwidth. The price: a warp's load touches 32 lines of W (one per row)
-instead of one, and the next 31 loads of those lines must find them in L1. The loads all go out
-first only if the compiler may spend the registers: launch bounds (``STREAM_RESIDENT`` threads per
-SM, up to 128 registers each) let ptxas put a chunk's 32 W and 32 x loads ahead of the first
+traffic inside the sum, so its warps run independently and more of W is in flight. The price: a
+warp's load touches 32 rows of W instead of one, and the next loads of those rows must find them in
+L1. On the H200 (one decode row) that made it faster than "tiles" where Dout is small and slower
+where it is large (``STREAM_MAX_OUTPUTS``): the engine runs whichever is faster for the shape
+(``kernels.model.projection_version``), and since both give the same bits, the choice is free. Launch bounds
+(``STREAM_RESIDENT``) let ptxas spend the registers to issue a batch's loads before the first
 multiply-add; without them it kept 56 registers and issued about half. Its variants
 (``STREAM_VARIANTS``: threads per block, loads in flight, launch bounds, whether neighbouring
 threads take neighbouring columns or slices) trade L1 reuse, registers and the spread of a small
@@ -141,11 +142,18 @@ GEMM_SHARED_BYTES = 48 * 1024            # numba's cap on a block's static share
 GEMM_WIDE_BLOCKS = 264   # GEMM_WIDE only where its tiles fill 2 blocks on each of the H200's 132 SMs
 
 # "stream": threads per block (S per column); few in the simulator, where each is a Python thread
-STREAM_THREADS = 32 if SIMULATOR else 256
-STREAM_LOADS = 32   # "stream": W loads a thread issues before it adds them (in order)
+# (64 on a GPU: of the variants timed on the H200, the fastest or within 4% of it at 7168 -> 2048,
+# 2048 -> 1408 and 256 -> 512; linear-versions-h200-2026-12-01.txt)
+STREAM_THREADS = 32 if SIMULATOR else 64
+STREAM_LOADS = 64   # "stream": W loads a thread issues before it adds them (in order)
 STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring threads differ in
 STREAM_ADJACENT = "columns"
-STREAM_RESIDENT = 512  # "stream": threads per SM the launch bounds leave registers for (<= 128 each)
+STREAM_RESIDENT = 64   # "stream": threads per SM the launch bounds leave registers for (64: up to 255 each)
+# "stream" is faster than "tiles" where Dout is small enough that its S * Dout chains, 64 threads a
+# block, leave each SM a block or two: on the H200 at Dout 512, 1408 and 2048 (T = 1: 4.7 / 26 / 85
+# µs against 7.5 / 38 / 124), slower at 18432 (627 against 356 µs), where many blocks per SM each
+# touch 32 rows of W at once and L1 no longer holds them (``kernels.model.projection_version``).
+STREAM_MAX_OUTPUTS = 2048
 
 
 def k_slices(depth: int) -> int:
@@ -724,15 +732,13 @@ def stream_launch(x, weight, out, *, threads: int = STREAM_THREADS, loads: int =
 
 
 # "stream": the variants offered for timing, as stream_launch's options besides the defaults
-# (256 threads, 32 loads, adjacent columns, 512 resident). Fewer threads spread a small Dout's
-# few chains over more SMs; more loads put more of W in flight per chain; a block alone on its
-# SM (resident = threads) may take every register it wants.
+# (64 threads, 64 loads, adjacent columns, 64 resident). Fewer threads spread a small Dout's few
+# chains over more SMs; more loads put more of W in flight per chain; a block alone on its SM
+# (resident = threads) may take every register it wants.
 STREAM_VARIANTS = (
-    {}, {"adjacent": "slices"}, {"loads": 16}, {"loads": 64}, {"resident": None}, {"resident": 768},
-    {"max_l1": True}, {"threads": 512}, {"threads": 128}, {"threads": 128, "loads": 64},
-    {"threads": 64}, {"threads": 64, "loads": 64}, {"threads": 64, "loads": 64, "adjacent": "slices"},
-    {"threads": 64, "loads": 64, "resident": 64}, {"threads": 32, "loads": 64},
-    {"threads": 32, "loads": 64, "resident": 32},
+    {}, {"threads": 32, "resident": 32}, {"threads": 128, "resident": 128},
+    {"threads": 256, "loads": 32, "resident": 512}, {"adjacent": "slices"}, {"loads": 32},
+    {"resident": None},
 )
 
 

@@ -21,9 +21,10 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear`` version "tiles", or "tiles_gemm" for many rows
-with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are bit-identical
-to the AR logits at the same position, so DDTree == AR holds exactly in the engine, for any weights.
+runs in an order fixed by its own row (``linear`` version "tiles", run as "stream" or
+"tiles_gemm" with the same bits where they are faster, ``attention_paths``, the MoE kernels): a
+tree node's logits are bit-identical to the AR logits at the same position, so DDTree == AR holds
+exactly in the engine, for any weights.
 The MoE kernels' version depends on the forward's row count (``moe_version``: per pair for few
 rows, grouped by expert for many); both versions give the same bits, so an AR step and a large
 tree's verify still agree row for row.
@@ -55,7 +56,7 @@ from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact_columns, write_rows
-from kernels.linear import argmax, embed, linear
+from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
 from kernels.mla import (
     absorb_output,
     absorb_query,
@@ -77,7 +78,7 @@ DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax -
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
-GEMM_FROM_ROWS = 16             # forwards of this many rows or more run "tiles" as "tiles_gemm"
+GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm"
 GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
@@ -113,20 +114,25 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
 
 
 # --8<-- [start:projection_version]
-def projection_version(linear_version: str, rows: int, gemm_from_rows: int) -> str:
-    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) for the engine's
-    ``linear_version``: "tiles" runs as "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's:
-    GEMM_FROM_ROWS); "warps" stays.
+def projection_version(linear_version: str, rows: int, outputs: int, gemm_from_rows: int) -> str:
+    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) to ``outputs``
+    columns for the engine's ``linear_version``. "tiles" runs as the fastest kernel with its bits:
+    "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's: GEMM_FROM_ROWS), else "stream"
+    where Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself. "warps" stays.
 
-    "tiles_gemm" adds every output's terms in "tiles"' order (the same bits), so the switch cannot
-    break DDTree == AR: an AR step ("tiles") and the same row in a large tree's verify
-    ("tiles_gemm") get bit-identical logits. It is a register-tiled GEMM: every staged weight
-    serves a tile of 32 rows or more, where "tiles" reads W again for each pass of 8 rows (on the
-    H200 its 64-row 7168 -> 2048 projection took 311 µs, about 8 of its 1-row times). Why 16 rows:
-    from 2 passes on, "tiles" reads W at least twice while "tiles_gemm" reads it once; a guess from
-    that count, not yet timed (``exp_gemm_time.py`` times both at 8 to 64 rows).
+    "tiles_gemm" and "stream" add every output's terms in "tiles"' order (the same bits), so the
+    switch cannot break DDTree == AR: an AR step and the same row in a large tree's verify get
+    bit-identical logits whichever kernel each ran. "tiles_gemm" is a register-tiled GEMM: every
+    staged weight serves a tile of 32 rows, where "tiles" reads W again for each pass of 8 rows.
+    Why 8 rows: on the H200 (7168 -> 2048) "tiles_gemm" took 123 µs at 8 rows against "tiles"' 131,
+    and 124 against 309 at 64 (linear-versions-h200-2026-12-01.txt). "stream" reads W straight
+    into registers; it is faster than "tiles" for a small Dout (``kernels.linear.STREAM_MAX_OUTPUTS``).
     """
-    return "tiles_gemm" if linear_version == "tiles" and rows >= gemm_from_rows else linear_version
+    if linear_version != "tiles":
+        return linear_version
+    if rows >= gemm_from_rows:
+        return "tiles_gemm"
+    return "stream" if outputs <= STREAM_MAX_OUTPUTS else "tiles"
 # --8<-- [end:projection_version]
 
 
@@ -432,8 +438,9 @@ class Transformer:
     it ran at half the speed of "tiles", bench-h200-2026-12-01c.md). Both are batch-invariant, so
     either keeps DDTree == AR, but they round differently: two engines with different versions may
     differ in the last bits. With "tiles", forwards of GEMM_FROM_ROWS rows or more (tree verifies,
-    prefill chunks) run "tiles_gemm", a register-tiled GEMM that adds each output's terms in
-    "tiles"' order: the same bits, so AR steps and verifies still agree (``projection_version``).
+    prefill chunks) run "tiles_gemm", a register-tiled GEMM, and fewer rows run "stream" where Dout
+    is small: both add each output's terms in "tiles"' order, the same bits, so AR steps and
+    verifies still agree (``projection_version``).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -534,7 +541,7 @@ class Transformer:
     def project(self, x, weight, *, out, stream):
         """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version`` for T rows
         (``projection_version``)."""
-        version = projection_version(self.linear_version, x.shape[0], GEMM_FROM_ROWS)
+        version = projection_version(self.linear_version, x.shape[0], weight.shape[0], GEMM_FROM_ROWS)
         return linear(x, weight, version=version, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]

@@ -26,6 +26,7 @@ from kernels import model as engine_model
 from kernels.model import (
     GEMM_FROM_ROWS,
     MOE_GROUPED_FROM_ROWS,
+    STREAM_MAX_OUTPUTS,
     bucket_rows,
     candidate_count,
     moe_grouped_from,
@@ -114,11 +115,15 @@ def test_moe_version_per_bucket():
 
 
 def test_projection_version_per_bucket():
-    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on; "warps" never changes."""
-    assert GEMM_FROM_ROWS == 16
-    assert [projection_version("tiles", rows, GEMM_FROM_ROWS) for rows in (1, 8, 15, 16, 40, 128)] == \
-        ["tiles"] * 3 + ["tiles_gemm"] * 3
-    assert {projection_version("warps", rows, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
+    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on, as "stream" (the
+    same bits) below it where Dout <= STREAM_MAX_OUTPUTS; "warps" never changes."""
+    assert GEMM_FROM_ROWS == 8
+    small, large = STREAM_MAX_OUTPUTS, STREAM_MAX_OUTPUTS + 1
+    assert [projection_version("tiles", rows, small, GEMM_FROM_ROWS) for rows in (1, 4, 7, 8, 40, 128)] == \
+        ["stream"] * 3 + ["tiles_gemm"] * 3
+    assert [projection_version("tiles", rows, large, GEMM_FROM_ROWS) for rows in (1, 7, 8)] == \
+        ["tiles", "tiles", "tiles_gemm"]
+    assert {projection_version("warps", rows, small, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
 
 
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
@@ -421,14 +426,18 @@ def test_rejection_verifier_equals_numpy_on_hardware(name):
 @pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
 def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatch):
     """A 40-row forward runs every projection and the lm_head as "tiles_gemm"; with GEMM_FROM_ROWS
-    past Tmax the same forward runs "tiles": the same logits, bit for bit."""
+    past Tmax the same forward runs "stream" (every Dout of these presets is small), and with
+    STREAM_MAX_OUTPUTS 0 as well, "tiles": the same logits, bit for bit, all three."""
     config = preset(name)
     weights = init_weights(config, golden.WEIGHT_SEED)
     prompt = np.random.default_rng(5).integers(0, config.vocab_size, 40)
     gemm = EngineTransformer(config, weights).logits(prompt)
     monkeypatch.setattr(engine_model, "GEMM_FROM_ROWS", 129)
+    stream = EngineTransformer(config, weights).logits(prompt)
+    monkeypatch.setattr(engine_model, "STREAM_MAX_OUTPUTS", 0)
     tiles = EngineTransformer(config, weights).logits(prompt)
     assert np.array_equal(gemm.view(np.uint32), tiles.view(np.uint32))
+    assert np.array_equal(stream.view(np.uint32), tiles.view(np.uint32))
 
 
 @pytest.mark.gpu
