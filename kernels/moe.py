@@ -4,18 +4,24 @@ Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token
 F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
 Kernels:
-- the router's logits x . gate[e] come from ``kernels.linear`` (version "tiles"); then
-  ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
-  (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
-  index), normalised and scaled weights (``_weigh``). Both versions below route alike.
-- version 1, per (token, slot) pair:
+- the router (``route``, ``version=`` 1 or 2, default 2, the one ``moe`` runs): the logits
+  x . gate[e], then one block per token:
+  - version 1: the logits from ``kernels.linear`` (version "tiles"); ``route_kernel``: sigmoid
+    (``_scores``), group-limited routing (``_keep_groups``), top-k by repeated block-wide argmax
+    (``_pick_free``, exact ties -> lower index), normalised and scaled weights (``_weigh``).
+  - version 2: ``logit_slices_kernel``, the logits in S = ceil(D / LOGIT_SLICE) depth slices
+    (linear's ``tile_dots`` over each slice); ``route_ranks_kernel``: the slices added in order
+    and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
+    experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
+    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it.
+- the routed experts, version 1, per (token, slot) pair:
   - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
     e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
     products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
   - ``expert_down_pairs_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
     32 output features and token; the k slots are added in slot order, so the result is
     deterministic without atomics.
-- version 2, grouped by expert:
+- the routed experts, version 2, grouped by expert:
   - ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
     ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
     lists (T, E), a column per expert (at most T pairs), -1 after.
@@ -32,8 +38,28 @@ Every sum runs in an order fixed by its own row: a token's result does not depen
 routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
 for bit).
 
-Versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per forward by
-its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
+Router versions (``version=`` of ``route``, default 2). Both give numpy's ids (version 1 except
+with NaN choices, which it puts first, as np.argmax, where numpy's sort puts them last) and its
+weights to rounding; their logits are summed in different orders, so not the same bits (but for
+D <= LOGIT_SLICE: one slice, summed as "tiles" sums it).
+Version 1's "tiles" logits take one block per 32 experts and pass of 8 rows: 24 blocks for
+Kimi's 384 experts and 16 tokens, 12 for one token, on the H200's 132 SMs, each streaming 32 rows
+of the 11 MB gate through its 4 warps, one chunk after another. Its selection is k rounds of a
+block argmax, each log2(TPB) barriers that wait on the round before.
+Version 2 cuts each logit's D into S slices of LOGIT_SLICE (512) and gives every slice its own
+blocks: S times as many (14 at D = 7168: 168 blocks for one token, 336 for 16), each summing its
+slice with the same ``tile_dots``. The routing kernel adds a logit's S slices in slice order, so a
+logit depends on D alone, never on T (batch-invariant). It then picks by rank: an expert's rank
+is the number of experts before it in numpy's order (``comes_before``: np.argsort(-choice,
+stable), ties to the lower index, NaN last), and the expert of rank j < k is pick j, so no step
+waits on a previous pick. To keep the comparisons few it ranks the bests of C = 64 columns of
+experts (column c: experts c, c + C, ...) and then only the experts of the k best columns among
+themselves (k * ceil(E / C): 48 of Kimi's 384); the top k are all there and ranked exactly
+(``_candidates``). Each ranking splits its comparisons over the block's threads (a few each) and
+adds the counts with shared-memory atomics: integers, so the ranks never depend on their order.
+
+Expert versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per
+forward by its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
 the same ``tile_dots`` sums and add a token's slots in slot order from the same start, so they
 give the same bits: a row's result does not depend on the version either.
 Version 1 stages an expert's weight tiles once per (token, slot) pair that chose it: an expert
@@ -49,16 +75,17 @@ A dense SwiGLU (the dense layers and the shared expert) is the same two expert k
 reads ids = 0 and weights = 1 from the scratch; version 2 lists every row (lists[t, 0] = t, made
 with the scratch) and its down projection is the output, no combine. ``moe`` runs the shared
 expert first, then adds the routed experts in place: five launches (version 1) or seven
-(version 2) plus the router's linear, nothing leaves the device.
+(version 2) plus the router's logits, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
 the device each time, device arrays are used as they are. MoE weights are large and reused every
 step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
-device. The intermediate buffers (routed ids and weights, expert lists, the hidden states, the
-pairs' down projections) are allocated per call unless a ``scratch`` from ``moe_scratch`` /
-``dense_scratch`` is given (it holds both versions' buffers, so one scratch serves either): with
-``out`` and ``scratch`` and device inputs nothing is allocated or copied. ``bytes_moved`` and
+device. The intermediate buffers (the router's logit slices, routed ids and weights, expert
+lists, the hidden states, the pairs' down projections) are allocated per call unless a
+``scratch`` from ``moe_scratch`` / ``dense_scratch`` is given (it holds both expert versions'
+buffers, so one scratch serves either): with ``out`` and ``scratch`` and device inputs nothing is
+allocated or copied. ``bytes_moved`` and
 ``flops`` give each operation's cost model.
 """
 
@@ -436,8 +463,8 @@ def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling
 
     Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
     column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
-    each), the picks (k). Cost: three rankings (groups, columns, candidates) of a few
-    comparisons per thread each, a dozen barriers; no round depends on the one before.
+    each), the picks (k). Cost: two rankings (columns, candidates; a third for groups) of a few
+    comparisons per thread each, six barriers (nine with groups), none of them per pick.
     """
     token, tid = cuda.blockIdx.x, cuda.threadIdx.x
     experts, top_k = parts.shape[2], ids.shape[1]
