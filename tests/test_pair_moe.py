@@ -136,7 +136,7 @@ def test_exact_ties_go_to_the_lower_index(n_group, topk_group, version):
 @pytest.mark.parametrize("n_group, topk_group", [(1, 1), (8, 3)])
 def test_ties_within_one_thread_go_to_the_lower_index(n_group, topk_group, version):
     """48 experts on 32 threads: thread 1 scans experts 1 and 33, thread 8 scans 8 and 40 (in
-    version 2 they are columns 1 and 8, whose bests tie with each other's second)."""
+    version 2, columns 1 and 8 of 32 each hold two picks: a kept column's others are ranked too)."""
     config = config_with(n_routed_experts=48, n_group=n_group, topk_group=topk_group, num_experts_per_tok=4)
     x = np.zeros((1, 4), np.float32)
     gate = np.ones((48, 4), np.float32)
