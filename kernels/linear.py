@@ -279,22 +279,26 @@ def rows_pass(x, weight, out, n, t0, partial, acc):
 
 # --8<-- [start:tile_dots]
 @functools.cache
-def tile_dots(rows: int, listed: bool = False):
+def tile_dots(rows: int, listed: bool = False, sliced: bool = False):
     """The device function of "tiles" for ``rows`` rows per pass (a literal: the sums live in
     registers). ``listed``: the pass's rows are x[row_ids[r]] (any rows, e.g. the tokens one
-    expert serves: ``kernels.moe``) instead of x[t0 + r]; each row's sums are the same."""
+    expert serves: ``kernels.moe``) instead of x[t0 + r]; each row's sums are the same.
+    ``sliced``: the function takes a depth range d0, d1 after n0 and sums x[., d0:d1] .
+    weight[., d0:d1] only (``kernels.moe``'s router logits in depth slices); without it the range
+    is all of Din. (Indices into the whole arrays, not views: a view's strides cost the kernel
+    some 70 registers.)"""
 
     @cuda.jit(device=True)
-    def dots(x, t0, count, row_ids, weight, n0, acc, w_tile, x_tile, partial):
-        """acc[r] = weight[n0 + lane] . x[t0 + r] (or x[row_ids[r]]) for r < count, in lane's
-        thread of slice 0.
+    def dots_range(x, t0, count, row_ids, weight, n0, d0, d1, acc, w_tile, x_tile, partial):
+        """acc[r] = weight[n0 + lane, d0:d1] . x[t0 + r, d0:d1] (or x[row_ids[r]]) for r < count,
+        in lane's thread of slice 0.
 
-        Thread (slice s, lane) sums chunks s, s + S, ... of Din, each sequentially in k, for
-        every row at once; then slice 0 adds the S partial sums in slice order."""
+        Thread (slice s, lane) sums chunks s, s + S, ... of the range, each sequentially in k,
+        for every row at once; then slice 0 adds the S partial sums in slice order."""
         lane = cuda.threadIdx.x % LANES
         part = cuda.threadIdx.x // LANES
         parts = cuda.blockDim.x // LANES
-        depth, outputs = x.shape[1], weight.shape[0]
+        depth, outputs = d1 - d0, weight.shape[0]
         last_row = t0 + count - 1
         staged = cuda.local.array(LANES, float32)
         for r in range(rows):
@@ -306,12 +310,12 @@ def tile_dots(rows: int, listed: bool = False):
                 # all loads first, into registers, then all stores: the loads overlap instead of
                 # waiting one by one (rows past the end re-read the last one, never used)
                 for i in range(LANES):
-                    staged[i] = weight[min(n0 + i, outputs - 1), k0 + lane]
+                    staged[i] = weight[min(n0 + i, outputs - 1), d0 + k0 + lane]
                 for i in range(LANES):
                     w_tile[part, i, lane] = staged[i]
                 for r in range(rows):
                     row = row_ids[min(r, count - 1)] if listed else min(t0 + r, last_row)
-                    staged[r] = x[row, k0 + lane]
+                    staged[r] = x[row, d0 + k0 + lane]
                 for r in range(rows):
                     x_tile[part, r, lane] = staged[r]
             cuda.syncthreads()
@@ -332,7 +336,12 @@ def tile_dots(rows: int, listed: bool = False):
                 acc[r] = total
         cuda.syncthreads()                                   # tiles and partials are reused next
 
-    return dots
+    @cuda.jit(device=True)
+    def dots(x, t0, count, row_ids, weight, n0, acc, w_tile, x_tile, partial):
+        """``dots_range`` over all of Din."""
+        dots_range(x, t0, count, row_ids, weight, n0, 0, x.shape[1], acc, w_tile, x_tile, partial)
+
+    return dots_range if sliced else dots
 
 
 tile_dots_rows = tile_dots(ROWS_PER_PASS)                      # linear's: rows share each W tile

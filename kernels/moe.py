@@ -4,18 +4,24 @@ Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token
 F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
 
 Kernels:
-- the router's logits x . gate[e] come from ``kernels.linear`` (version "tiles"); then
-  ``route_kernel``: one block per token: sigmoid (``_scores``), group-limited routing
-  (``_keep_groups``), top-k by repeated block-wide argmax (``_pick_free``, exact ties -> lower
-  index), normalised and scaled weights (``_weigh``). Both versions below route alike.
-- version 1, per (token, slot) pair:
+- the router (``route``, ``version=`` 1 or 2, default 2, the one ``moe`` runs): the logits
+  x . gate[e], then one block per token:
+  - version 1: the logits from ``kernels.linear`` (version "tiles"); ``route_kernel``: sigmoid
+    (``_scores``), group-limited routing (``_keep_groups``), top-k by repeated block-wide argmax
+    (``_pick_free``, exact ties -> lower index), normalised and scaled weights (``_weigh``).
+  - version 2: ``logit_slices_kernel``, the logits in S = ceil(D / LOGIT_SLICE) depth slices
+    (linear's ``tile_dots`` over each slice); ``route_ranks_kernel``: the slices added in order
+    and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
+    experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
+    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it.
+- the routed experts, version 1, per (token, slot) pair:
   - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
     e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
     products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
   - ``expert_down_pairs_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
     32 output features and token; the k slots are added in slot order, so the result is
     deterministic without atomics.
-- version 2, grouped by expert:
+- the routed experts, version 2, grouped by expert:
   - ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
     ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
     lists (T, E), a column per expert (at most T pairs), -1 after.
@@ -32,8 +38,28 @@ Every sum runs in an order fixed by its own row: a token's result does not depen
 routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
 for bit).
 
-Versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per forward by
-its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
+Router versions (``version=`` of ``route``, default 2). Both give numpy's ids (version 1 except
+with NaN choices, which it puts first, as np.argmax, where numpy's sort puts them last) and its
+weights to rounding; their logits are summed in different orders, so not the same bits (but for
+D <= LOGIT_SLICE: one slice, summed as "tiles" sums it).
+Version 1's "tiles" logits take one block per 32 experts and pass of 8 rows: 24 blocks for
+Kimi's 384 experts and 16 tokens, 12 for one token, on the H200's 132 SMs, each streaming 32 rows
+of the 11 MB gate through its 4 warps, one chunk after another. Its selection is k rounds of a
+block argmax, each log2(TPB) barriers that wait on the round before.
+Version 2 cuts each logit's D into S slices of LOGIT_SLICE (512) and gives every slice its own
+blocks: S times as many (14 at D = 7168: 168 blocks for one token, 336 for 16), each summing its
+slice with the same ``tile_dots``. The routing kernel adds a logit's S slices in slice order, so a
+logit depends on D alone, never on T (batch-invariant). It then picks by rank: an expert's rank
+is the number of experts before it in numpy's order (``comes_before``: np.argsort(-choice,
+stable), ties to the lower index, NaN last), and the expert of rank j < k is pick j, so no step
+waits on a previous pick. To keep the comparisons few it ranks the bests of C = 64 columns of
+experts (column c: experts c, c + C, ...) and then only the experts of the k best columns among
+themselves (k * ceil(E / C): 48 of Kimi's 384); the top k are all there and ranked exactly
+(``_candidates``). Each ranking splits its comparisons over the block's threads (a few each) and
+adds the counts with shared-memory atomics: integers, so the ranks never depend on their order.
+
+Expert versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per
+forward by its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
 the same ``tile_dots`` sums and add a token's slots in slot order from the same start, so they
 give the same bits: a row's result does not depend on the version either.
 Version 1 stages an expert's weight tiles once per (token, slot) pair that chose it: an expert
@@ -49,16 +75,17 @@ A dense SwiGLU (the dense layers and the shared expert) is the same two expert k
 reads ids = 0 and weights = 1 from the scratch; version 2 lists every row (lists[t, 0] = t, made
 with the scratch) and its down projection is the output, no combine. ``moe`` runs the shared
 expert first, then adds the routed experts in place: five launches (version 1) or seven
-(version 2) plus the router's linear, nothing leaves the device.
+(version 2) plus the router's logits, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
 the device each time, device arrays are used as they are. MoE weights are large and reused every
 step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
-device. The intermediate buffers (routed ids and weights, expert lists, the hidden states, the
-pairs' down projections) are allocated per call unless a ``scratch`` from ``moe_scratch`` /
-``dense_scratch`` is given (it holds both versions' buffers, so one scratch serves either): with
-``out`` and ``scratch`` and device inputs nothing is allocated or copied. ``bytes_moved`` and
+device. The intermediate buffers (the router's logit slices, routed ids and weights, expert
+lists, the hidden states, the pairs' down projections) are allocated per call unless a
+``scratch`` from ``moe_scratch`` / ``dense_scratch`` is given (it holds both expert versions'
+buffers, so one scratch serves either): with ``out`` and ``scratch`` and device inputs nothing is
+allocated or copied. ``bytes_moved`` and
 ``flops`` give each operation's cost model.
 """
 
@@ -111,10 +138,16 @@ MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 TPB = 128               # combine_kernel's threads per block (one per output element)
 LIST_TPB = 32 if SIMULATOR else 128   # expert_lists_kernel's: tokens per chunk (any size: same lists)
 VERSIONS = (1, 2)       # the expert kernels: 1 per (token, slot) pair, 2 grouped by expert
+ROUTE_VERSIONS = (1, 2)  # the router: 1 "tiles" logits and k block argmaxes, 2 sliced logits and ranks
+LOGIT_SLICE = 512       # router version 2: the depth of a logit's slices (S = ceil(D / 512), D only)
+COLUMNS = 64            # router version 2: columns of experts whose bests prune the ranking
+MAX_CANDIDATES = MAX_EXPERTS + COLUMNS     # ... at most C columns of ceil(E / C) experts
+ROUTE_TPB = 512         # router version 2's largest default block (a thread per expert up to 512)
 F32, I64 = 4, 8
 # the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
 listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
+slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -162,28 +195,41 @@ def _pick_free(values, free, count, best_values, best_indices):
 
 # --8<-- [start:route_kernel]
 @cuda.jit(device=True)
+def _choose(logit, bias, e, score, choice):
+    """score[e] = sigmoid(logit); choice[e] = score[e] + bias[e] (the bias only chooses)."""
+    score[e] = sigmoid_scalar(logit)
+    choice[e] = score[e] + bias[e]
+
+
+@cuda.jit(device=True)
 def _scores(logits, bias, token, score, choice, free):
-    """1. Thread e (strided over E): score[e] = sigmoid(logits[t, e]); choice[e] = score[e] +
-    bias[e] (the bias only chooses); every expert starts free."""
+    """1. Thread e (strided over E): score and choice from logits[t, e] (``_choose``); every
+    expert starts free."""
     for e in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        score[e] = sigmoid_scalar(logits[token, e])
-        choice[e] = score[e] + bias[e]
+        _choose(logits[token, e], bias, e, score, choice)
         free[e] = 1
     cuda.syncthreads()
 
 
 @cuda.jit(device=True)
+def _sorts_after(value, other):
+    """True when ``value`` comes after ``other`` in np.sort's ascending order: NaN last."""
+    return value > other or (math.isnan(value) and not math.isnan(other))
+
+
+@cuda.jit(device=True)
 def _top_two_sum(choice, first_expert, end):
-    """The sum of the two largest choice[first_expert:end] (a group has at least two experts)."""
+    """The sum of the two largest choice[first_expert:end] (a group has at least two experts) in
+    np.sort's order, as the reference's np.sort(...)[-2:].sum(): a group holding a NaN scores NaN."""
     first = choice[first_expert]
     second = choice[first_expert + 1]
-    if second > first:
+    if _sorts_after(second, first):
         first, second = second, first
     for e in range(first_expert + 2, end):
-        if choice[e] > first:
+        if _sorts_after(choice[e], first):
             second = first
             first = choice[e]
-        elif choice[e] > second:
+        elif _sorts_after(choice[e], second):
             second = choice[e]
     return second + first
 
@@ -210,16 +256,29 @@ def _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_
 
 
 @cuda.jit(device=True)
+def _picked_total(score, picked, top_k):
+    """The unbiased scores of the k picks, added in slot order (both versions: the same bits)."""
+    total = float32(0.0)
+    for j in range(top_k):
+        total += score[picked[j]]
+    return total
+
+
+@cuda.jit(device=True)
+def _weight(score, expert, total, norm_topk_prob, scaling):
+    """A pick's weight: its unbiased score, over the picks' ``total`` if normalised, scaled."""
+    w = score[expert]
+    if norm_topk_prob:
+        w = w / (total + float32(1e-20))
+    return w * scaling
+
+
+@cuda.jit(device=True)
 def _weigh(score, ids, token, norm_topk_prob, scaling, weights):
     """4. (one thread) Each pick weighs its unbiased score, normalised to sum 1 if asked, scaled."""
-    total = float32(0.0)
+    total = _picked_total(score, ids[token], ids.shape[1])
     for j in range(ids.shape[1]):
-        total += score[ids[token, j]]
-    for j in range(ids.shape[1]):
-        w = score[ids[token, j]]
-        if norm_topk_prob:
-            w = w / (total + float32(1e-20))
-        weights[token, j] = w * scaling
+        weights[token, j] = _weight(score, ids[token, j], total, norm_topk_prob, scaling)
 
 
 @cuda.jit
@@ -257,6 +316,186 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
     if cuda.threadIdx.x == 0:
         _weigh(score, ids, token, norm_topk_prob, scaling, weights)
 # --8<-- [end:route_kernel]
+
+
+# --- the router, version 2: sliced logits, top-k by rank ----------------------------------------
+
+# --8<-- [start:logit_slices_kernel]
+@cuda.jit
+def logit_slices_kernel(x, gate, parts):
+    # parts[t, s, e] = x[t, d0:d1] . gate[e, d0:d1] for depth slice s (d0 = s * LOGIT_SLICE): one
+    # block = experts e0 .. e0 + 31 (blockIdx.x; lane = e) of slice blockIdx.y, for the passes of
+    # ROWS_PER_PASS rows blockIdx.z, blockIdx.z + gridDim.z, ...; the block's warps split the slice
+    # (kernels.linear's tile_dots over the slice: the "tiles" sums, with S times the blocks). S
+    # and every slice's sums depend on D only: batch-invariant
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    acc = cuda.local.array(ROWS_PER_PASS, float32)
+    consecutive = cuda.local.array(1, int32)     # slice_dots' row list, unused: rows t0 .. t0 + count - 1
+    s = cuda.blockIdx.y
+    d0 = s * LOGIT_SLICE
+    d1 = min(d0 + LOGIT_SLICE, x.shape[1])
+    e0 = cuda.blockIdx.x * LANES
+    e = e0 + cuda.threadIdx.x
+    for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, x.shape[0], cuda.gridDim.z * ROWS_PER_PASS):
+        count = min(ROWS_PER_PASS, x.shape[0] - t0)
+        slice_dots(x, t0, count, consecutive, gate, e0, d0, d1, acc, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and e < gate.shape[0]:
+            for r in range(ROWS_PER_PASS):
+                if r < count:
+                    parts[t0 + r, s, e] = acc[r]
+# --8<-- [end:logit_slices_kernel]
+
+
+# --8<-- [start:route_ranks_kernel]
+@cuda.jit(device=True)
+def comes_before(value, index, other_value, other_index):
+    """True when (value, index) comes before (other_value, other_index) in the reference's order,
+    np.argsort(-values, kind="stable") (``ddtree.moe.topk_lowest_index``): a larger value first,
+    equals by the lower index, NaN after every number (numpy sorts NaN last), NaNs by index.
+    An index of -1 is "no entry": it comes after everything. (``kernels.blocks.comes_first`` is
+    np.argmax's order, where NaN comes first.)"""
+    if index < 0:
+        return False
+    if other_index < 0:
+        return True
+    if math.isnan(value):
+        return math.isnan(other_value) and index < other_index
+    if math.isnan(other_value):
+        return True
+    return value > other_value or (value == other_value and index < other_index)
+
+
+@cuda.jit(device=True)
+def _ranks(values, indices, count, ranks):
+    """ranks[i] = how many of the ``count`` entries (values[j], indices[j]) come before entry i
+    (``comes_before``): its place in the reference's descending order, exact, ties and NaN
+    included, whatever order the entries are stored in.
+
+    Entry i gets TPB // count threads (at least one), each counting the entries j of one stride;
+    their counts are added with shared-memory atomics (integers: the same sum in any order).
+    Starts with a barrier (entries written before the call are seen) and ends with one."""
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    for i in range(tid, count, threads):
+        ranks[i] = 0
+    cuda.syncthreads()
+    parts = max(1, threads // count)
+    for work in range(tid, count * parts, threads):
+        i, part = work % count, work // count
+        value, index = values[i], indices[i]
+        before = 0
+        for j in range(part, count, parts):
+            if comes_before(values[j], indices[j], value, index):
+                before += 1
+        cuda.atomic.add(ranks, i, before)
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _summed_scores(parts, bias, token, score, choice):
+    """1. Thread e (strided over E): the logit is its S depth slices added in slice order;
+    score and choice as version 1's (``_choose``)."""
+    for e in range(cuda.threadIdx.x, parts.shape[2], cuda.blockDim.x):
+        logit = parts[token, 0, e]
+        for s in range(1, parts.shape[1]):
+            logit += parts[token, s, e]
+        _choose(logit, bias, e, score, choice)
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _mask_groups(choice, experts, n_group, topk_group, group_score, group_index, group_rank):
+    """2. Thread g scores group g by its two best choices (``_top_two_sum``); ``_ranks`` orders
+    the groups; the experts of all but the topk_group best get choice -inf, as the reference's
+    np.where(keep, choice, -inf): still eligible, after every kept number and before a NaN."""
+    tid = cuda.threadIdx.x
+    size = experts // n_group
+    for g in range(tid, n_group, cuda.blockDim.x):
+        group_score[g] = _top_two_sum(choice, g * size, (g + 1) * size)
+        group_index[g] = g
+    _ranks(group_score, group_index, n_group, group_rank)
+    for e in range(tid, experts, cuda.blockDim.x):
+        if group_rank[e // size] >= topk_group:
+            choice[e] = -math.inf
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _candidates(choice, experts, top_k, best_value, best_index, column_rank, candidate_value,
+                candidate_index):
+    """3. The experts that can be among the top k, in at most k columns; returns their count.
+
+    Column c holds experts c, c + C, ... (C = min(TPB, COLUMNS) columns of ceil(E / C)); thread c
+    finds its best (``comes_before``) and ``_ranks`` orders the C bests. The column whose best has
+    rank r < k copies its experts to slots r * ceil(E / C) + i (index -1 past E). A top-k expert
+    is a candidate: every column best before its own column's best comes before it too, so fewer
+    than k do. Its rank among the candidates is its rank: the experts before it are top-k ones,
+    candidates all. Any other candidate has the k top-k experts before it."""
+    tid = cuda.threadIdx.x
+    columns = min(cuda.blockDim.x, COLUMNS)
+    per_column = (experts + columns - 1) // columns
+    if tid < columns:
+        value, index = float32(0.0), -1                      # -1: no expert seen yet
+        for e in range(tid, experts, columns):
+            if comes_before(choice[e], e, value, index):
+                value, index = choice[e], e
+        best_value[tid] = value
+        best_index[tid] = index
+    _ranks(best_value, best_index, columns, column_rank)
+    if tid < columns and column_rank[tid] < top_k:
+        for i in range(per_column):
+            e = tid + i * columns
+            slot = column_rank[tid] * per_column + i
+            candidate_value[slot] = choice[e] if e < experts else float32(0.0)
+            candidate_index[slot] = e if e < experts else -1
+    return min(top_k, columns) * per_column
+
+
+@cuda.jit
+def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
+    """One block routes one token from its sliced router logits (T, S, E): ids[t, :] (k) and
+    weights[t, :] (k), as ``route_kernel`` but without its k sequential argmax rounds.
+
+    1. ``_summed_scores``. 2. With G > 1 groups, ``_mask_groups``. 3. ``_candidates``: the k best
+    columns' experts. 4. ``_ranks`` of the candidates: the candidate of rank r < k is pick r. 5.
+    Thread j < k weighs pick j (the total in slot order, as ``_weigh``).
+
+    Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
+    column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
+    each), the picks (k). Cost: two rankings (columns, candidates; a third for groups) of a few
+    comparisons per thread each, six barriers (nine with groups), none of them per pick.
+    """
+    token, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    experts, top_k = parts.shape[2], ids.shape[1]
+    score = cuda.shared.array(MAX_EXPERTS, dtype=float32)               # [E] sigmoid(gate x)
+    choice = cuda.shared.array(MAX_EXPERTS, dtype=float32)              # [E] score + bias, or -inf
+    group_score = cuda.shared.array(MAX_GROUPS, dtype=float32)          # [G] sum of the top-2 choices
+    group_index = cuda.shared.array(MAX_GROUPS, dtype=int32)            # [G] g
+    group_rank = cuda.shared.array(MAX_GROUPS, dtype=int32)             # [G]
+    best_value = cuda.shared.array(COLUMNS, dtype=float32)              # [C] a column's best choice
+    best_index = cuda.shared.array(COLUMNS, dtype=int32)                # [C] ... and its expert
+    column_rank = cuda.shared.array(COLUMNS, dtype=int32)               # [C]
+    candidate_value = cuda.shared.array(MAX_CANDIDATES, dtype=float32)  # choices of the k best columns
+    candidate_index = cuda.shared.array(MAX_CANDIDATES, dtype=int32)    # ... their experts (-1: none)
+    candidate_rank = cuda.shared.array(MAX_CANDIDATES, dtype=int32)
+    picked = cuda.shared.array(MAX_EXPERTS, dtype=int32)                # [k] the picks, in order
+
+    _summed_scores(parts, bias, token, score, choice)
+    if n_group > 1:
+        _mask_groups(choice, experts, n_group, topk_group, group_score, group_index, group_rank)
+    count = _candidates(choice, experts, top_k, best_value, best_index, column_rank,
+                        candidate_value, candidate_index)
+    _ranks(candidate_value, candidate_index, count, candidate_rank)
+    for i in range(tid, count, cuda.blockDim.x):
+        if candidate_rank[i] < top_k:
+            picked[candidate_rank[i]] = candidate_index[i]
+    cuda.syncthreads()
+    for j in range(tid, top_k, cuda.blockDim.x):                       # 5. weights, in parallel
+        total = _picked_total(score, picked, top_k)
+        ids[token, j] = picked[j]
+        weights[token, j] = _weight(score, picked[j], total, norm_topk_prob, scaling)
+# --8<-- [end:route_ranks_kernel]
 
 
 # --- version 1: per (token, slot) pair ---------------------------------------------------------
@@ -462,7 +701,7 @@ class DenseScratch(typing.NamedTuple):
 class MoEScratch(typing.NamedTuple):
     """Device buffers of one MoE layer over T tokens, for either version (version 1 leaves lists
     and down alone)."""
-    logits: object                  # [T, E] float32 router logits
+    logits: object                  # [T, S, E] float32 router logits in S depth slices (router version 2)
     ids: object                     # [T, k] int64 routed experts
     weights: object                 # [T, k] float32 their weights
     hidden: object                  # [T, k, F] float32
@@ -483,7 +722,7 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
     """New buffers for ``moe`` over ``rows`` tokens (allocate once, pass as ``scratch``)."""
     top_k, features, width = config.num_experts_per_tok, params.gate_proj.shape[1], params.gate.shape[1]
     shared = params.shared_gate_proj
-    return MoEScratch(logits=poisoned((rows, config.n_routed_experts), stream=stream),
+    return MoEScratch(logits=poisoned(logits_shape(rows, config.n_routed_experts, width), stream=stream),
                       ids=poisoned((rows, top_k), np.int64, stream),
                       weights=poisoned((rows, top_k), stream=stream),
                       hidden=poisoned((rows, top_k, features), stream=stream),
@@ -492,14 +731,32 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
                       down=poisoned((rows, top_k, width), stream=stream))
 
 
-def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream) -> None:
-    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> logits (T, E), then
-    ids and weights (T, k)."""
-    linear(x, gate, version="tiles", out=logits, stream=stream)
-    threads = threads or pow2_threads(config.n_routed_experts)
-    route_kernel[x.shape[0], threads, stream](
-        logits, bias, config.n_group, config.topk_group, config.norm_topk_prob,
-        float32(config.routed_scaling_factor), ids, weights)
+def logit_slices(depth: int) -> int:
+    """S, the depth slices of router version 2's logits: a function of D only (batch invariance)."""
+    return blocks(depth, LOGIT_SLICE)
+
+
+def logits_shape(rows: int, experts: int, depth: int, version: int = 2) -> tuple[int, ...]:
+    """The shape of ``route``'s ``logits`` for T rows, E experts and depth D: (T, E) for version
+    1, (T, S, E) for version 2 (S = ``logit_slices(D)``)."""
+    return (rows, experts) if version == 1 else (rows, logit_slices(depth), experts)
+
+
+def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream,
+                  version: int) -> None:
+    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (version 1:
+    (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k)."""
+    rows, depth = x.shape
+    experts = config.n_routed_experts
+    flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
+    if version == 1:
+        linear(x, gate, version="tiles", out=logits, stream=stream)
+        route_kernel[rows, threads or pow2_threads(experts), stream](logits, bias, *flags, ids, weights)
+        return
+    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
+    logit_slices_kernel[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
+    route_ranks_kernel[rows, threads or pow2_threads(experts, ROUTE_TPB), stream](
+        logits, bias, *flags, ids, weights)
 
 
 def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> None:
@@ -565,12 +822,12 @@ def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, 
         _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream)
 
 
-def _check_router_limits(config: ModelConfig, threads) -> None:
+def _check_router_limits(config: ModelConfig, threads, version: int = 2) -> None:
     if config.n_routed_experts > MAX_EXPERTS or config.n_group > MAX_GROUPS:
         raise ValueError(f"the router kernel holds at most {MAX_EXPERTS} experts and {MAX_GROUPS} "
                          f"groups, got {config.n_routed_experts} and {config.n_group}")
-    if threads is not None:
-        check_threads(threads, MAX_TPB)
+    if threads is not None:                     # version 1's argmax scratch holds MAX_TPB slots
+        check_threads(threads, MAX_TPB if version == 1 else 1024)
 
 
 def _check_scratch(scratch, name: str, **expected) -> None:
@@ -588,39 +845,45 @@ def _check_dense_scratch(scratch, name: str, rows: int, features: int) -> None:
                    hidden=((rows, 1, features), np.float32), lists=((rows, 1), np.int32))
 
 
-def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None):
-    """The reference's shapes, the router kernel's limits and block size, float32 on the device,
-    ``out`` = (ids (T, k) int64, weights (T, k) float32). Returns x, gate, bias."""
+def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, logits=None, version=2):
+    """``version`` in ROUTE_VERSIONS, the reference's shapes, the router kernel's limits and block
+    size, float32 on the device, ``out`` = (ids (T, k) int64, weights (T, k) float32), ``logits``
+    the version's (``router_logits``). Returns x, gate, bias."""
+    check_version(version, ROUTE_VERSIONS)
     x, gate, bias = (host_or_device(a, np.float32) for a in (x, gate, bias))
     reference.check_route(x, gate, bias, config)
-    _check_router_limits(config, threads)
+    _check_router_limits(config, threads, version)
     check_float32(x=x, gate=gate, bias=bias)
     if out is not None:
         shape = (x.shape[0], config.num_experts_per_tok)
         check_out(out[0], shape, np.int64, "out[0] (ids)")
         check_out(out[1], shape, np.float32, "out[1] (weights)")
+    check_out(logits, logits_shape(x.shape[0], *gate.shape, version), name="logits")
     return x, gate, bias
 
 
 # --8<-- [start:route]
 def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None,
-          logits=None):
+          logits=None, version: int = 2):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32).
 
-    ``threads`` (32, 64 or 128) forces the router's block size; by default the smallest power of
-    two that covers E, at most 128. ``out``: a pair (ids, weights) to write into; ``logits``: a
-    device (T, E) float32 buffer for the router logits (new by default); ``stream``: where the
-    kernels are launched (None: the default stream).
+    ``version``: 2 (the default, what ``moe`` runs) sliced logits and top-k by rank, 1 "tiles"
+    logits and k argmax rounds (see the module's docstring); the same ids, and the same weights
+    up to the logits' rounding. ``threads`` forces the routing kernel's block size, a power of two
+    from 32 (version 1: to 128, version 2: to 1024); by default the smallest that covers E, at most
+    128 (version 1) or 512 (version 2). ``out``: a pair (ids, weights) to write into; ``logits``: a
+    device float32 buffer for the router logits, of shape ``logits_shape(T, E, D, version)`` (new
+    by default); ``stream``: where the kernels are launched (None: the default stream).
     """
-    x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out)
-    check_out(logits, (x.shape[0], config.n_routed_experts), name="logits")
+    x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out, logits=logits,
+                                version=version)
     out_ids, out_weights = out or (None, None)
     shape = (x.shape[0], config.num_experts_per_tok)
     ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
     if x.shape[0]:
-        logits = output(logits, (x.shape[0], config.n_routed_experts), stream=stream)   # [T, E]
+        logits = output(logits, logits_shape(x.shape[0], *gate.shape, version), stream=stream)
         _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
-                      config, threads, logits, ids, weights, stream)
+                      config, threads, logits, ids, weights, stream, version)
     return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)
 # --8<-- [end:route]
 
@@ -692,7 +955,7 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
     if scratch is not None:
         (rows, width), top_k, features = x.shape, config.num_experts_per_tok, params.gate_proj.shape[1]
         experts = config.n_routed_experts
-        _check_scratch(scratch, "scratch", logits=((rows, experts), np.float32),
+        _check_scratch(scratch, "scratch", logits=(logits_shape(rows, experts, width), np.float32),
                        ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
                        hidden=((rows, top_k, features), np.float32), lists=((rows, experts), np.int32),
                        down=((rows, top_k, width), np.float32))
@@ -722,7 +985,7 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         weights, d_x = device_params(params), to_device(x, np.float32)
         scratch = scratch or moe_scratch(rows, weights, config, stream)
         _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.ids,
-                      scratch.weights, stream)
+                      scratch.weights, stream, version=2)       # the router's faster version
         shared = weights.shared_gate_proj is not None
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
@@ -765,22 +1028,27 @@ def flops(operation: str = "moe", **dims: int) -> int:
     return _COSTS[operation](**dims)[1]
 
 
-def _route_case(sizes):
+def _route_case(sizes, version: int):
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config, rows = sizes.config, sizes.route_tokens
     hidden, experts, top_k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
     dims = {"T": rows, "D": hidden, "E": experts, "k": top_k}
-    return Case("moe_route", f"router: sigmoid scores, top-{top_k} of {experts} experts, {rows} tokens",
+    logits = logits_shape(rows, experts, hidden, version)
+    kernels = (f"sliced logits (S = {logits[1]}), top-k by rank" if version == 2
+               else f'"tiles" logits, {top_k} argmax rounds')
+    return Case("moe_route" + ("" if version == 2 else "_v1"),
+                f"router: sigmoid scores, top-{top_k} of {experts} experts, {rows} tokens",
                 f"x ({rows}, {hidden}) gate ({experts}, {hidden})",
                 setup=lambda seed: (uniform((rows, hidden), seed),
                                     uniform((experts, hidden), seed + 1, 1 / math.sqrt(hidden)),
                                     uniform((experts,), seed + 2, 0.01), config),
-                call=lambda inputs, **given: route(*inputs, **given),
+                call=lambda inputs, **given: route(*inputs, version=version, **given),
                 bytes=bytes_moved("route", **dims), flops=flops("route", **dims),
-                prepare=lambda inputs: (route(*inputs), poisoned((rows, experts))),     # + logits [T, E]
+                note=f"version {version}: {kernels}",
+                prepare=lambda inputs: (route(*inputs, version=version), poisoned(logits)),   # + logits
                 launch=lambda inputs, given, stream: route(*inputs, out=given[0], logits=given[1],
-                                                           stream=stream))
+                                                           stream=stream, version=version))
 
 
 def _reduced_moe_case(sizes):
@@ -826,5 +1094,6 @@ def _reduced_moe_case(sizes):
 
 
 def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: the router alone, a reduced MoE layer."""
-    return [_route_case(sizes), _reduced_moe_case(sizes)]
+    """This module's cases of ``python -m kernels.bench``: the router alone (version 2, then
+    version 1), a reduced MoE layer."""
+    return [_route_case(sizes, 2), _route_case(sizes, 1), _reduced_moe_case(sizes)]

@@ -6,7 +6,9 @@ separated by far more than that noise (checked as a precondition, in float64), a
 build scores that are equal by construction (x = 0, or one shared logit, plus crafted biases).
 
 The expert kernels come in two versions (per (token, slot) pair, grouped by expert) that must
-agree bit for bit: each is checked against numpy and against the other.
+agree bit for bit: each is checked against numpy and against the other. The router comes in two
+versions too (argmax rounds over "tiles" logits, ranks over sliced logits): the crafted routing
+tests run both (``route_versions``), the random ones version 2 and one case of version 1.
 
 Tolerance: weights are a few float32 operations on the sigmoid scores: rtol 1e-5. Layer outputs
 are O(1) sums of D- and F-term float32 dots whose order differs from numpy's BLAS, and some
@@ -41,6 +43,9 @@ def crafted_router(scores: np.ndarray, width: int = 5):
     x = np.zeros((1, width), np.float32)
     x[0, 0] = 1.0
     return x, gate
+
+
+route_versions = pytest.mark.parametrize("version", gpu.ROUTE_VERSIONS)
 
 
 def route_both(x, gate, bias, config, **kw):
@@ -84,70 +89,93 @@ def random_router(config: ModelConfig, rows: int, width: int, seed: int):
 
 # --- routing: crafted cases ------------------------------------------------------------------
 
-def test_groups_are_excluded_before_topk():
+@route_versions
+def test_groups_are_excluded_before_topk(version):
     config = config_with()
     # group 0 holds the single best expert but a weak second; groups 1 and 3 have two good ones
     scores = np.array([0.95, 0.1, 0.1, 0.8, 0.8, 0.1, 0.2, 0.2, 0.2, 0.7, 0.75, 0.1], np.float32)
     x, gate = crafted_router(scores)
-    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config, version=version)
     # group sums of top-2: g0 1.05, g1 1.6, g2 0.4, g3 1.45 -> keep g1, g3 ; expert 0 is excluded
     assert_exact(ids[0], [3, 4, 10])
 
 
-def test_bias_changes_selection_but_not_weights():
+@route_versions
+def test_bias_changes_selection_but_not_weights(version):
     config = config_with(n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=False,
                          routed_scaling_factor=1.0)
     scores = np.linspace(0.2, 0.8, 12).astype(np.float32)
     x, gate = crafted_router(scores)
-    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config, version=version)
     assert_exact(ids[0], [11, 10])
     bias = np.zeros(12, np.float32)
     bias[0] = 1.0                                   # expert 0 now wins the choice...
-    ids, weights = route_both(x, gate, bias, config)
+    ids, weights = route_both(x, gate, bias, config, version=version)
     assert_exact(ids[0], [0, 11])
     assert_close(weights[0], scores[[0, 11]], rtol=1e-6)   # ...but is weighed by its unbiased score
 
 
+@route_versions
 @pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2)])
-def test_exact_ties_go_to_the_lower_index(n_group, topk_group):
+def test_exact_ties_go_to_the_lower_index(n_group, topk_group, version):
     config = config_with(n_group=n_group, topk_group=topk_group)
     x = np.zeros((2, 7), np.float32)                # x = 0: every score is exactly sigmoid(0) = 0.5
     gate = np.random.default_rng(0).standard_normal((12, 7)).astype(np.float32)
-    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config)
+    ids, _ = route_both(x, gate, np.zeros(12, np.float32), config, version=version)
     assert_exact(ids, [[0, 1, 2]] * 2)              # all tie: experts (and groups) by index
     # ties inside the bias: experts 4, 7 and 10 share the best choice, 5 and 8 the next one
     bias = np.zeros(12, np.float32)
     bias[[4, 7, 10]] = 0.5
     bias[[5, 8]] = 0.25
-    ids, _ = route_both(x, gate, bias, config)
+    ids, _ = route_both(x, gate, bias, config, version=version)
     # with groups: g1 and g2 score 1.0 + 0.75 (g3 1.5, g0 1.0) -> experts 3..8 -> 4, 7, then 5 before 8
     assert_exact(ids[0], [4, 7, 5] if n_group == 4 else [4, 7, 10])
 
 
+@route_versions
 @pytest.mark.parametrize("n_group, topk_group", [(1, 1), (8, 3)])
-def test_ties_within_one_thread_go_to_the_lower_index(n_group, topk_group):
-    """48 experts on 32 threads: thread 1 scans experts 1 and 33, thread 8 scans 8 and 40."""
+def test_ties_within_one_thread_go_to_the_lower_index(n_group, topk_group, version):
+    """48 experts on 32 threads: thread 1 scans experts 1 and 33, thread 8 scans 8 and 40 (in
+    version 2, columns 1 and 8 of 32 each hold two picks: a kept column's others are ranked too)."""
     config = config_with(n_routed_experts=48, n_group=n_group, topk_group=topk_group, num_experts_per_tok=4)
     x = np.zeros((1, 4), np.float32)
     gate = np.ones((48, 4), np.float32)
     bias = np.zeros(48, np.float32)
     bias[[33, 1]] = 0.5
     bias[[40, 8]] = 0.25
-    ids, _ = route_both(x, gate, bias, config, threads=32)
+    ids, _ = route_both(x, gate, bias, config, threads=32, version=version)
     # 8 groups of 6: g0 (holds 1) and g5 (33) score 1.0 + 0.5, g1 (8) and g6 (40) tie at 0.75 + 0.5:
     # keep g0, g5 and g1; the fourth pick is the first of the 0.5 ties in a kept group, expert 0
     assert_exact(ids[0], [1, 33, 8, 0] if n_group == 8 else [1, 33, 8, 40])
 
 
-def test_group_ties_go_to_the_lower_group():
+@route_versions
+def test_group_ties_go_to_the_lower_group(version):
     config = config_with()                          # keep 2 of 4 groups
     x = np.zeros((1, 3), np.float32)
     gate = np.zeros((12, 3), np.float32)            # every score is 0.5; biases are dyadic: exact sums
     bias = np.array([0, 0, 0, 0.375, 0.125, 0, 0.25, 0.25, 0, 0.125, 0.375, 0], np.float32)
     # group scores (top-2 of 0.5 + bias): g0 1.0, g1 0.875 + 0.625, g2 0.75 + 0.75, g3 0.625 + 0.875:
     # g1, g2 and g3 tie at 1.5 -> keep g1 and g2, so expert 10 (0.875, in g3) cannot be chosen
-    ids, _ = route_both(x, gate, bias, config)
+    ids, _ = route_both(x, gate, bias, config, version=version)
     assert_exact(ids[0], [3, 6, 7])
+
+
+@pytest.mark.parametrize("config, expected", [
+    (config_with(n_group=1, topk_group=1, num_experts_per_tok=12), [7, 11, 9, 8, 6, 5, 3, 2, 0, 1, 4, 10]),
+    # groups g0, g1, g3 hold a NaN (score NaN, last), g2 an inf: keep g2, then g0 (NaNs by index);
+    # the 6th pick is masked (-inf) expert 3 after kept -inf expert 0, before kept NaN expert 1
+    (config_with(num_experts_per_tok=6), [7, 8, 6, 2, 0, 3]),
+], ids=["no-groups-every-expert", "groups"])
+def test_nan_and_inf_in_numpys_order(config, expected):
+    """Version 2 orders choices as numpy's stable argsort of -choice: +inf first, exact ties by
+    index, -inf (also the masked groups') after every number, NaN last; a group holding a NaN
+    scores NaN. (Version 1 takes np.argmax's order, NaN first: it is not run here.)"""
+    scores = np.linspace(0.2, 0.8, 12).astype(np.float32)       # increasing with the index
+    x, gate = crafted_router(scores)
+    bias = np.array([-np.inf, np.nan, 0, 0, np.nan, 0, 0, np.inf, 0, 0, np.nan, 0], np.float32)
+    ids, _ = route_both(x, gate, bias, config, version=2)
+    assert_exact(ids[0], expected)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -164,21 +192,39 @@ def test_weights_normalised_and_scaled(norm):
 
 # --- routing: random cases -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("change, rows, width, threads", [
-    (dict(), 7, 33, None),                                                       # 4 groups, keep 2, k=3
-    (dict(n_group=1, topk_group=1), 5, 20, None),
-    (dict(n_group=1, topk_group=1, num_experts_per_tok=1), 3, 9, None),
+@pytest.mark.parametrize("change, rows, width, threads, version", [
+    (dict(), 7, 33, None, 2),                                                    # 4 groups, keep 2, k=3
+    (dict(n_group=1, topk_group=1), 5, 20, None, 2),
+    (dict(n_group=1, topk_group=1, num_experts_per_tok=1), 3, 9, None, 2),
+    (dict(n_group=1, topk_group=1, num_experts_per_tok=1), 3, 9, None, 1),
     # 48 experts on 32 threads: every thread scans several experts and groups of 6
-    (dict(n_routed_experts=48, n_group=8, topk_group=3, num_experts_per_tok=5), 3, 26, 32),
-], ids=["groups", "no-groups", "top-1", "48-experts-32-threads"])
-def test_route_matches_numpy(change, rows, width, threads):
+    (dict(n_routed_experts=48, n_group=8, topk_group=3, num_experts_per_tok=5), 3, 26, 32, 2),
+], ids=["groups", "no-groups", "top-1", "top-1-v1", "48-experts-32-threads"])
+def test_route_matches_numpy(change, rows, width, threads, version):
     config = config_with(**change)
     x, gate, bias = random_router(config, rows, width, seed=rows + width)
-    ids, weights = route_both(x, gate, bias, config, threads=threads)
+    ids, weights = route_both(x, gate, bias, config, threads=threads, version=version)
     assert (ids >= 0).all() and np.isfinite(weights).all(), "unwritten router output (-1 / NaN poison)"
-    again = gpu.route(x, gate, bias, config, threads=threads)
+    again = gpu.route(x, gate, bias, config, threads=threads, version=version)
     assert_exact(again[0], ids, name="ids rerun")
     assert_exact(again[1].view(np.uint32), weights.view(np.uint32), name="weight bits rerun")
+
+
+def test_route_sums_depth_slices_in_order():
+    """D = LOGIT_SLICE + 8: version 2's logits are two depth slices (512 and 8 wide), each
+    x[:, d0:d1] . gate[:, d0:d1]; against numpy, and a token alone against the batch, bit for bit
+    (the slices depend on D only)."""
+    config = config_with()
+    depth = gpu.LOGIT_SLICE + 8
+    x, gate, bias = random_router(config, rows=2, width=depth, seed=3)
+    logits = to_device(np.full(gpu.logits_shape(2, config.n_routed_experts, depth), np.nan, np.float32))
+    ids, weights = route_both(x, gate, bias, config, logits=logits)
+    for s, (d0, d1) in enumerate([(0, gpu.LOGIT_SLICE), (gpu.LOGIT_SLICE, depth)]):
+        assert_close(logits.copy_to_host()[:, s], x[:, d0:d1] @ gate[:, d0:d1].T, rtol=RTOL, atol=ATOL,
+                     name=f"slice {s}")
+    alone = gpu.route(x[1:], gate, bias, config)
+    assert_exact(alone[0], ids[1:], name="token 1 alone: ids")
+    assert_exact(alone[1].view(np.uint32), weights[1:].view(np.uint32), name="token 1 alone: weight bits")
 
 
 # --- SwiGLU and the MoE layer --------------------------------------------------------------------
@@ -398,7 +444,7 @@ def test_out_and_scratch_on_the_device_allocate_and_copy_nothing():
     host_x = np.random.default_rng(5).standard_normal((3, 19)).astype(np.float32)
     x, stream = to_device(host_x), cuda.default_stream()
     ids, weights = to_device(np.zeros((3, 3), np.int64)), to_device(np.zeros((3, 3), np.float32))
-    logits = to_device(np.zeros((3, config.n_routed_experts), np.float32))
+    logits = to_device(np.zeros(gpu.logits_shape(3, config.n_routed_experts, 19), np.float32))
     layer_out, dense_out = to_device(np.zeros((3, 19), np.float32)), to_device(np.zeros((3, 19), np.float32))
     scratch = gpu.moe_scratch(3, params, config)
     dense = gpu.dense_scratch(3, params.shared_gate_proj.shape[0])
@@ -458,6 +504,12 @@ def test_bad_inputs_are_named():
         gpu.route(x[0], gate, bias, config)
     with pytest.raises(ValueError, match="threads must be"):
         gpu.route(x, gate, bias, config, threads=48)
+    with pytest.raises(ValueError, match=r"threads must be a power of two in \[32, 128\]"):
+        gpu.route(x, gate, bias, config, threads=256, version=1)       # version 2 takes up to 1024
+    with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got 3"):
+        gpu.route(x, gate, bias, config, version=3)
+    with pytest.raises(ValueError, match=r"logits must be float32 of shape \(2, 1, 12\)"):
+        gpu.route(x, gate, bias, config, logits=to_device(np.zeros((2, 12), np.float32)))
     with pytest.raises(ValueError, match="x must be float32 on the device"):
         gpu.route(to_device(x.astype(np.float64)), gate, bias, config)
     with pytest.raises(ValueError, match="down_proj must be"):
@@ -476,10 +528,28 @@ def test_bad_inputs_are_named():
 # --- Kimi K2.6 per-layer dimensions: real GPU only ------------------------------------------------
 
 @pytest.mark.gpu
-def test_route_kimi_dims():
-    config = preset("kimi-k2.6")                    # E = 384, k = 8, D = 7168, no groups
-    x, gate, bias = random_router(config, rows=16, width=config.hidden_size, seed=11)
-    route_both(x, gate, bias, config)
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("change", [dict(), dict(n_routed_experts=256, n_group=8, topk_group=4,
+                                                 routed_scaling_factor=2.5)], ids=["kimi", "deepseek-v3"])
+def test_route_at_size(change, rows):
+    """Kimi K2.6's routing (E = 384, k = 8, no groups) and DeepSeek-V3's (E = 256 in 8 groups, keep
+    4, k = 8) at D = 7168: both versions against numpy (ids exactly) and each other (ids exactly,
+    weights to rtol: their logits are summed in different orders); version 2 on 128 threads (6
+    experts per column) and tokens alone against the batch, bit for bit."""
+    config = config_with("kimi-k2.6", **change)
+    x, gate, bias = random_router(config, rows, config.hidden_size, seed=20 + rows)
+    ids, weights = route_both(x, gate, bias, config)                                 # version 2
+    first_ids, first_weights = route_both(x, gate, bias, config, version=1)
+    assert_exact(first_ids, ids, name="version 1 ids")
+    assert_close(first_weights, weights, rtol=RTOL, atol=1e-7, name="version 1 weights")
+    narrow = gpu.route(x, gate, bias, config, threads=128)
+    assert_exact(narrow[0], ids, name="128 threads: ids")
+    assert_exact(narrow[1].view(np.uint32), weights.view(np.uint32), name="128 threads: weight bits")
+    for t in sorted({0, rows // 2, rows - 1}):
+        alone = gpu.route(x[t:t + 1], gate, bias, config)
+        assert_exact(alone[0][0], ids[t], name=f"token {t} alone: ids")
+        assert_exact(alone[1][0].view(np.uint32), weights[t].view(np.uint32),
+                     name=f"token {t} alone: weight bits")
 
 
 @pytest.mark.gpu
