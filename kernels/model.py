@@ -78,7 +78,8 @@ DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax -
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
-GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm"
+GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm" ...
+GEMM_MIN_WEIGHTS = 1 << 20      # ... where the weight has this many elements (projection_version)
 GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
@@ -114,25 +115,34 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
 
 
 # --8<-- [start:projection_version]
-def projection_version(linear_version: str, rows: int, outputs: int, gemm_from_rows: int) -> str:
-    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) to ``outputs``
-    columns for the engine's ``linear_version``. "tiles" runs as the fastest kernel with its bits:
-    "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's: GEMM_FROM_ROWS), else "stream"
-    where Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself. "warps" stays.
+def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, int],
+                       gemm_from_rows: int) -> str:
+    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) by a weight of
+    ``weight_shape`` (Dout, Din) for the engine's ``linear_version``. "tiles" runs as the fastest
+    kernel with its bits: "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's:
+    GEMM_FROM_ROWS) where W has GEMM_MIN_WEIGHTS elements or more, "stream" for one row where
+    Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself. "warps" stays.
 
     "tiles_gemm" and "stream" add every output's terms in "tiles"' order (the same bits), so the
     switch cannot break DDTree == AR: an AR step and the same row in a large tree's verify get
-    bit-identical logits whichever kernel each ran. "tiles_gemm" is a register-tiled GEMM: every
-    staged weight serves a tile of 32 rows, where "tiles" reads W again for each pass of 8 rows.
-    Why 8 rows: on the H200 (7168 -> 2048) "tiles_gemm" took 123 µs at 8 rows against "tiles"' 131,
-    and 124 against 309 at 64 (linear-versions-h200-2026-12-01.txt). "stream" reads W straight
-    into registers; it is faster than "tiles" for a small Dout (``kernels.linear.STREAM_MAX_OUTPUTS``).
+    bit-identical logits whichever kernel each ran. Measured on the H200
+    (linear-versions-h200-2026-12-01.txt, engine-linear-h200-2026-12-01.txt):
+
+    * "tiles_gemm", a register-tiled GEMM, serves each staged weight to a tile of 32 rows where
+      "tiles" reads W again per pass of 8 rows: at 7168 -> 2048 it took 123 µs at 8 rows against
+      "tiles"' 131, and 124 against 309 at 64; at 2048 -> 3072 and 40 rows 60 against 83. At
+      tiny's sizes (W of 512 x 256 and smaller) it lost: tiny's 40-row verify took 780 µs with it
+      and 723 without.
+    * "stream" reads W straight into registers: one row at Dout 512 / 1408 / 2048 took 4.7 / 26 /
+      85 µs against 7.5 / 38 / 124 (tiny's AR step: 486 µs with it, 523 without), but 627
+      against 356 at Dout 18432; and tiny's 40-row verify was slower with it (787 against 723 µs).
     """
     if linear_version != "tiles":
         return linear_version
-    if rows >= gemm_from_rows:
+    outputs, depth = weight_shape
+    if rows >= gemm_from_rows and outputs * depth >= GEMM_MIN_WEIGHTS:
         return "tiles_gemm"
-    return "stream" if outputs <= STREAM_MAX_OUTPUTS else "tiles"
+    return "stream" if rows == 1 and outputs <= STREAM_MAX_OUTPUTS else "tiles"
 # --8<-- [end:projection_version]
 
 
@@ -438,9 +448,9 @@ class Transformer:
     it ran at half the speed of "tiles", bench-h200-2026-12-01c.md). Both are batch-invariant, so
     either keeps DDTree == AR, but they round differently: two engines with different versions may
     differ in the last bits. With "tiles", forwards of GEMM_FROM_ROWS rows or more (tree verifies,
-    prefill chunks) run "tiles_gemm", a register-tiled GEMM, and fewer rows run "stream" where Dout
-    is small: both add each output's terms in "tiles"' order, the same bits, so AR steps and
-    verifies still agree (``projection_version``).
+    prefill chunks) run "tiles_gemm", a register-tiled GEMM, where the weight is large, and an AR
+    step runs "stream" where Dout is small: both add each output's terms in "tiles"' order, the
+    same bits, so AR steps and verifies still agree (``projection_version``).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -541,7 +551,7 @@ class Transformer:
     def project(self, x, weight, *, out, stream):
         """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version`` for T rows
         (``projection_version``)."""
-        version = projection_version(self.linear_version, x.shape[0], weight.shape[0], GEMM_FROM_ROWS)
+        version = projection_version(self.linear_version, x.shape[0], weight.shape, GEMM_FROM_ROWS)
         return linear(x, weight, version=version, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]

@@ -25,6 +25,7 @@ from kernels import decode as engine_decode
 from kernels import model as engine_model
 from kernels.model import (
     GEMM_FROM_ROWS,
+    GEMM_MIN_WEIGHTS,
     MOE_GROUPED_FROM_ROWS,
     STREAM_MAX_OUTPUTS,
     bucket_rows,
@@ -115,15 +116,18 @@ def test_moe_version_per_bucket():
 
 
 def test_projection_version_per_bucket():
-    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on, as "stream" (the
-    same bits) below it where Dout <= STREAM_MAX_OUTPUTS; "warps" never changes."""
+    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on where W is large,
+    as "stream" (the same bits) for one row where Dout <= STREAM_MAX_OUTPUTS; "warps" never changes."""
     assert GEMM_FROM_ROWS == 8
-    small, large = STREAM_MAX_OUTPUTS, STREAM_MAX_OUTPUTS + 1
-    assert [projection_version("tiles", rows, small, GEMM_FROM_ROWS) for rows in (1, 4, 7, 8, 40, 128)] == \
-        ["stream"] * 3 + ["tiles_gemm"] * 3
-    assert [projection_version("tiles", rows, large, GEMM_FROM_ROWS) for rows in (1, 7, 8)] == \
+    large_w = (STREAM_MAX_OUTPUTS, -(-GEMM_MIN_WEIGHTS // STREAM_MAX_OUTPUTS))        # (Dout, Din)
+    small_w, wide_w = (512, 256), (STREAM_MAX_OUTPUTS + 1, 4096)
+    assert [projection_version("tiles", rows, large_w, GEMM_FROM_ROWS) for rows in (1, 2, 7, 8, 40)] == \
+        ["stream", "tiles", "tiles", "tiles_gemm", "tiles_gemm"]
+    assert [projection_version("tiles", rows, small_w, GEMM_FROM_ROWS) for rows in (1, 2, 8, 128)] == \
+        ["stream", "tiles", "tiles", "tiles"]
+    assert [projection_version("tiles", rows, wide_w, GEMM_FROM_ROWS) for rows in (1, 7, 8)] == \
         ["tiles", "tiles", "tiles_gemm"]
-    assert {projection_version("warps", rows, small, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
+    assert {projection_version("warps", rows, large_w, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
 
 
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
@@ -425,19 +429,24 @@ def test_rejection_verifier_equals_numpy_on_hardware(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
 def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatch):
-    """A 40-row forward runs every projection and the lm_head as "tiles_gemm"; with GEMM_FROM_ROWS
-    past Tmax the same forward runs "stream" (every Dout of these presets is small), and with
-    STREAM_MAX_OUTPUTS 0 as well, "tiles": the same logits, bit for bit, all three."""
+    """A 1-row and a 40-row forward with every projection and the lm_head forced to "tiles_gemm"
+    (GEMM_FROM_ROWS 1, GEMM_MIN_WEIGHTS 0), to "stream" for the one row, or left to "tiles"
+    (GEMM_FROM_ROWS past Tmax, STREAM_MAX_OUTPUTS 0): the same logits, bit for bit."""
     config = preset(name)
     weights = init_weights(config, golden.WEIGHT_SEED)
     prompt = np.random.default_rng(5).integers(0, config.vocab_size, 40)
-    gemm = EngineTransformer(config, weights).logits(prompt)
-    monkeypatch.setattr(engine_model, "GEMM_FROM_ROWS", 129)
-    stream = EngineTransformer(config, weights).logits(prompt)
-    monkeypatch.setattr(engine_model, "STREAM_MAX_OUTPUTS", 0)
-    tiles = EngineTransformer(config, weights).logits(prompt)
-    assert np.array_equal(gemm.view(np.uint32), tiles.view(np.uint32))
-    assert np.array_equal(stream.view(np.uint32), tiles.view(np.uint32))
+
+    def logits(**settings):
+        for setting, value in settings.items():
+            monkeypatch.setattr(engine_model, setting, value)
+        model = EngineTransformer(config, weights)
+        return np.concatenate([model.logits(prompt), model.logits(prompt[:1])]).view(np.uint32)
+
+    tiles = logits(GEMM_FROM_ROWS=129, STREAM_MAX_OUTPUTS=0)
+    stream = logits(STREAM_MAX_OUTPUTS=1 << 30)
+    gemm = logits(GEMM_FROM_ROWS=1, GEMM_MIN_WEIGHTS=0)
+    assert np.array_equal(gemm, tiles)
+    assert np.array_equal(stream, tiles)
 
 
 @pytest.mark.gpu
