@@ -2,13 +2,13 @@
 engine against tree size and context length. Everything here is read from the committed H200
 records under docs/results/ (nothing is measured on this machine):
 
-* bench-h200-2026-12-01c.md: each kernel at Kimi K2.6 shapes (``python -m kernels.bench``): its
+* bench-h200-2026-12-01d.md: each kernel at Kimi K2.6 shapes (``python -m kernels.bench``): its
   device time (outputs given, from a CUDA graph) and its public call's, against its floor
   max(bytes / copy bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
   kernel issue's targets that it measures;
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-11-30.json: ``small``'s AR step against its floor, and the verify time
+* engine-small-h200-2026-12-01.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``);
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
@@ -31,9 +31,9 @@ import numpy as np
 
 STEM = "16_performance"
 RESULTS = chapter.ROOT / "docs" / "results"
-BENCH = RESULTS / "bench-h200-2026-12-01c.md"
+BENCH = RESULTS / "bench-h200-2026-12-01d.md"
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-11-30.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-01.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
@@ -134,7 +134,7 @@ def kernel_targets(cases) -> list[tuple[str, str, float, float, bool]]:
         rows.append((">= 64 MB at >= 80% of copy BW", name, 100 * by_name[name]["copy"], 80.0))
     for name in ("rmsnorm", "kv_compact"):
         rows.append(("device time <= 2x an empty kernel's", name, by_name[name]["device"] / empty, 2.0))
-    for name in ("linear_gemm_prefill", "linear_tiles_verify"):
+    for name in ("linear_tiles_gemm_prefill", "linear_tiles_gemm_verify"):
         rows.append(("GEMM >= 0.5x torch", name, by_name[name]["torch"] / by_name[name]["device"], 0.5))
     rows.append(("tree build, 64 requests >= 100x the heap", "tree_build_medium",
                  heap["tree_build_medium"], 100))
