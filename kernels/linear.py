@@ -150,9 +150,8 @@ STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring 
 STREAM_ADJACENT = "columns"
 STREAM_RESIDENT = 64   # "stream": threads per SM the launch bounds leave registers for (64: up to 255 each)
 # "stream" is faster than "tiles" where Dout is small enough that its S * Dout chains, 64 threads a
-# block, leave each SM a block or two: on the H200 at Dout 512, 1408 and 2048 (T = 1: 4.7 / 26 / 85
-# µs against 7.5 / 38 / 124), slower at 18432 (627 against 356 µs), where many blocks per SM each
-# touch 32 rows of W at once and L1 no longer holds them (``kernels.model.projection_version``).
+# block, leave each SM a block or two; with many blocks per SM, each touching 32 rows of W at once,
+# L1 no longer holds them (timings: ``kernels.model.projection_version``)
 STREAM_MAX_OUTPUTS = 2048
 
 
@@ -398,7 +397,8 @@ class GemmTiles(NamedTuple):
 
 
 # ptxas (sm_90) for the GPU's shapes: no spills; WIDE 128 registers and 33 KB of shared memory,
-# NARROW 98 and 36 KB: two blocks of 256 threads per SM either way (not yet timed on the H200)
+# NARROW 98 and 36 KB: two blocks of 256 threads per SM either way. The fastest of 12 shapes timed
+# on the H200 at 64 and at 4096 rows (linear-versions-h200-2026-12-01.txt)
 GEMM_WIDE = GemmTiles(128, 128, 8, 8, 1, 16)   # many rows: a slice per launch
 GEMM_NARROW = GemmTiles(32, 32, 4, 4, 4, 16)   # few rows: 4 slices at once, so 64 rows fill the GPU
 GEMM_SIMULATED = GemmTiles(8, 16, 4, 4, 2, 8)  # the simulator's: 16 threads per block

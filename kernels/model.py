@@ -115,12 +115,11 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
 
 
 # --8<-- [start:projection_version]
-def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, int],
-                       gemm_from_rows: int) -> str:
+def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, int]) -> str:
     """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) by a weight of
     ``weight_shape`` (Dout, Din) for the engine's ``linear_version``. "tiles" runs as the fastest
-    kernel with its bits: "tiles_gemm" from ``gemm_from_rows`` rows on (the engine's:
-    GEMM_FROM_ROWS) where W has GEMM_MIN_WEIGHTS elements or more, "stream" for one row where
+    kernel with its bits: "tiles_gemm" from GEMM_FROM_ROWS rows on where W has GEMM_MIN_WEIGHTS
+    elements or more, "stream" for one row where
     Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself. "warps" stays.
 
     "tiles_gemm" and "stream" add every output's terms in "tiles"' order (the same bits), so the
@@ -140,7 +139,7 @@ def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, 
     if linear_version != "tiles":
         return linear_version
     outputs, depth = weight_shape
-    if rows >= gemm_from_rows and outputs * depth >= GEMM_MIN_WEIGHTS:
+    if rows >= GEMM_FROM_ROWS and outputs * depth >= GEMM_MIN_WEIGHTS:
         return "tiles_gemm"
     return "stream" if rows == 1 and outputs <= STREAM_MAX_OUTPUTS else "tiles"
 # --8<-- [end:projection_version]
@@ -551,7 +550,7 @@ class Transformer:
     def project(self, x, weight, *, out, stream):
         """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version`` for T rows
         (``projection_version``)."""
-        version = projection_version(self.linear_version, x.shape[0], weight.shape, GEMM_FROM_ROWS)
+        version = projection_version(self.linear_version, x.shape[0], weight.shape)
         return linear(x, weight, version=version, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]

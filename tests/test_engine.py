@@ -121,13 +121,13 @@ def test_projection_version_per_bucket():
     assert GEMM_FROM_ROWS == 8
     large_w = (STREAM_MAX_OUTPUTS, -(-GEMM_MIN_WEIGHTS // STREAM_MAX_OUTPUTS))        # (Dout, Din)
     small_w, wide_w = (512, 256), (STREAM_MAX_OUTPUTS + 1, 4096)
-    assert [projection_version("tiles", rows, large_w, GEMM_FROM_ROWS) for rows in (1, 2, 7, 8, 40)] == \
+    assert [projection_version("tiles", rows, large_w) for rows in (1, 2, 7, 8, 40)] == \
         ["stream", "tiles", "tiles", "tiles_gemm", "tiles_gemm"]
-    assert [projection_version("tiles", rows, small_w, GEMM_FROM_ROWS) for rows in (1, 2, 8, 128)] == \
+    assert [projection_version("tiles", rows, small_w) for rows in (1, 2, 8, 128)] == \
         ["stream", "tiles", "tiles", "tiles"]
-    assert [projection_version("tiles", rows, wide_w, GEMM_FROM_ROWS) for rows in (1, 7, 8)] == \
+    assert [projection_version("tiles", rows, wide_w) for rows in (1, 7, 8)] == \
         ["tiles", "tiles", "tiles_gemm"]
-    assert {projection_version("warps", rows, large_w, GEMM_FROM_ROWS) for rows in (1, 16, 128)} == {"warps"}
+    assert {projection_version("warps", rows, large_w) for rows in (1, 16, 128)} == {"warps"}
 
 
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
