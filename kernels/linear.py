@@ -142,8 +142,9 @@ GEMM_SHARED_BYTES = 48 * 1024            # numba's cap on a block's static share
 GEMM_WIDE_BLOCKS = 264   # GEMM_WIDE only where its tiles fill 2 blocks on each of the H200's 132 SMs
 
 # "stream": threads per block (S per column); few in the simulator, where each is a Python thread
-# (64 on a GPU: of the variants timed on the H200, the fastest or within 4% of it at 7168 -> 2048,
-# 2048 -> 1408 and 256 -> 512; linear-versions-h200-2026-12-01.txt)
+# (64 on a GPU, with 64 loads and 64 resident: of the variants timed on the H200 the fastest or
+# within 2% of it at 7168 -> 2048 and 2048 -> 1408; at 256 -> 512, 32 threads were faster, 3.8
+# against 4.7 µs; linear-versions-h200-2026-12-01.txt)
 STREAM_THREADS = 32 if SIMULATOR else 64
 STREAM_LOADS = 64   # "stream": W loads a thread issues before it adds them (in order)
 STREAM_ADJACENT_CHOICES = ("columns", "slices")   # "stream": what neighbouring threads differ in
