@@ -64,6 +64,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
+from kernels.linear import non_negative as _gpu_non_negative
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
 # enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
@@ -101,7 +102,36 @@ GEMM_BATCH = 4                # _stage_chunk: loads a thread issues before it st
 GEMM_OUTPUTS = GEMM_SCORE_HEADS * GEMM_COLUMNS         # a thread's output registers (32)
 GEMM_SCORES = GEMM_SCORE_HEADS * GEMM_SCORE_KEYS       # a thread's score registers (16)
 GEMM_HEADS = (16, 8, 4, 2, 1)  # GH candidates, largest first (gemm_heads), at most GEMM_MAX_HEADS
+# attention_paths version 5, unfused (``unfused=True``): register-tiled GEMMs for the scores and for
+# P V, with the softmax's statistics between them
+UNFUSED_TILE = 8 if SIMULATOR else 64          # a block's tile: TILE query rows x TILE keys (or columns)
+UNFUSED_THREAD = 2 if SIMULATOR else 4         # a thread's register tile: THREAD x THREAD outputs
+UNFUSED_SIDE = UNFUSED_TILE // UNFUSED_THREAD  # threads along each side of the block's tile
+UNFUSED_THREADS = UNFUSED_SIDE * UNFUSED_SIDE  # 16 in the simulator, 256 on a GPU
+UNFUSED_REGISTERS = (UNFUSED_THREAD, UNFUSED_THREAD)
+UNFUSED_STEP = 4 if SIMULATOR else 16          # k-rows of each operand staged at a time
+UNFUSED_LOADS = UNFUSED_TILE * UNFUSED_STEP // UNFUSED_THREADS   # elements a thread stages per step
+UNFUSED_LOAD_ROWS = UNFUSED_THREADS // UNFUSED_STEP   # k-major staging: tile rows between a thread's loads
+UNFUSED_LOAD_KEYS = UNFUSED_THREADS // UNFUSED_TILE   # P V's values: keys between a thread's loads
+UNFUSED_PAD = 4                                # floats after a staged k-row (rows stay 16-byte aligned)
+UNFUSED_ALIGN = None if SIMULATOR else 16
+UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's two staged buffers
+UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
+UNFUSED_TAIL_HEADS = 8                         # the tail kernel's heads per block
+UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 128  # ... and output columns per block (a thread each)
+UNFUSED_TAIL_PROBS = UNFUSED_TAIL_HEADS * UNFUSED_CHUNK   # its staged exp(s - M), [heads, keys]
+UNFUSED_STATS_THREADS = 32 if SIMULATOR else 128
+UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``paths_unfused``)
 F32 = 4
+
+
+def _as_is(value):
+    return value
+
+
+# version 5's indices: ``kernels.linear.non_negative`` on a GPU (float4 shared reads need the
+# compiler to know an index is not negative); the simulator, where that cast is a slow call, skips it
+non_negative = _as_is if SIMULATOR else _gpu_non_negative
 
 
 # --8<-- [start:absorb_query_kernel]
@@ -871,6 +901,262 @@ def attention_gemm_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths,
 # --8<-- [end:attention_gemm_kernel]
 
 
+# --8<-- [start:attention_unfused_kernels]
+@cuda.jit(device=True)
+def _key_slot(n_prefix, paths, row, position):
+    """The cache slot of ``row``'s key at ``position``: a prefix key's own slot, then the nodes of
+    the row's path (tree node m sits at slot P + m)."""
+    return position if position < n_prefix else n_prefix + paths[row, position - n_prefix]
+
+
+@cuda.jit(device=True)
+def _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values):
+    """acc[i, j] += a[k, THREAD ty + i] * b[k, THREAD tx + j] for the STEP staged k-rows from
+    ``first`` on, k in order. A thread's rows (and its columns) are THREAD consecutive floats,
+    16-byte aligned: one float4 read each (indices ``non_negative``, so that the compiler sees
+    it); a warp's two ty share their reads of a (a broadcast), its 16 tx read 256 consecutive
+    bytes of b (no bank conflicts). Per k: 2 shared loads feed THREAD^2 multiply-adds."""
+    for k in range(UNFUSED_STEP):
+        at = non_negative(first + k)
+        for i in range(UNFUSED_THREAD):
+            a_values[i] = a_tile[at, non_negative(ty * UNFUSED_THREAD + i)]
+        for j in range(UNFUSED_THREAD):
+            b_values[j] = b_tile[at, non_negative(tx * UNFUSED_THREAD + j)]
+        for i in range(UNFUSED_THREAD):
+            for j in range(UNFUSED_THREAD):
+                acc[i, j] += a_values[i] * b_values[j]
+
+
+@cuda.jit(device=True)
+def _stage(tile, first, values, k, row0, row_stride):
+    """The LOADS values a thread loaded into the k-major tile: tile[first + k, row0 + p row_stride]."""
+    for p in range(UNFUSED_LOADS):
+        tile[first + k, row0 + p * row_stride] = values[p]
+
+
+@cuda.jit(device=True)
+def _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
+    """Column ``column`` of the thread's LOADS query rows (q_rows[p] < 0: past the last query) and
+    cache slots (past ``keys``: none) into a_next and b_next, 0 where there is none or the column
+    lies past R + dr (a padded term adds nothing)."""
+    rank = q_lat.shape[2]
+    for p in range(UNFUSED_LOADS):
+        row, slot = q_rows[p], slots[p]
+        a_next[p] = float32(0.0)
+        b_next[p] = float32(0.0)
+        if column < rank:
+            if row >= 0:
+                a_next[p] = q_lat[row, q_heads[p], column]
+            if slot < keys:
+                b_next[p] = cache_latent[slot, column]
+        elif column < rank + q_pe.shape[2]:
+            if row >= 0:
+                a_next[p] = q_pe[row, q_heads[p], column - rank]
+            if slot < keys:
+                b_next[p] = cache_rope[slot, column - rank]
+
+
+@cuda.jit
+def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+    """Version 5, step 1 of 4: scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s]
+    for every query row q = row * H + head and every slot s < P + T (the prefix and the whole
+    tree; the mask is the next steps' business), a register-tiled GEMM.
+
+    Block (x, y) computes the TILE x TILE scores of queries y TILE .. and slots x TILE ..; the grid
+    covers the cache's capacity and a block past P + T (P read on the device) returns at once, so
+    one launch shape serves every step. Thread (ty, tx) of the SIDE x SIDE block holds the THREAD x
+    THREAD scores of queries THREAD ty + i and slots THREAD tx + j in registers. Per step the block
+    stages STEP columns of both operands k-major in shared memory: a thread loads column tid % STEP
+    of LOADS rows LOAD_ROWS apart (consecutive threads read consecutive columns of a row), two
+    buffers, the next step's loads waiting in registers while this step's products run. A score
+    adds its R + dr terms one at a time in column order whatever the launch, the rows or the tree:
+    batch-invariant.
+    """
+    tid = non_negative(cuda.threadIdx.x)
+    ty, tx = tid // UNFUSED_SIDE, tid % UNFUSED_SIDE
+    rows, heads, rank = q_lat.shape
+    width = rank + q_pe.shape[2]
+    keys = prefix[0] + rows
+    q0 = non_negative(cuda.blockIdx.y) * UNFUSED_TILE
+    s0 = non_negative(cuda.blockIdx.x) * UNFUSED_TILE
+    if s0 >= keys:                                        # the whole block: past the last key
+        return
+    a_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    b_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    acc = cuda.local.array(UNFUSED_REGISTERS, float32)
+    a_values = cuda.local.array(UNFUSED_THREAD, float32)
+    b_values = cuda.local.array(UNFUSED_THREAD, float32)
+    a_next = cuda.local.array(UNFUSED_LOADS, float32)
+    b_next = cuda.local.array(UNFUSED_LOADS, float32)
+    q_rows = cuda.local.array(UNFUSED_LOADS, int32)      # the staged queries' rows and heads
+    q_heads = cuda.local.array(UNFUSED_LOADS, int32)
+    slots = cuda.local.array(UNFUSED_LOADS, int32)       # ... and slots
+    column, first_row = tid % UNFUSED_STEP, tid // UNFUSED_STEP
+    for p in range(UNFUSED_LOADS):
+        query = q0 + first_row + p * UNFUSED_LOAD_ROWS
+        q_rows[p] = query // heads if query < rows * heads else -1
+        q_heads[p] = query % heads
+        slots[p] = s0 + first_row + p * UNFUSED_LOAD_ROWS
+    for i in range(UNFUSED_THREAD):
+        for j in range(UNFUSED_THREAD):
+            acc[i, j] = float32(0.0)
+    _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next)
+    steps = (width + UNFUSED_STEP - 1) // UNFUSED_STEP
+    for step in range(steps):
+        first = step % 2 * UNFUSED_STEP                   # this step's buffer
+        _stage(a_tile, first, a_next, column, first_row, UNFUSED_LOAD_ROWS)
+        _stage(b_tile, first, b_next, column, first_row, UNFUSED_LOAD_ROWS)
+        cuda.syncthreads()                                # staged (and the other buffer free again)
+        if step + 1 < steps:
+            _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys,
+                         (step + 1) * UNFUSED_STEP + column, a_next, b_next)
+        _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
+    for i in range(UNFUSED_THREAD):
+        query = q0 + ty * UNFUSED_THREAD + i
+        for j in range(UNFUSED_THREAD):
+            slot = s0 + tx * UNFUSED_THREAD + j
+            if query < rows * heads and slot < keys:
+                scores[query, slot] = acc[i, j] * scale
+
+
+@cuda.jit
+def attention_stats_kernel(scores, prefix, depths, paths, partials):
+    """Version 5, step 2 of 4: block (head, row) finds M, the largest score of the row's keys
+    (positions 0 .. P + depth: the prefix, then its path, ``_key_slot``; exact in any order), then
+    each chunk's sum of exp(s - M), one thread per chunk adding its keys in position order:
+    partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) // CHUNK."""
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    heads, rank = partials.shape[1], partials.shape[3] - 2
+    query = row * heads + head
+    n_prefix = prefix[0]
+    keys = n_prefix + depths[row] + 1
+    red = cuda.shared.array(UNFUSED_STATS_THREADS, float32)
+    top = float32(-math.inf)
+    for j in range(tid, keys, UNFUSED_STATS_THREADS):
+        top = max(top, scores[query, _key_slot(n_prefix, paths, row, j)])
+    red[tid] = top
+    block_max(red)
+    top = red[0]
+    for chunk in range(tid, (keys - 1) // UNFUSED_CHUNK + 1, UNFUSED_STATS_THREADS):
+        total = float32(0.0)
+        for j in range(chunk * UNFUSED_CHUNK, min(chunk * UNFUSED_CHUNK + UNFUSED_CHUNK, keys)):
+            total += math.exp(scores[query, _key_slot(n_prefix, paths, row, j)] - top)
+        partials[row, head, chunk, rank] = top
+        partials[row, head, chunk, rank + 1] = total
+
+
+@cuda.jit
+def attention_values_kernel(scores, cache_latent, prefix, partials):
+    """Version 5, step 3 of 4: partials[row, head, c, :R] = sum over the keys j of chunk c (in
+    position order) of exp(scores[q, j] - M) cache_latent[j], for the chunks wholly inside the
+    prefix ((c + 1) CHUNK <= P: every row sees all of their keys, each at its own slot), as a
+    register-tiled GEMM P V over all the launch's query rows at once. Block (x, y, c): latent
+    columns x TILE .., queries y TILE .., chunk c; a block whose chunk reaches past the prefix
+    returns at once (``attention_tail_kernel`` takes those). M is the row's max from step 2.
+    Register tiles as ``attention_scores_kernel``; P is computed as it is staged (a thread: key
+    tid % STEP of LOADS queries), V staged as it lies (a thread: column tid % TILE of LOADS keys)."""
+    tid = non_negative(cuda.threadIdx.x)
+    ty, tx = tid // UNFUSED_SIDE, tid % UNFUSED_SIDE
+    heads, rank = partials.shape[1], cache_latent.shape[1]
+    queries = partials.shape[0] * heads
+    chunk = cuda.blockIdx.z
+    start = chunk * UNFUSED_CHUNK
+    if start + UNFUSED_CHUNK > prefix[0]:                 # the whole block: a chunk with path keys
+        return
+    q0 = non_negative(cuda.blockIdx.y) * UNFUSED_TILE
+    c0 = non_negative(cuda.blockIdx.x) * UNFUSED_TILE
+    a_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    b_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    acc = cuda.local.array(UNFUSED_REGISTERS, float32)
+    a_values = cuda.local.array(UNFUSED_THREAD, float32)
+    b_values = cuda.local.array(UNFUSED_THREAD, float32)
+    a_next = cuda.local.array(UNFUSED_LOADS, float32)
+    b_next = cuda.local.array(UNFUSED_LOADS, float32)
+    staged = cuda.local.array(UNFUSED_LOADS, int32)      # the staged queries (-1: past the last)
+    tops = cuda.local.array(UNFUSED_LOADS, float32)      # ... and their rows' max scores M
+    key, first_row = tid % UNFUSED_STEP, tid // UNFUSED_STEP
+    column, first_key = tid % UNFUSED_TILE, tid // UNFUSED_TILE
+    for p in range(UNFUSED_LOADS):
+        query = q0 + first_row + p * UNFUSED_LOAD_ROWS
+        staged[p] = query if query < queries else -1
+        tops[p] = partials[query // heads, query % heads, chunk, rank] if query < queries else float32(0.0)
+    for i in range(UNFUSED_THREAD):
+        for j in range(UNFUSED_THREAD):
+            acc[i, j] = float32(0.0)
+    steps = UNFUSED_CHUNK // UNFUSED_STEP
+    for step in range(steps + 1):                         # stage step - 1, load step, multiply step - 1
+        first = step % 2 * UNFUSED_STEP
+        if step > 0:
+            _stage(a_tile, first, a_next, key, first_row, UNFUSED_LOAD_ROWS)
+            for p in range(UNFUSED_LOADS):
+                b_tile[first + first_key + p * UNFUSED_LOAD_KEYS, column] = b_next[p]
+            cuda.syncthreads()
+        if step < steps:
+            j0 = start + step * UNFUSED_STEP
+            for p in range(UNFUSED_LOADS):
+                a_next[p] = float32(0.0) if staged[p] < 0 else math.exp(scores[staged[p], j0 + key] - tops[p])
+                b_next[p] = float32(0.0) if c0 + column >= rank else \
+                    cache_latent[j0 + first_key + p * UNFUSED_LOAD_KEYS, c0 + column]
+        if step > 0:
+            _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
+    for i in range(UNFUSED_THREAD):
+        query = q0 + ty * UNFUSED_THREAD + i
+        for j in range(UNFUSED_THREAD):
+            at = c0 + tx * UNFUSED_THREAD + j
+            if query < queries and at < rank:
+                partials[query // heads, query % heads, chunk, at] = acc[i, j]
+
+
+@cuda.jit
+def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
+    """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the one
+    holding the row's own position P + depth, where the row's keys are prefix keys, then its
+    path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
+    g TAIL_HEADS .. of one row. Per chunk the block stages the keys' slots and the heads'
+    exp(s - M) in shared memory, then each thread adds the chunk's keys in position order for its
+    column and heads: term for term the sums step 3's GEMM gives a chunk of the prefix, so a tree
+    row equals the row at its position in the committed chain, bit for bit."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    column = cuda.blockIdx.x * threads + tid
+    head0 = cuda.blockIdx.y * UNFUSED_TAIL_HEADS
+    row = cuda.blockIdx.z
+    heads, rank = partials.shape[1], cache_latent.shape[1]
+    n_prefix = prefix[0]
+    last = n_prefix + depths[row]                         # the row's own position
+    slots = cuda.shared.array(UNFUSED_CHUNK, int32)
+    probs = cuda.shared.array(UNFUSED_TAIL_PROBS, float32)   # [heads, keys]
+    acc = cuda.local.array(UNFUSED_TAIL_HEADS, float32)
+    for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
+        start = chunk * UNFUSED_CHUNK
+        count = min(UNFUSED_CHUNK, last + 1 - start)
+        cuda.syncthreads()                                # the last chunk's slots and probs consumed
+        for k in range(tid, count, threads):
+            slots[k] = _key_slot(n_prefix, paths, row, start + k)
+        cuda.syncthreads()
+        for e in range(tid, UNFUSED_TAIL_HEADS * count, threads):
+            h, k = e // count, e % count
+            value = float32(0.0)
+            if head0 + h < heads:
+                top = partials[row, head0 + h, chunk, rank]
+                value = math.exp(scores[row * heads + head0 + h, slots[k]] - top)
+            probs[h * UNFUSED_CHUNK + k] = value
+        cuda.syncthreads()
+        for h in range(UNFUSED_TAIL_HEADS):
+            acc[h] = float32(0.0)
+        if column < rank:
+            for k in range(count):
+                value = cache_latent[slots[k], column]
+                for h in range(UNFUSED_TAIL_HEADS):
+                    acc[h] += probs[h * UNFUSED_CHUNK + k] * value
+            for h in range(UNFUSED_TAIL_HEADS):
+                if head0 + h < heads:
+                    partials[row, head0 + h, chunk, column] = acc[h]
+# --8<-- [end:attention_unfused_kernels]
+
+
 def paths_tile(rank: int, rope_dim: int) -> int:
     """Keys per tile of ``attention_paths``: 32, or 16 when 32 staged rows of R + dr floats would
     pass SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by
@@ -916,8 +1202,8 @@ def check_heads_per_block(heads_per_block, heads: int, name: str = "heads_per_bl
 
 # --8<-- [start:attention_paths]
 def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *,
-                    splits: int = 1, heads_per_block: int = 1, gemm: bool = False, partials=None, out=None,
-                    stream=None):
+                    splits: int = 1, heads_per_block: int = 1, gemm: bool = False, unfused: bool = False,
+                    scores=None, partials=None, out=None, stream=None):
     """Absorbed attention of each row over the prefix and its own path (device arrays).
 
     q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
@@ -932,6 +1218,10 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     for its G heads, then the same merge (also for Z = 1), its tile from ``paths_heads_tile``.
     ``gemm`` = True: version 4 (``attention_gemm_kernel``, heads_per_block left at 1, R <= 512), a
     block per (GH = ``gemm_heads(H)`` heads, row, split), tiles of GEMM_TILE keys, the same merge.
+    ``unfused`` = True: version 5 (``_attention_unfused``; Z, G and ``gemm`` left alone), the
+    scores of all rows against every key as one GEMM into ``scores`` (T * H, C), the softmax's
+    statistics, P V as a second GEMM in chunks of UNFUSED_CHUNK keys at fixed positions into
+    ``partials`` (T, H, ``unfused_chunks(C)``, R + 2), then the same merge.
     Results depend on Z and the tile (the order of sums), never on the other rows: fix Z, G and
     the version per engine.
     """
@@ -940,7 +1230,11 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     check_splits(splits)
     check_gemm(gemm, heads_per_block, rank)
     check_heads_per_block(heads_per_block, heads)
+    check_unfused(unfused, splits, heads_per_block, gemm)
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
+    if unfused:                                                             # version 5
+        return _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale,
+                                  scores, partials, d_out, stream)
     if gemm:                                                                # version 4
         return _attention_gemm(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale,
                                splits, partials, d_out, stream)
@@ -975,6 +1269,48 @@ def _attention_gemm(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     attention_merge_kernel[(heads, rows), row_threads(rank), stream](
         partials, prefix, depths, GEMM_TILE, d_out)
     return d_out
+
+
+def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, scores, partials,
+                       d_out, stream):
+    """Version 5: scores, statistics, P V over the prefix's whole chunks and over the rest, merge."""
+    rows, heads, rank = q_lat.shape
+    capacity = cache_latent.shape[0]
+    chunks = unfused_chunks(capacity)
+    check_out(scores, (rows * heads, capacity), name="scores")
+    check_out(partials, (rows, heads, chunks, rank + 2), name="partials")
+    scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
+    partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
+    queries = blocks(rows * heads, UNFUSED_TILE)
+    attention_scores_kernel[(blocks(capacity, UNFUSED_TILE), queries), UNFUSED_THREADS, stream](
+        q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
+    attention_stats_kernel[(heads, rows), UNFUSED_STATS_THREADS, stream](
+        scores, prefix, depths, paths, partials)
+    attention_values_kernel[(blocks(rank, UNFUSED_TILE), queries, chunks), UNFUSED_THREADS, stream](
+        scores, cache_latent, prefix, partials)
+    tail_grid = (blocks(rank, UNFUSED_TAIL_THREADS), blocks(heads, UNFUSED_TAIL_HEADS), rows)
+    attention_tail_kernel[tail_grid, UNFUSED_TAIL_THREADS, stream](
+        scores, cache_latent, prefix, depths, paths, partials)
+    attention_merge_kernel[(heads, rows), row_threads(rank), stream](
+        partials, prefix, depths, UNFUSED_CHUNK, d_out)
+    return d_out
+
+
+def unfused_chunks(capacity: int) -> int:
+    """Version 5's P V chunks for a cache of ``capacity`` slots: UNFUSED_CHUNK keys each, at fixed
+    positions (a partial per chunk, merged in chunk order)."""
+    return -(-capacity // UNFUSED_CHUNK)
+
+
+def check_unfused(unfused, splits, heads_per_block, gemm) -> None:
+    """``unfused``: True or False; with True, Z, G and ``gemm`` left at their defaults (version 5
+    chunks its keys and groups its queries itself)."""
+    if not isinstance(unfused, bool):
+        raise ValueError(f"unfused must be True or False, got {unfused!r}")
+    if unfused and (splits != 1 or heads_per_block != 1 or gemm):
+        raise ValueError(f"unfused=True takes splits=1, heads_per_block=1 and gemm=False (version 5 chunks "
+                         f"its keys itself), got splits={splits!r}, heads_per_block={heads_per_block!r}, "
+                         f"gemm={gemm!r}")
 
 
 def check_gemm(gemm, heads_per_block, rank: int) -> None:
@@ -1044,6 +1380,11 @@ def paths_gemm(rank: int) -> bool:
     (bench-h200-2026-12-01c.md); at tiny's R = 64 its AR step took 533 µs (record f) against
     version 3's 496 µs (record e, an earlier call)."""
     return rank >= GEMM_FROM_RANK
+
+
+def paths_unfused(rank: int) -> bool:
+    """Whether the engine takes version 5: where R >= UNFUSED_FROM_RANK."""
+    return rank >= UNFUSED_FROM_RANK
 
 
 def paths_heads(heads: int) -> int:
@@ -1143,9 +1484,10 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
     visible = visibility(parents)                                             # [T, T]
     keys = context + rows                                                     # S cache rows
     heads_per_block = paths_heads(heads) if version == 3 else 1               # G
-    gemm = version == 4
-    splits = 1 if version == 1 else paths_splits(keys, rank, rope_dim, heads_per_block, gemm)   # Z
-    options = {"splits": splits, "heads_per_block": heads_per_block, "gemm": gemm}
+    gemm, unfused = version == 4, version == 5
+    splits = 1 if version in (1, 5) else paths_splits(keys, rank, rope_dim, heads_per_block, gemm)   # Z
+    options = {"splits": splits, "heads_per_block": heads_per_block, "gemm": gemm, "unfused": unfused}
+    chunks = unfused_chunks(keys) if unfused else splits                      # the partials' third axis
 
     def setup(seed):
         return (uniform((rows, heads, rank), seed), uniform((rows, heads, rope_dim), seed + 1),
@@ -1153,9 +1495,10 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
                 cuda.to_device(np.array([context], np.int64)), cuda.to_device(depths),
                 cuda.to_device(paths), scale)
 
-    def prepare(inputs):                      # the output and version 2-4's partials, as the engine keeps
-        partials = poisoned((rows, heads, splits, rank + 2)) if version > 1 else None
-        return poisoned((rows, heads, rank)), partials
+    def prepare(inputs):                      # the buffers the engine keeps: out, partials (2-5), scores (5)
+        partials = poisoned((rows, heads, chunks, rank + 2)) if version > 1 else None
+        scores = poisoned((rows * heads, keys)) if unfused else None
+        return poisoned((rows, heads, rank)), partials, scores
 
     dims = {"T": rows, "H": heads, "R": rank, "dr": rope_dim, "S": keys,
             "pairs": rows * context + int(visible.sum())}
@@ -1164,11 +1507,12 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
                 f"q ({rows}, {heads}, {rank}+{rope_dim}) cache ({keys}, {rank}+{rope_dim})", setup=setup,
                 call=lambda inputs, **given: attention_paths(*inputs, **options, **given),
                 bytes=bytes_moved("attention_absorb", **dims), flops=flops("attention_absorb", **dims),
-                note=f"version {version}: Z={splits} " + (f"GH={gemm_heads(heads)}" if gemm
-                                                            else f"G={heads_per_block}"),
+                note=f"version {version}: " + (f"{chunks} chunks of {UNFUSED_CHUNK}" if unfused
+                                                 else f"Z={splits} " + (f"GH={gemm_heads(heads)}" if gemm
+                                                                        else f"G={heads_per_block}")),
                 prepare=prepare,
                 launch=lambda inputs, given, stream: attention_paths(
-                    *inputs, **options, partials=given[1], out=given[0], stream=stream),
+                    *inputs, **options, partials=given[1], scores=given[2], out=given[0], stream=stream),
                 peer=lambda inputs: peers.attention(*inputs[:4], peers.prefix_mask(context, visible), scale))
 
 
@@ -1185,7 +1529,11 @@ def paths_cases(sizes):
             (3, few, every, short, "tree_few"), (2, many, every, short, "tree_many"),
             (3, many, every, short, "tree_many"), (3, many, rank, long, "tree_many_rank_long"),
             (4, 1, every, short, "decode"), (4, 1, every, long, "decode_long"),
-            (4, many, every, short, "tree_many"), (4, many, rank, long, "tree_many_rank_long")]
+            (4, many, every, short, "tree_many"), (4, many, rank, long, "tree_many_rank_long"),
+            (5, 1, every, short, "decode"), (5, 1, every, long, "decode_long"),
+            (5, 1, rank, long, "decode_rank_long"),
+            (5, few, every, short, "tree_few"), (5, many, every, short, "tree_many"),
+            (5, many, rank, long, "tree_many_rank_long")]
     return [_paths_case(sizes, version, rows, heads, context, f"paths_v{version}_{role}")
             for version, rows, heads, context, role in plan]
 # --8<-- [end:paths_cases]

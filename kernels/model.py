@@ -64,9 +64,12 @@ from kernels.mla import (
     check_gemm,
     check_heads_per_block,
     check_splits,
+    check_unfused,
     paths_gemm,
     paths_heads,
     paths_splits,
+    paths_unfused,
+    unfused_chunks,
 )
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
@@ -435,8 +438,11 @@ class Transformer:
     ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
     tile. Like Z, G is fixed per engine. ``attention_gemm`` True picks version 4 instead (the
     register-tiled kernel, ``gemm=True``; G must stay None or 1, Z's default follows its 32-key
-    tile); None (the default) takes it where ``kernels.mla.paths_gemm`` does (R >= 512: small,
-    Kimi) unless G is given.
+    tile); None takes it where ``kernels.mla.paths_gemm`` does (R >= 512: small, Kimi) unless G is
+    given or version 5 is taken. ``attention_unfused`` True picks version 5 (``unfused=True``: the scores
+    of every row against every key as one GEMM, P V as another in chunks at fixed positions; Z, G
+    and ``attention_gemm`` left at None); None (the default) takes it where
+    ``kernels.mla.paths_unfused`` does.
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
@@ -455,7 +461,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
-                 moe_grouped_from_rows: int | None = None, linear_version: str = "tiles"):
+                 attention_unfused: bool | None = None, moe_grouped_from_rows: int | None = None,
+                 linear_version: str = "tiles"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -464,8 +471,14 @@ class Transformer:
         if attention_heads_per_block is not None:
             check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
                                   name="attention_heads_per_block")
+        if attention_unfused is None:
+            attention_unfused = attention_splits is None and attention_heads_per_block is None \
+                and attention_gemm is None and paths_unfused(config.kv_lora_rank)
         if attention_gemm is None:
-            attention_gemm = attention_heads_per_block is None and paths_gemm(config.kv_lora_rank)
+            attention_gemm = not attention_unfused and attention_heads_per_block is None \
+                and paths_gemm(config.kv_lora_rank)
+        check_unfused(attention_unfused, attention_splits or 1, attention_heads_per_block or 1,
+                      attention_gemm)
         check_gemm(attention_gemm, 1 if attention_heads_per_block is None else attention_heads_per_block,
                    config.kv_lora_rank)
         if moe_grouped_from_rows is None:
@@ -500,15 +513,20 @@ class Transformer:
         # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
         # cache's size (paths_splits), so every step and every bucket splits the keys alike;
         # version 3 (G > 1 heads per block) merges partials too
-        self.attention_gemm = attention_gemm
-        self.attention_heads_per_block = 1 if attention_gemm else \
+        # version 5 (unfused) keeps every row's scores and a partial per chunk of keys
+        self.attention_gemm, self.attention_unfused = attention_gemm, attention_unfused
+        self.attention_heads_per_block = 1 if attention_gemm or attention_unfused else \
             attention_heads_per_block or paths_heads(config.num_attention_heads)
-        self.attention_splits = attention_splits or paths_splits(
+        self.attention_splits = 1 if attention_unfused else attention_splits or paths_splits(
             self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block,
             attention_gemm)
-        merged = self.attention_splits > 1 or self.attention_heads_per_block > 1 or attention_gemm
+        heads, capacity = config.num_attention_heads, self.cache.capacity
+        partial_groups = unfused_chunks(capacity) if attention_unfused else self.attention_splits
+        merged = partial_groups > 1 or self.attention_heads_per_block > 1 or attention_gemm \
+            or attention_unfused
         self.attention_partials = None if not merged else poisoned(
-            (self.max_rows, config.num_attention_heads, self.attention_splits, config.kv_lora_rank + 2))
+            (self.max_rows, heads, partial_groups, config.kv_lora_rank + 2))
+        self.attention_scores = poisoned((self.max_rows * heads, capacity)) if attention_unfused else None
         self.device_root = None       # the root token the device holds (the last round's bonus)
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
@@ -575,10 +593,13 @@ class Transformer:
         write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
         q_lat = absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)     # [T, H, R]
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
+        scores = None if self.attention_scores is None \
+            else self.attention_scores[:rows * c.num_attention_heads]                # [T H, C]
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
                                 b.paths[:rows], self.softmax_scale, splits=self.attention_splits,
                                 heads_per_block=self.attention_heads_per_block, gemm=self.attention_gemm,
-                                partials=partials, out=b.o_lat[:rows], stream=s)      # [T, H, R]
+                                unfused=self.attention_unfused, scores=scores, partials=partials,
+                                out=b.o_lat[:rows], stream=s)                          # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
         self.add(s, h, delta)                                                      # h += o_proj(o)

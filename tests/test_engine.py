@@ -23,6 +23,7 @@ from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
 from kernels import model as engine_model
+from kernels.mla import UNFUSED_CHUNK
 from kernels.model import (
     GEMM_FROM_ROWS,
     GEMM_MIN_WEIGHTS,
@@ -215,11 +216,12 @@ def test_rejection_verifier_matches_numpy():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("attention_heads_per_block", 2), ("attention_gemm", True),
+    ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
     pytest.param("linear_version", "warps", marks=pytest.mark.gpu)])   # 19 s in the simulator
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
-    2 heads in one block, with the engine's Z), version 4 (register-tiled), or linear's "warps" for
+    2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
+    GEMMs), or linear's "warps" for
     every projection and the lm_head. A branching DDTree round gives the engine's AR tokens, which
     are numpy's. A one-token prompt: no prefill; two AR forwards, and one verify forward (one
     round)."""
@@ -269,16 +271,20 @@ def test_moe_versions_give_the_engine_the_same_logits():
     assert listed == [True, False], "version 2 lists the pairs (-1 poison overwritten), version 1 never does"
 
 
-def test_attention_version_4_is_the_default_from_rank_512():
-    """kernels.mla.paths_gemm decides the default: micro's R = 16 keeps versions 1-3; micro with
-    small's and Kimi's R = 512 takes version 4 unless G is given (only the choice: no forward)."""
-    assert not engine("micro", max_tree_nodes=8).attention_gemm
+def test_attention_version_5_is_the_default_from_rank_512():
+    """kernels.mla.paths_unfused decides the default: micro's R = 16 keeps versions 1-3; micro with
+    small's and Kimi's R = 512 takes version 5 unless Z, G or version 4 is asked for, and version 4
+    when G is left alone and ``attention_unfused=False`` (only the choice: no forward)."""
+    model = engine("micro", max_tree_nodes=8)
+    assert not model.attention_gemm and not model.attention_unfused
     config = dataclasses.replace(preset("micro"), kv_lora_rank=512)
     weights = init_weights(config, 0)
-    for heads_per_block, gemm in ((None, True), (2, False), (1, False)):
-        model = EngineTransformer(config, weights, max_tree_nodes=8,
-                                  attention_heads_per_block=heads_per_block)
-        assert model.attention_gemm is gemm, heads_per_block
+    for options, unfused, gemm in (({}, True, False), ({"attention_heads_per_block": 2}, False, False),
+                                   ({"attention_unfused": False}, False, True),
+                                   ({"attention_gemm": True}, False, True),
+                                   ({"attention_splits": 4}, False, True)):
+        model = EngineTransformer(config, weights, max_tree_nodes=8, **options)
+        assert (model.attention_unfused, model.attention_gemm) == (unfused, gemm), options
 
 
 def test_engine_refuses_bad_input_before_running():
@@ -458,3 +464,24 @@ def test_long_ngram_generation_equals_ar():
     tokens, trace = engine_decode.generate_ddtree(model, prompt, 2000, drafter)
     assert_exact(tokens, expected)
     assert trace.verify_forwards < 2000
+
+
+@pytest.mark.gpu
+def test_unfused_attention_engine_equals_golden_and_ar():
+    """attention_paths' version 5 in the whole engine on tiny: the golden AR tokens and logits, and
+    a 600-token n-gram DDTree generation equal to its own AR: past two chunks of UNFUSED_CHUNK
+    keys, so the P V GEMM's chunks and the tail kernel's meet in the same rows, bit for bit."""
+    config, bundle = preset("tiny"), golden.load_bundle("tiny")
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), attention_unfused=True)
+    prompt, expected = bundle["prompt"], bundle["tokens"]
+    tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
+    assert_exact(tokens, expected)
+    assert_logits_close(logits, bundle["logits"])
+    assert_ddtree_equals(engine_decode, model, prompt, expected)
+    new = 600
+    assert prompt.size + new > 2 * UNFUSED_CHUNK
+    expected = engine_decode.generate_ar(model, prompt, new)
+    drafter = make_drafter("ngram", model, prompt, new)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter)
+    assert_exact(tokens, expected)
+    assert trace.verify_forwards < new

@@ -314,17 +314,22 @@ def test_attention_absorb_kimi_dims(rows):
 # ------------------------------------------------------------------------- attention over paths
 
 def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
-              heads_per_block=1, gemm=False, partials_out=None):
-    """attention_paths on device copies, its outputs (and partials) poisoned with NaN first;
-    ``partials_out`` (a list), when given, receives the partials as the kernel left them."""
+              heads_per_block=1, gemm=False, partials_out=None, unfused=False):
+    """attention_paths on device copies, its outputs (partials, version 5's scores) poisoned with
+    NaN first; ``partials_out`` (a list), when given, receives the partials as the kernel left them."""
     rows, heads, rank = q_lat.shape
-    partials = None
-    if splits > 1 or heads_per_block > 1 or gemm:
+    partials = scores = None
+    if unfused:
+        chunks = gpu.unfused_chunks(cache_latent.shape[0])
+        partials = to_device(np.full((rows, heads, chunks, rank + 2), np.nan, np.float32))
+        scores = to_device(np.full((rows * heads, cache_latent.shape[0]), np.nan, np.float32))
+    elif splits > 1 or heads_per_block > 1 or gemm:
         partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32))
     out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
                               to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
                               scale, splits=splits, heads_per_block=heads_per_block, gemm=gemm,
-                              partials=partials, out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+                              unfused=unfused, scores=scores, partials=partials,
+                              out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
     if partials_out is not None:
         partials_out.append(partials.copy_to_host())
     return out.copy_to_host()
@@ -590,13 +595,12 @@ def test_gemm_heads(heads, group, threads):
     assert gpu.gemm_shared_bytes(group) <= gpu.SHARED_BUDGET
 
 
-def check_kimi_dims(rows: int, heads: int, seed: int, name: str, **options) -> None:
+def check_kimi_dims(rows: int, heads: int, seed: int, name: str, prefix: int = 4096 + 37, **options) -> None:
     """attention_paths with ``options`` at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix, a
     random tree of ``rows`` nodes): equal to the masked reference, and the last row bit-identical
     to the same keys laid out as a chain."""
     config = preset("kimi-k2.6")
     rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
-    prefix = 4096 + 37
     rng = np.random.default_rng(seed)
     parents = random_parents(rng, rows)
     depths, paths = ancestor_paths(parents)
@@ -634,3 +638,91 @@ def test_attention_gemm_kimi_dims(rows, splits, heads):
     to the masked reference, and a tree row equal to its chain bit for bit."""
     check_kimi_dims(rows, heads, rows + splits + heads, f"o_lat, version 4, {splits} splits, H = {heads}",
                     splits=splits, gemm=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 8])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_attention_unfused_kimi_dims(rows, heads):
+    """Version 5 at Kimi K2.6 dims (GPU tiles: 64 x 64, chunks of 256 keys), the prefix 2 keys short
+    of a chunk's end so that a deep node's path runs into the next chunk: equal to the masked
+    reference, and the last row (from the tail kernel) bit-identical to its chain (whose first of
+    those chunks comes from the P V GEMM)."""
+    prefix = 17 * gpu.UNFUSED_CHUNK - 2
+    check_kimi_dims(rows, heads, rows + heads, f"o_lat, version 5, H = {heads}", prefix=prefix, unfused=True)
+
+
+# ------------------------------------------------------ version 5: unfused GEMMs (unfused=True)
+
+@pytest.mark.parametrize("rows, prefix, rank, rope, heads", [
+    (3, 0, 13, 4, 2),             # no prefix: every chunk is the tail kernel's
+    (5, 37, 9, 2, 3),             # 2 whole chunks (simulator: 16 keys) by the GEMM, the rest by the tail
+    (4, 30, 20, 5, 10),           # paths cross a chunk boundary; 10 heads: 2 tail head groups; R past a tile
+    (2, 48, 7, 1, 1),             # the prefix ends at a chunk boundary
+    (6, 21, 16, 8, 9)])           # 54 query rows: 7 query tiles, the last one partial
+def test_attention_unfused_equals_the_masked_attention(rows, prefix, rank, rope, heads):
+    """Version 5: a random tree's rows over prefix + path == attention_absorb under its ancestor
+    mask (outputs, partials and scores poisoned with NaN first)."""
+    rng = np.random.default_rng(rows + prefix)
+    parents = random_parents(rng, rows)
+    depths, paths = ancestor_paths(parents)
+    case = Case("unfused", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
+                                    scale)
+    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name="o_lat, version 5")
+
+
+def test_attention_unfused_writes_every_used_chunk_and_no_other():
+    """Chunks holding a row's keys get every (acc, max, sum) entry, the others keep their poison
+    (the merge never reads them): rows of 35 and 36 keys, chunks of 16, a cache of 60 slots."""
+    parents = np.array([-1, 0])
+    depths, paths = ancestor_paths(parents)
+    case = Case("unfused", rows=2, prefix=34, mask="causal", heads=2, rank=7, rope=2)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=4)
+    cache_latent = np.concatenate([cache_latent, np.zeros((24, 7), np.float32)])
+    cache_rope = np.concatenate([cache_rope, np.zeros((24, 2), np.float32)])
+    partials = []
+    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True,
+                    partials_out=partials)
+    used = -(-(prefix + 2) // gpu.UNFUSED_CHUNK)
+    assert np.isfinite(out).all()
+    assert np.isfinite(partials[0][:, :, :used]).all(), "a used chunk left an entry unwritten"
+    assert np.isnan(partials[0][:, :, used:]).all(), "a chunk past the keys was written"
+
+
+@pytest.mark.parametrize("rank, rope, heads", [(10, 4, 2), (20, 3, 9)])
+def test_attention_unfused_tree_row_equals_the_chain_row_bit_for_bit(rank, rope, heads):
+    """Version 5: a tree node and the same keys laid out as a committed chain give bit-identical
+    outputs. The prefix (30) stops 2 keys short of a chunk's end: the deep nodes' paths run into
+    the next chunk, so the chunk at 16 .. 31 is the tail kernel's for the tree and the GEMM's for
+    the chain; their sums must agree term for term."""
+    parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
+    depths, paths = ancestor_paths(parents)
+    case = Case("unfused", rows=8, prefix=2 * gpu.UNFUSED_CHUNK - 2, mask="causal", heads=heads, rank=rank,
+                rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True)
+    for node in (5, 7):
+        chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
+        rows_used = list(range(prefix)) + chain
+        latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
+        alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, unfused=True)
+        assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"unfused": 1}, "unfused must be True or False, got 1"),
+    ({"unfused": True, "splits": 2}, "unfused=True takes splits=1, heads_per_block=1 and gemm=False"),
+    ({"unfused": True, "gemm": True}, "unfused=True takes splits=1")])
+def test_attention_paths_refuses_bad_unfused_combinations(options, message):
+    with pytest.raises(ValueError, match=message):
+        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, **options)
+
+
+def test_attention_unfused_names_a_wrong_scores_buffer():
+    arrays = _tiny_paths_arrays()
+    with pytest.raises(ValueError, match=r"scores must be float32 of shape \(2, 4\)"):
+        gpu.attention_paths(*arrays, 1.0, unfused=True, scores=to_device(np.zeros((2, 5), np.float32)))

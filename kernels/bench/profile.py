@@ -141,8 +141,8 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
                                block, nodes - 1, None)
 
 
-ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "moe_grouped_from_rows",
-                  "linear_version")
+ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
+                  "moe_grouped_from_rows", "linear_version")
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-gemm", action="store_const", const=True, default=None,
                         help="attention_paths' version 4 (register-tiled, gemm=True; default: the "
                         "engine's choice, kernels.mla.paths_gemm)")
+    parser.add_argument("--attention-unfused", action="store_const", const=True, default=None,
+                        help="attention_paths' version 5 (unfused GEMMs, unfused=True; default: the "
+                        "engine's choice, kernels.mla.paths_unfused)")
     parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
                         help="forwards of at least this many rows run the MoE kernels' version 2, "
                         "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
