@@ -120,8 +120,15 @@ UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at f
 UNFUSED_TAIL_HEADS = 8                         # the tail kernel's heads per block
 UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 128  # ... and output columns per block (a thread each)
 UNFUSED_TAIL_PROBS = UNFUSED_TAIL_HEADS * UNFUSED_CHUNK   # its staged exp(s - M), [heads, keys]
-UNFUSED_STATS_THREADS = 32 if SIMULATOR else 128
+UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512
+UNFUSED_SUM_BATCH = 4 if SIMULATOR else 32   # the statistics: scores a thread loads before it adds them
+MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``paths_unfused``)
+ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
+ABSORB_TILE = 8 if SIMULATOR else 32    # absorb_output: outputs (threads) per block
+ABSORB_DEPTH = 8 if SIMULATOR else 32   # ... and r per staged slab
+ABSORB_SLAB = (ABSORB_TILE, ABSORB_DEPTH + 1)
+ABSORB_LOADS = ABSORB_DEPTH            # a slab's TILE x DEPTH elements over TILE threads
 F32 = 4
 
 
@@ -139,19 +146,26 @@ non_negative = _as_is if SIMULATOR else _gpu_non_negative
 def absorb_query_kernel(q_nope, w_uk, q_lat):
     """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
 
-    One thread computes one output element (t, h, r) with a float32 loop over dn; blockIdx.y is
-    the (row, head) pair, so a block's threads read one q_nope vector (broadcast) and consecutive
-    r of each W_UK row (coalesced). No shared memory. Cost: T*H*R threads of dn multiply-adds;
-    W_UK (H*dn*R floats) is read once per row t, from L2 after the first row.
+    One thread computes one output element (t, h, r) with a float32 loop over dn, n in order;
+    blockIdx.y is the (row, head) pair, so a block's threads read one q_nope vector (broadcast)
+    and consecutive r of each W_UK row (coalesced). A thread issues ABSORB_BATCH loads of W_UK
+    before it adds their products (in order): one load at a time left a decode row's few blocks
+    waiting on memory. No shared memory. Cost: T*H*R threads of dn multiply-adds; W_UK (H*dn*R
+    floats) is read once per row t, from L2 after the first row.
     """
     r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     row = cuda.blockIdx.y // q_nope.shape[1]
     head = cuda.blockIdx.y % q_nope.shape[1]
+    depth = q_nope.shape[2]
     if r >= q_lat.shape[2]:
         return
+    staged = cuda.local.array(ABSORB_BATCH, float32)
     acc = float32(0.0)
-    for n in range(q_nope.shape[2]):
-        acc += q_nope[row, head, n] * w_uk[head, n, r]
+    for n0 in range(0, depth, ABSORB_BATCH):
+        for b in range(ABSORB_BATCH):
+            staged[b] = w_uk[head, min(n0 + b, depth - 1), r]   # past dn: row dn - 1 again, not added
+        for b in range(min(ABSORB_BATCH, depth - n0)):
+            acc += q_nope[row, head, n0 + b] * staged[b]
     q_lat[row, head, r] = acc
 # --8<-- [end:absorb_query_kernel]
 
@@ -161,20 +175,37 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
 def absorb_output_kernel(o_lat, w_uv, out):
     """out[t, h, v] = sum_r o_lat[t, h, r] * W_UV[h, v, r].
 
-    One thread computes one output element (t, h, v) with a float32 loop over R; blockIdx.y is the
-    (row, head) pair. No shared memory. Cost: T*H*dv threads of R multiply-adds; each thread walks
-    one contiguous W_UV row, so neighbouring threads read addresses R floats apart (served by L1
-    lines, not coalesced); W_UV (H*dv*R floats) is read once per row t.
+    One thread computes one output element (t, h, v) with a float32 loop over R, r in order; block
+    (x, row * H + head) of ABSORB_TILE threads serves outputs v = x TILE + tid. W_UV's rows are
+    contiguous in r, so reading them a thread per row would put neighbouring threads R floats
+    apart (uncoalesced): the block stages a TILE x ABSORB_DEPTH slab of them through shared memory
+    instead, consecutive threads loading consecutive r of a row (coalesced), all LOADS of a
+    thread issued before they are stored, then each thread adds its row's DEPTH products from
+    shared memory (rows DEPTH + 1 apart: no bank conflicts). Cost: T*H*dv threads of R
+    multiply-adds; W_UV (H*dv*R floats) is read once per row t.
     """
-    v = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    tid = cuda.threadIdx.x
+    v0 = cuda.blockIdx.x * ABSORB_TILE
     row = cuda.blockIdx.y // o_lat.shape[1]
     head = cuda.blockIdx.y % o_lat.shape[1]
-    if v >= out.shape[2]:
-        return
+    value_dim, rank = out.shape[2], o_lat.shape[2]
+    slab = cuda.shared.array(ABSORB_SLAB, float32)               # [TILE, DEPTH + 1]
+    staged = cuda.local.array(ABSORB_LOADS, float32)
     acc = float32(0.0)
-    for r in range(o_lat.shape[2]):
-        acc += o_lat[row, head, r] * w_uv[head, v, r]
-    out[row, head, v] = acc
+    for r0 in range(0, rank, ABSORB_DEPTH):
+        for p in range(ABSORB_LOADS):                             # element e: row e // DEPTH, r e % DEPTH
+            e = tid + p * ABSORB_TILE
+            v, r = min(v0 + e // ABSORB_DEPTH, value_dim - 1), min(r0 + e % ABSORB_DEPTH, rank - 1)
+            staged[p] = w_uv[head, v, r]                          # past the ends: clamped, never added
+        cuda.syncthreads()                                        # the last slab consumed
+        for p in range(ABSORB_LOADS):
+            e = tid + p * ABSORB_TILE
+            slab[e // ABSORB_DEPTH, e % ABSORB_DEPTH] = staged[p]
+        cuda.syncthreads()
+        for k in range(min(ABSORB_DEPTH, rank - r0)):
+            acc += o_lat[row, head, r0 + k] * slab[tid, k]
+    if v0 + tid < value_dim:
+        out[row, head, v0 + tid] = acc
 # --8<-- [end:absorb_output_kernel]
 
 
@@ -320,8 +351,7 @@ def absorb_output(o_lat, w_uv, *, out=None, stream=None):
     (rows, heads, _), value_dim = o_lat.shape, w_uv.shape[1]
     d_out = output(out, (rows, heads, value_dim), stream=stream)            # [T, H, dv]
     if rows * heads * value_dim:
-        threads = row_threads(value_dim)
-        absorb_output_kernel[(blocks(value_dim, threads), rows * heads), threads, stream](
+        absorb_output_kernel[(blocks(value_dim, ABSORB_TILE), rows * heads), ABSORB_TILE, stream](
             to_device(o_lat, np.float32), to_device(w_uv, np.float32), d_out)
     return deliver(d_out, out, o_lat, w_uv)
 # --8<-- [end:absorb_output]
@@ -627,24 +657,41 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
 
 @cuda.jit
 def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
-    """One block per (head, row), a thread per latent column r: the splits that had keys
-    (z * tile < S_i) combined in split order, each rescaled to the largest running max:
-    o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M)."""
+    """One block per (head, row), a thread per latent column r (MERGE_THREADS on a GPU: Kimi's 512
+    columns one each): the splits that had keys (z * tile < S_i) combined in split order, each
+    rescaled to the largest running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M).
+    Each loop issues MERGE_BATCH splits' loads before it adds them (in order): a decode row's
+    merge was waiting on one load at a time (version 5 merges up to hundreds of chunks)."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     rank = o_lat.shape[2]
     keys = prefix[0] + depths[row] + 1
     used = min(partials.shape[2], (keys + tile - 1) // tile)
+    staged = cuda.local.array(MERGE_BATCH, float32)
+    weights = cuda.local.array(MERGE_BATCH, float32)
     top = partials[row, head, 0, rank]
-    for z in range(1, used):
-        top = max(top, partials[row, head, z, rank])
+    for z0 in range(0, used, MERGE_BATCH):
+        for b in range(MERGE_BATCH):
+            staged[b] = partials[row, head, min(z0 + b, used - 1), rank]
+        for b in range(MERGE_BATCH):
+            top = max(top, staged[b])                     # past used: split used - 1 again (max is exact)
     total = float32(0.0)
-    for z in range(used):
-        total += partials[row, head, z, rank + 1] * math.exp(partials[row, head, z, rank] - top)
+    for z0 in range(0, used, MERGE_BATCH):
+        for b in range(MERGE_BATCH):
+            z = min(z0 + b, used - 1)
+            staged[b] = partials[row, head, z, rank + 1]
+            weights[b] = partials[row, head, z, rank]
+        for b in range(min(MERGE_BATCH, used - z0)):
+            total += staged[b] * math.exp(weights[b] - top)
     for i in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
         value = float32(0.0)
-        for z in range(used):
-            value += partials[row, head, z, i] * math.exp(partials[row, head, z, rank] - top)
+        for z0 in range(0, used, MERGE_BATCH):
+            for b in range(MERGE_BATCH):
+                z = min(z0 + b, used - 1)
+                staged[b] = partials[row, head, z, i]
+                weights[b] = partials[row, head, z, rank]
+            for b in range(min(MERGE_BATCH, used - z0)):
+                value += staged[b] * math.exp(weights[b] - top)
         o_lat[row, head, i] = value / total
 # --8<-- [end:attention_split_kernel]
 
@@ -1023,7 +1070,8 @@ def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale
 def attention_stats_kernel(scores, prefix, depths, paths, partials):
     """Version 5, step 2 of 4: block (head, row) finds M, the largest score of the row's keys
     (positions 0 .. P + depth: the prefix, then its path, ``_key_slot``; exact in any order), then
-    each chunk's sum of exp(s - M), one thread per chunk adding its keys in position order:
+    each chunk's sum of exp(s - M), one thread per chunk adding its keys in position order (its
+    loads issued SUM_BATCH at a time, ahead of their adds):
     partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) // CHUNK."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -1039,10 +1087,15 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     red[tid] = top
     block_max(red)
     top = red[0]
+    staged = cuda.local.array(UNFUSED_SUM_BATCH, float32)
     for chunk in range(tid, (keys - 1) // UNFUSED_CHUNK + 1, UNFUSED_STATS_THREADS):
         total = float32(0.0)
-        for j in range(chunk * UNFUSED_CHUNK, min(chunk * UNFUSED_CHUNK + UNFUSED_CHUNK, keys)):
-            total += math.exp(scores[query, _key_slot(n_prefix, paths, row, j)] - top)
+        end = min(chunk * UNFUSED_CHUNK + UNFUSED_CHUNK, keys)
+        for j0 in range(chunk * UNFUSED_CHUNK, end, UNFUSED_SUM_BATCH):   # SUM_BATCH loads, then their adds
+            for b in range(UNFUSED_SUM_BATCH):
+                staged[b] = scores[query, _key_slot(n_prefix, paths, row, min(j0 + b, end - 1))]
+            for b in range(min(UNFUSED_SUM_BATCH, end - j0)):
+                total += math.exp(staged[b] - top)
         partials[row, head, chunk, rank] = top
         partials[row, head, chunk, rank + 1] = total
 
@@ -1252,7 +1305,7 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     else:                                                                   # version 3: G warps
         attention_heads_kernel[(heads // heads_per_block, rows, splits), heads_per_block * LANES, stream,
                                shared](*args, partials)
-    attention_merge_kernel[(heads, rows), row_threads(rank), stream](partials, prefix, depths, tile, d_out)
+    attention_merge_kernel[(heads, rows), merge_threads(rank), stream](partials, prefix, depths, tile, d_out)
     return d_out
 
 
@@ -1266,7 +1319,7 @@ def _attention_gemm(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     grid, shared = (heads // group, rows, splits), gemm_shared_bytes(group)
     attention_gemm_kernel[grid, gemm_threads(group), stream, shared](
         q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, np.float32(scale), GEMM_TILE, partials)
-    attention_merge_kernel[(heads, rows), row_threads(rank), stream](
+    attention_merge_kernel[(heads, rows), merge_threads(rank), stream](
         partials, prefix, depths, GEMM_TILE, d_out)
     return d_out
 
@@ -1291,7 +1344,7 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     tail_grid = (blocks(rank, UNFUSED_TAIL_THREADS), blocks(heads, UNFUSED_TAIL_HEADS), rows)
     attention_tail_kernel[tail_grid, UNFUSED_TAIL_THREADS, stream](
         scores, cache_latent, prefix, depths, paths, partials)
-    attention_merge_kernel[(heads, rows), row_threads(rank), stream](
+    attention_merge_kernel[(heads, rows), merge_threads(rank), stream](
         partials, prefix, depths, UNFUSED_CHUNK, d_out)
     return d_out
 
@@ -1311,6 +1364,12 @@ def check_unfused(unfused, splits, heads_per_block, gemm) -> None:
         raise ValueError(f"unfused=True takes splits=1, heads_per_block=1 and gemm=False (version 5 chunks "
                          f"its keys itself), got splits={splits!r}, heads_per_block={heads_per_block!r}, "
                          f"gemm={gemm!r}")
+
+
+def merge_threads(rank: int) -> int:
+    """The merge's threads for R latent columns: whole warps, one column each up to 512 on a GPU
+    (the simulator's 128 at most keeps it quick)."""
+    return row_threads(rank, MAX_TPB if SIMULATOR else 512)
 
 
 def check_gemm(gemm, heads_per_block, rank: int) -> None:
