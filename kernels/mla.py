@@ -120,7 +120,9 @@ UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at f
 UNFUSED_TAIL_HEADS = 8                         # the tail kernel's heads per block
 UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 128  # ... and output columns per block (a thread each)
 UNFUSED_TAIL_PROBS = UNFUSED_TAIL_HEADS * UNFUSED_CHUNK   # its staged exp(s - M), [heads, keys]
-UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512
+UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512   # the statistics' most threads (a decode row's few blocks)
+UNFUSED_STATS_FEW = 32 if SIMULATOR else 128       # ... and their threads where blocks are many
+UNFUSED_STATS_MANY_BLOCKS = 528                    # 4 per SM of the H200's 132: from here on, FEW threads
 UNFUSED_SUM_BATCH = 4 if SIMULATOR else 32   # the statistics: scores a thread loads before it adds them
 MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``paths_unfused``)
@@ -661,7 +663,9 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
     columns one each): the splits that had keys (z * tile < S_i) combined in split order, each
     rescaled to the largest running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M).
     Each loop issues MERGE_BATCH splits' loads before it adds them (in order): a decode row's
-    merge was waiting on one load at a time (version 5 merges up to hundreds of chunks)."""
+    merge was waiting on one load at a time (version 5 merges up to hundreds of chunks). Thread 0
+    finds M and the denominator once for the block (every thread doing it cost a 72-row forward
+    of small twice the merge time, profile-h200-2026-12-01g.md)."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     rank = o_lat.shape[2]
@@ -669,20 +673,26 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
     used = min(partials.shape[2], (keys + tile - 1) // tile)
     staged = cuda.local.array(MERGE_BATCH, float32)
     weights = cuda.local.array(MERGE_BATCH, float32)
-    top = partials[row, head, 0, rank]
-    for z0 in range(0, used, MERGE_BATCH):
-        for b in range(MERGE_BATCH):
-            staged[b] = partials[row, head, min(z0 + b, used - 1), rank]
-        for b in range(MERGE_BATCH):
-            top = max(top, staged[b])                     # past used: split used - 1 again (max is exact)
-    total = float32(0.0)
-    for z0 in range(0, used, MERGE_BATCH):
-        for b in range(MERGE_BATCH):
-            z = min(z0 + b, used - 1)
-            staged[b] = partials[row, head, z, rank + 1]
-            weights[b] = partials[row, head, z, rank]
-        for b in range(min(MERGE_BATCH, used - z0)):
-            total += staged[b] * math.exp(weights[b] - top)
+    shared = cuda.shared.array(2, float32)                # the largest max M and the total, thread 0's
+    if cuda.threadIdx.x == 0:
+        top = partials[row, head, 0, rank]
+        for z0 in range(0, used, MERGE_BATCH):
+            for b in range(MERGE_BATCH):
+                staged[b] = partials[row, head, min(z0 + b, used - 1), rank]
+            for b in range(MERGE_BATCH):
+                top = max(top, staged[b])                 # past used: split used - 1 again (max is exact)
+        total = float32(0.0)
+        for z0 in range(0, used, MERGE_BATCH):
+            for b in range(MERGE_BATCH):
+                z = min(z0 + b, used - 1)
+                staged[b] = partials[row, head, z, rank + 1]
+                weights[b] = partials[row, head, z, rank]
+            for b in range(min(MERGE_BATCH, used - z0)):
+                total += staged[b] * math.exp(weights[b] - top)
+        shared[0] = top
+        shared[1] = total
+    cuda.syncthreads()
+    top, total = shared[0], shared[1]
     for i in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
         value = float32(0.0)
         for z0 in range(0, used, MERGE_BATCH):
@@ -1080,15 +1090,16 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     query = row * heads + head
     n_prefix = prefix[0]
     keys = n_prefix + depths[row] + 1
+    threads = cuda.blockDim.x
     red = cuda.shared.array(UNFUSED_STATS_THREADS, float32)
     top = float32(-math.inf)
-    for j in range(tid, keys, UNFUSED_STATS_THREADS):
+    for j in range(tid, keys, threads):
         top = max(top, scores[query, _key_slot(n_prefix, paths, row, j)])
     red[tid] = top
     block_max(red)
     top = red[0]
     staged = cuda.local.array(UNFUSED_SUM_BATCH, float32)
-    for chunk in range(tid, (keys - 1) // UNFUSED_CHUNK + 1, UNFUSED_STATS_THREADS):
+    for chunk in range(tid, (keys - 1) // UNFUSED_CHUNK + 1, threads):
         total = float32(0.0)
         end = min(chunk * UNFUSED_CHUNK + UNFUSED_CHUNK, keys)
         for j0 in range(chunk * UNFUSED_CHUNK, end, UNFUSED_SUM_BATCH):   # SUM_BATCH loads, then their adds
@@ -1337,7 +1348,7 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     queries = blocks(rows * heads, UNFUSED_TILE)
     attention_scores_kernel[(blocks(capacity, UNFUSED_TILE), queries), UNFUSED_THREADS, stream](
         q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
-    attention_stats_kernel[(heads, rows), UNFUSED_STATS_THREADS, stream](
+    attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](
         scores, prefix, depths, paths, partials)
     attention_values_kernel[(blocks(rank, UNFUSED_TILE), queries, chunks), UNFUSED_THREADS, stream](
         scores, cache_latent, prefix, partials)
@@ -1347,6 +1358,14 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     attention_merge_kernel[(heads, rows), merge_threads(rank), stream](
         partials, prefix, depths, UNFUSED_CHUNK, d_out)
     return d_out
+
+
+def stats_threads(queries: int) -> int:
+    """Version 5's statistics: a block per query row, STATS_THREADS of them while the blocks are
+    few (a decode row: more loads in flight), STATS_FEW once they fill the GPU (the chunk sums
+    keep one thread per chunk busy, the rest idle). Neither changes a sum (the max is exact in
+    any order, each chunk's sum is one thread's)."""
+    return UNFUSED_STATS_THREADS if queries < UNFUSED_STATS_MANY_BLOCKS else UNFUSED_STATS_FEW
 
 
 def unfused_chunks(capacity: int) -> int:
