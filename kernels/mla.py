@@ -18,6 +18,10 @@ Kernels:
   tile staged once for its G heads (MLA's heads share the latent cache), a warp per head.
 - ``attention_gemm_kernel`` (+ the merge): version 4, a block per (GH heads, row, split) computes
   a tile's scores and its weighted sum as two small register-tiled GEMMs (``gemm=True``).
+- ``attention_scores_kernel``, ``attention_stats_kernel``, ``attention_values_kernel``,
+  ``attention_tail_kernel`` (+ the merge): version 5, unfused (``unfused=True``): every row's
+  scores as one GEMM, the softmax's statistics, P V as a second GEMM over the prefix's whole
+  chunks of keys and a gathering kernel for the chunks that hold the tree's paths.
 - ``absorb_output_kernel``: o = W_UV o_lat, one thread per output element (t, h, v).
 
 Only the absorbed form is implemented here, on purpose. The numpy module also has
