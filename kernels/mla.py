@@ -1456,16 +1456,20 @@ def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int =
 
 
 def paths_gemm(rank: int) -> bool:
-    """Whether the engine takes version 4: where R >= GEMM_FROM_RANK. Measured on the H200: at
-    R = 512 it made small's forward at 16k context 29% faster at T = 1 and 69% at T = 72
-    (profile-h200-2026-12-01f.md), and Kimi's attention 3.6x to 4x faster than version 3
+    """Whether the engine takes version 4 (when version 5, ``paths_unfused``, is not taken): where
+    R >= GEMM_FROM_RANK. Measured on the H200: at R = 512 it made small's forward at 16k context
+    29% faster at T = 1 and 69% at T = 72 (profile-h200-2026-12-01f.md), and Kimi's attention
+    3.6x to 4x faster than version 3
     (bench-h200-2026-12-01c.md); at tiny's R = 64 its AR step took 533 µs (record f) against
     version 3's 496 µs (record e, an earlier call)."""
     return rank >= GEMM_FROM_RANK
 
 
 def paths_unfused(rank: int) -> bool:
-    """Whether the engine takes version 5: where R >= UNFUSED_FROM_RANK."""
+    """Whether the engine takes version 5: where R >= UNFUSED_FROM_RANK. Measured on the H200 at
+    R = 512, against version 4 in the same runs: Kimi's attention 3x to 4.8x faster
+    (bench-h200-2026-12-01e.md), small's graph replay at 16k context 8.8 -> 7.1 ms at T = 1 and
+    127 -> 49 ms at T = 72 (profile-h200-2026-12-01g.md, first call). Not measured at tiny's R."""
     return rank >= UNFUSED_FROM_RANK
 
 
@@ -1552,7 +1556,7 @@ def _attention_case(name: str, what: str, sizes, prefix: int, visible: np.ndarra
 
 # --8<-- [start:paths_cases]
 def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: str):
-    """attention_paths, ``version`` 1 / 2 / 3 with the engine's Z and G for it, for the ``rows``
+    """attention_paths, ``version`` 1 to 5 with the engine's Z and G for it, for the ``rows``
     nodes of a draft tree (1: a decode row) over ``context`` cached keys, ``heads`` heads."""
     from ddtree.rope import softmax_scale
     from ddtree.tree import visibility
@@ -1601,8 +1605,9 @@ def _paths_case(sizes, version: int, rows: int, heads: int, context: int, name: 
 def paths_cases(sizes):
     """The engine's attention: versions 1 to 3 for a decode row at the short context; version 3 for
     a 16-node tree; versions 2 and 3 for a 64-node tree; version 3 at the long context and for one
-    tensor-parallel rank's heads; version 4 (register-tiled, the engine's from R = 512) beside it.
-    (Versions 1 and 2 on a 16-node tree are in bench-h200-2026-12-01b.md and -c.md.)"""
+    tensor-parallel rank's heads; version 4 (register-tiled) beside it; version 5 (unfused, the
+    engine's from R = 512) at every shape of the issue's targets. (Versions 1 and 2 on a 16-node
+    tree are in bench-h200-2026-12-01b.md and -c.md.)"""
     short, long = sizes.paths_contexts
     few, many = sizes.paths_trees
     every, rank = sizes.paths_heads

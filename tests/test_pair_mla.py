@@ -335,20 +335,26 @@ def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scal
     return out.copy_to_host()
 
 
+def check_random_tree(rows: int, prefix: int, rank: int, rope: int, heads: int, name: str, **options) -> None:
+    """attention_paths with ``options`` on a random tree of ``rows`` nodes after ``prefix`` cached
+    keys (outputs and buffers poisoned with NaN first) == attention_absorb under its ancestor mask."""
+    rng = np.random.default_rng(rows + prefix)
+    parents = random_parents(rng, rows)
+    depths, paths = ancestor_paths(parents)
+    case = Case(name, rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
+                                    scale)
+    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, **options)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=name)
+
+
 @pytest.mark.parametrize("rows, prefix, rank, rope, splits", [
     (7, 0, 24, 6, 1), (9, 37, 13, 4, 1), (5, 70, 9, 2, 1),
     (5, 70, 9, 2, 2), (4, 75, 11, 3, 3), (3, 40, 7, 2, 8)])      # 3 tiles dealt to 2, 3 (1 each), 8 (5 idle)
 def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, splits):
     """A random tree's rows over prefix + path == attention_absorb under its ancestor mask."""
-    rng = np.random.default_rng(rows + prefix)
-    parents = random_parents(rng, rows)
-    depths, paths = ancestor_paths(parents)
-    case = Case("paths", rows=rows, prefix=prefix, mask="causal", heads=2, rank=rank, rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
-    visible = tree_visibility(parents)
-    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale)
-    assert_close(run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits),
-                 expected, rtol=RTOL, atol=ATOL)
+    check_random_tree(rows, prefix, rank, rope, 2, f"o_lat, Z = {splits}", splits=splits)
 
 
 @pytest.mark.parametrize("splits, heads_per_block, rank, rope", [       # R = 512: the short tiles'
@@ -381,17 +387,9 @@ def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads
 def test_attention_heads_equal_the_masked_attention(heads_per_block, splits, rows, prefix, rank, rope):
     """Version 3 (G heads per block): a random tree's rows == attention_absorb under its mask.
     H = 2G: two blocks of heads per (row, split), so a head's place in the grid is exercised."""
-    rng = np.random.default_rng(rows + prefix)
-    parents = random_parents(rng, rows)
-    depths, paths = ancestor_paths(parents)
-    case = Case("heads", rows=rows, prefix=prefix, mask="causal", heads=2 * heads_per_block, rank=rank,
-                rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
-    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
-                                    scale)
-    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
-                       heads_per_block)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"o_lat, G = {heads_per_block}, Z = {splits}")
+    check_random_tree(rows, prefix, rank, rope, 2 * heads_per_block,
+                      f"o_lat, G = {heads_per_block}, Z = {splits}", splits=splits,
+                      heads_per_block=heads_per_block)
 
 
 def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
@@ -493,16 +491,9 @@ def test_attention_paths_refuses_host_arrays():
 def test_attention_gemm_equals_the_masked_attention(rows, prefix, rank, rope, heads, splits):
     """Version 4: a random tree's rows over prefix + path == attention_absorb under its ancestor
     mask (outputs and partials poisoned with NaN first)."""
-    rng = np.random.default_rng(rows + prefix)
-    parents = random_parents(rng, rows)
-    depths, paths = ancestor_paths(parents)
-    case = Case("gemm", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
-    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
-                                    scale)
-    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits, gemm=True)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL,
-                 name=f"o_lat, version 4, GH = {gpu.gemm_heads(heads)}, Z = {splits}")
+    check_random_tree(rows, prefix, rank, rope, heads,
+                      f"o_lat, version 4, GH = {gpu.gemm_heads(heads)}, Z = {splits}", splits=splits,
+                      gemm=True)
 
 
 def test_attention_gemm_writes_every_used_partial_and_no_idle_one():
@@ -663,15 +654,7 @@ def test_attention_unfused_kimi_dims(rows, heads):
 def test_attention_unfused_equals_the_masked_attention(rows, prefix, rank, rope, heads):
     """Version 5: a random tree's rows over prefix + path == attention_absorb under its ancestor
     mask (outputs, partials and scores poisoned with NaN first)."""
-    rng = np.random.default_rng(rows + prefix)
-    parents = random_parents(rng, rows)
-    depths, paths = ancestor_paths(parents)
-    case = Case("unfused", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
-    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
-                                    scale)
-    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True)
-    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name="o_lat, version 5")
+    check_random_tree(rows, prefix, rank, rope, heads, "o_lat, version 5", unfused=True)
 
 
 def test_attention_unfused_writes_every_used_chunk_and_no_other():
