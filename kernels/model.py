@@ -102,9 +102,11 @@ def bucket_rows(rows: int, max_rows: int) -> int:
 
 
 # --8<-- [start:moe_version]
-def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> int:
-    """The MoE kernels' version (``kernels.moe``) for a forward of ``rows`` rows (a bucket): 2,
-    grouped by expert, from ``grouped_from_rows`` rows on; else 1, per (token, slot) pair.
+def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS, warps: bool = False) -> int:
+    """The MoE kernels' version (``kernels.moe``) for a forward of ``rows`` rows (a bucket): 3 for
+    every forward with ``warps`` (each dot product in "warps"' order: other bits than versions 1
+    and 2, so an engine runs it everywhere or nowhere); else 2, grouped by expert, from
+    ``grouped_from_rows`` rows on, and 1, per (token, slot) pair, below.
 
     Version 1 makes two launches fewer per MoE layer, version 2 reads an expert's weights once per
     pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (preset tiny, graph
@@ -114,6 +116,8 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS) -> in
     choice cannot break DDTree == AR: an AR step (one row, version 1) and the same row in a large
     tree's verify (version 2) get bit-identical logits.
     """
+    if warps:
+        return 3
     return 2 if rows >= grouped_from_rows else 1
 
 
@@ -148,14 +152,20 @@ def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, 
 # --8<-- [end:projection_version]
 
 
+def large_experts(config: ModelConfig) -> bool:
+    """Whether one expert's weights (gate, up and down, fp32) take GROUPED_EXPERT_BYTES or more
+    (small's 34.6 MB and Kimi's 176 MB do, tiny's 0.4 MB do not)."""
+    return 3 * config.hidden_size * config.moe_intermediate_size * 4 >= GROUPED_EXPERT_BYTES
+
+
 def moe_grouped_from(config: ModelConfig) -> int:
     """The engine's default ``grouped_from_rows`` for a model: 1 (version 2 for every forward)
-    where one expert's weights (gate, up and down, fp32) take GROUPED_EXPERT_BYTES or more, else
-    MOE_GROUPED_FROM_ROWS. On the H200 (``docs/results/profile-h200-2026-12-01b.md``), small's
-    34.6 MB experts ran faster grouped at every T, one row included (its expert kernels 2.8 ms
-    against 3.4, the two extra launches counted); tiny's 0.4 MB experts, below 40 rows, did not."""
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 4
-    return 1 if expert_bytes >= GROUPED_EXPERT_BYTES else MOE_GROUPED_FROM_ROWS
+    with ``large_experts``, else MOE_GROUPED_FROM_ROWS. On the H200
+    (``docs/results/profile-h200-2026-12-01b.md``), small's experts ran faster grouped at every T,
+    one row included (its expert kernels 2.8 ms against 3.4, the two extra launches counted);
+    tiny's, below 40 rows, did not. (With ``large_experts`` the engine's default is version 3
+    anyway: ``moe_warps``.)"""
+    return 1 if large_experts(config) else MOE_GROUPED_FROM_ROWS
 # --8<-- [end:moe_version]
 
 
@@ -446,6 +456,10 @@ class Transformer:
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
+    ``moe_warps`` True runs MoE version 3 in every forward instead (grouped by expert, each dot
+    product in "warps"' order, a warp's W loads coalesced; ``moe_grouped_from_rows`` then unused);
+    None (the default) takes it with ``large_experts`` (small, Kimi). Its bits differ from versions
+    1 and 2, so two engines with different ``moe_warps`` may differ in the last bits.
     ``linear_version``: the projections' and lm_head's ``kernels.linear`` version, one of
     LINEAR_VERSIONS ("tiles" by default; "warps" streams the weights with a warp per output column:
     on the H200 it made the AR step of tiny, tiny-b and small 9%, 10% and 1% shorter and every
@@ -462,7 +476,7 @@ class Transformer:
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
                  attention_unfused: bool | None = None, moe_grouped_from_rows: int | None = None,
-                 linear_version: str = "tiles"):
+                 moe_warps: bool | None = None, linear_version: str = "tiles"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -487,6 +501,10 @@ class Transformer:
                 or moe_grouped_from_rows < 1:
             raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "
                              f"got {moe_grouped_from_rows!r}")
+        if moe_warps is None:
+            moe_warps = large_experts(config)
+        if not isinstance(moe_warps, bool):
+            raise ValueError(f"moe_warps must be None, True or False, got {moe_warps!r}")
         if linear_version not in LINEAR_VERSIONS:
             raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
@@ -494,6 +512,7 @@ class Transformer:
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
         self.moe_grouped_from_rows = moe_grouped_from_rows
+        self.moe_warps = moe_warps
         self.linear_version = linear_version
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
         self.final_norm = to_device(weights["model.norm.weight"], np.float32)
@@ -605,7 +624,7 @@ class Transformer:
         self.add(s, h, delta)                                                      # h += o_proj(o)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, out=b.f[:rows], stream=s)  # [T, D]
         # the MoE kernels' version by the bucket's rows: either gives the same bits (DDTree == AR)
-        version = moe_version(rows, self.moe_grouped_from_rows)
+        version = moe_version(rows, self.moe_grouped_from_rows, self.moe_warps)
         if layer.moe is not None:
             moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows),
                 version=version)

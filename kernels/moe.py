@@ -92,6 +92,7 @@ allocated or copied. ``bytes_moved`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 
@@ -137,7 +138,8 @@ MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSe
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 TPB = 128               # combine_kernel's threads per block (one per output element)
 LIST_TPB = 32 if SIMULATOR else 128   # expert_lists_kernel's: tokens per chunk (any size: same lists)
-VERSIONS = (1, 2)       # the expert kernels: 1 per (token, slot) pair, 2 grouped by expert
+VERSIONS = (1, 2, 3)    # the expert kernels: 1 per (token, slot) pair, 2 grouped by expert, 3 grouped
+                        # with "warps"' sums
 ROUTE_VERSIONS = (1, 2)  # the router: 1 "tiles" logits and k block argmaxes, 2 sliced logits and ranks
 LOGIT_SLICE = 512       # router version 2: the depth of a logit's slices (S = ceil(D / 512), D only)
 COLUMNS = 64            # router version 2: columns of experts whose bests prune the ranking
@@ -148,6 +150,11 @@ F32, I64 = 4, 8
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
 listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
 slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
+# version 3's blocks: warps per block, outputs per warp, W loads in flight per output row and lane
+# (fewer threads in the simulator, where each is a Python thread; none of them changes a sum)
+LANE_WARPS = 1 if SIMULATOR else 4
+LANE_COLUMNS = 8 if SIMULATOR else 4
+LANE_UNROLL = 2 if SIMULATOR else 4
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -672,6 +679,139 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 # --8<-- [end:expert_down_kernel]
 
 
+# --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
+
+# --8<-- [start:lane_dots]
+@functools.cache
+def lane_dots(rows: int, columns: int, unroll: int):
+    """Version 3's dot products for passes of ``rows`` rows (a literal: the sums live in registers):
+    acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < count.
+    Lane l sums k = l, l + 32, l + 64, ... in order (``kernels.linear``'s "warps"), so a warp's
+    loads of a W row are 128 consecutive bytes; each lane has ``unroll`` loads of each of its
+    ``columns`` rows in flight before the first add."""
+
+    @cuda.jit(device=True)
+    def dots(x, row_ids, count, weight, n0, acc, w):
+        lane = cuda.threadIdx.x % LANES
+        depth, last = x.shape[1], weight.shape[0] - 1
+        for c in range(columns):
+            for r in range(rows):
+                acc[c, r] = float32(0.0)
+        for k_lane in range(lane, depth, LANES * unroll):
+            for c in range(columns):                     # the loads first (a column past the end
+                for u in range(unroll):                  # re-reads the last one, never written)
+                    w[c, u] = weight[min(n0 + c, last), min(k_lane + u * LANES, depth - 1)]
+            for u in range(unroll):                      # then the sums, k in order
+                k = k_lane + u * LANES
+                if k < depth:
+                    for r in range(rows):
+                        value = x[row_ids[min(r, count - 1)], k]
+                        for c in range(columns):
+                            acc[c, r] += value * w[c, u]
+
+    return dots
+# --8<-- [end:lane_dots]
+
+
+# --8<-- [start:expert_lanes_kernels]
+@functools.cache
+def expert_lanes_kernels(warps: int = LANE_WARPS, columns: int = LANE_COLUMNS, unroll: int = LANE_UNROLL):
+    """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
+    warp and ``unroll`` loads in flight per W row and lane (literals: shared and local array
+    sizes). None of them changes a sum: every output is added in "warps"' order."""
+    outputs = columns * ROWS_PER_PASS                    # a warp's (output, row) sums per pass
+    per_lane = -(-outputs // LANES)                      # ... that each lane adds up
+    lane_dots_one, lane_dots_pass = lane_dots(1, columns, unroll), lane_dots(ROWS_PER_PASS, columns, unroll)
+
+    @cuda.jit(device=True)
+    def warp_dots(x, rows, count, weight, n0, acc, w):
+        if count == 1:                                   # a lone pair skips the other rows' work
+            lane_dots_one(x, rows, count, weight, n0, acc, w)
+        else:
+            lane_dots_pass(x, rows, count, weight, n0, acc, w)
+
+    @cuda.jit(device=True)
+    def share(sums, acc):
+        """Every lane's sums into shared memory, sums[warp, c * R + r, lane], between two barriers
+        (the block's readers of the last ones first)."""
+        warp, lane = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
+        cuda.syncthreads()
+        for c in range(columns):
+            for r in range(ROWS_PER_PASS):
+                sums[warp, c * ROWS_PER_PASS + r, lane] = acc[c, r]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def total(sums, index):
+        """Output ``index`` (c * R + r) of this warp: its 32 lanes' sums added in lane order."""
+        warp = cuda.threadIdx.x // LANES
+        value = sums[warp, index, 0]
+        for lane in range(1, LANES):
+            value += sums[warp, index, lane]
+        return value
+
+    @cuda.jit(device=True)
+    def written(n0, index, count, width):
+        """Whether sum ``index`` = c * R + r is an output: row r < count, column n0 + c < width."""
+        return index < outputs and index % ROWS_PER_PASS < count and n0 + index // ROWS_PER_PASS < width
+
+    @cuda.jit
+    def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
+        # hidden[p, f] as expert_hidden_kernel's (the same blocks along y: expert e, its passes of
+        # ROWS_PER_PASS pairs); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
+        # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
+        # feature c's 32 lane sums for pair r in lane order (shared memory)
+        sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
+        gate = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        up = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        gate_totals = cuda.local.array(per_lane, float32)
+        w = cuda.local.array((columns, unroll), float32)
+        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        lane = cuda.threadIdx.x % LANES
+        expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
+        f0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
+        for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+            if lists[first, expert] < 0:
+                return
+            count = _pass_rows(lists, expert, first, slots, rows)
+            warp_dots(x, rows, count, gate_proj[expert], f0, gate, w)
+            warp_dots(x, rows, count, up_proj[expert], f0, up, w)
+            share(sums, gate)
+            for i in range(per_lane):                    # the gate's totals, then the up's
+                if written(f0, lane + i * LANES, count, hidden.shape[1]):
+                    gate_totals[i] = total(sums, lane + i * LANES)
+            share(sums, up)
+            for i in range(per_lane):
+                index = lane + i * LANES
+                if written(f0, index, count, hidden.shape[1]):
+                    f, r = f0 + index // ROWS_PER_PASS, index % ROWS_PER_PASS
+                    hidden[lists[first + r, expert], f] = silu_times(gate_totals[i], total(sums, index))
+
+    @cuda.jit
+    def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
+        # down[p, d] as expert_down_kernel's; the blocks and sums as expert_hidden_lanes_kernel's
+        sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
+        dots = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        w = cuda.local.array((columns, unroll), float32)
+        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        lane = cuda.threadIdx.x % LANES
+        expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
+        d0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
+        for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+            if lists[first, expert] < 0:
+                return
+            count = _pass_rows(lists, expert, first, 1, rows)
+            warp_dots(hidden, rows, count, down_proj[expert], d0, dots, w)
+            share(sums, dots)
+            for i in range(per_lane):
+                index = lane + i * LANES
+                if written(d0, index, count, down.shape[1]):
+                    down[rows[index % ROWS_PER_PASS], d0 + index // ROWS_PER_PASS] = total(sums, index)
+
+    return expert_hidden_lanes_kernel, expert_down_lanes_kernel
+# --8<-- [end:expert_lanes_kernels]
+
+
 # --8<-- [start:combine_kernel]
 @cuda.jit
 def combine_kernel(down, weights, accumulate, out):
@@ -774,8 +914,8 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> N
                                                                        weights, accumulate, out)
 
 
-def _launch_grouped(x, stacks, lists, hidden, down, stream) -> None:
-    """Version 2's two grouped expert kernels on device arrays: x (T, D), stacks as
+def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) -> None:
+    """Version 2's (or 3's) two grouped expert kernels on device arrays: x (T, D), stacks as
     ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
@@ -785,6 +925,15 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream) -> None:
     # simulator one block per expert walks all its passes
     per_expert = row_passes(rows)
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
+    if version == 3:
+        hidden_kernel, down_kernel = expert_lanes_kernels(LANE_WARPS, LANE_COLUMNS, LANE_UNROLL)
+        per_block = LANE_WARPS * LANE_COLUMNS                               # outputs per block
+        grid = (blocks(features, per_block), experts * per_expert)           # x over F
+        hidden_kernel[grid, LANES * LANE_WARPS, stream](x, gate_proj, up_proj, lists, slots, per_expert,
+                                                        flat_hidden)
+        grid = (blocks(width, per_block), experts * per_expert)              # x over D
+        down_kernel[grid, LANES * LANE_WARPS, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
+        return
     grid = (blocks(features, LANES), experts * per_expert)                  # x over F
     expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, lists, slots,
                                                                 per_expert, flat_hidden)
@@ -803,7 +952,7 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
         return
     experts = scratch.lists.shape[1]
     expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
-    _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream)
+    _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream, version)
     combine_kernel[blocks(out.size, TPB), TPB, stream](
         scratch.down, scratch.weights, accumulate, out)
 
@@ -819,7 +968,8 @@ def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, 
     if version == 1:
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, False, stream)
     else:
-        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream)
+        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream,
+                        version)
 
 
 def _check_router_limits(config: ModelConfig, threads, version: int = 2) -> None:
@@ -1051,8 +1201,9 @@ def _route_case(sizes, version: int):
                                                            stream=stream, version=version))
 
 
-def _reduced_moe_case(sizes):
-    """The MoE layer with fewer routed experts (the real expert and shared sizes, the same top-k)."""
+def _reduced_moe_case(sizes, version: int = 2):
+    """The MoE layer with fewer routed experts (the real expert and shared sizes, the same top-k),
+    expert kernels of ``version``."""
     import zlib
 
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
@@ -1082,18 +1233,20 @@ def _reduced_moe_case(sizes):
     weights_gb = (experts * 3 * features * hidden + 3 * shared * hidden) * F32 / 1e9
     dims = {"T": rows, "D": hidden, "E": experts, "F": features, "Fs": shared,
             "k": full.num_experts_per_tok}
-    return Case("moe_reduced", f"MoE layer, {rows} tokens, {experts} experts instead of "
+    return Case("moe_reduced" + ("" if version == 2 else f"_v{version}"),
+                f"MoE layer, {rows} tokens, {experts} experts instead of "
                 f"{full.n_routed_experts} (weights {weights_gb:.1f} GB), top-{full.num_experts_per_tok} "
                 "+ shared expert", f"x ({rows}, {hidden}) experts ({experts}, {features}, {hidden})",
-                setup=setup, call=lambda inputs, **given: moe(*inputs, **given),
+                setup=setup, call=lambda inputs, **given: moe(*inputs, version=version, **given),
                 bytes=bytes_moved("moe", **dims, used=used), flops=flops("moe", **dims, used=used),
-                note=f"bytes: the {used} experts chosen read once",
-                prepare=lambda inputs: (moe(*inputs), moe_scratch(rows, inputs[1], config)),
+                note=f"expert kernels version {version}; bytes: the {used} experts chosen read once",
+                prepare=lambda inputs: (moe(*inputs, version=version), moe_scratch(rows, inputs[1], config)),
                 launch=lambda inputs, given, stream: moe(*inputs, out=given[0], scratch=given[1],
-                                                         stream=stream))
+                                                         stream=stream, version=version))
 
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: the router alone (version 2, then
-    version 1), a reduced MoE layer."""
-    return [_route_case(sizes, 2), _route_case(sizes, 1), _reduced_moe_case(sizes)]
+    version 1), a reduced MoE layer (expert kernels version 2, then 3)."""
+    return [_route_case(sizes, 2), _route_case(sizes, 1), _reduced_moe_case(sizes),
+            _reduced_moe_case(sizes, 3)]

@@ -31,6 +31,7 @@ from kernels.model import (
     STREAM_MAX_OUTPUTS,
     bucket_rows,
     candidate_count,
+    large_experts,
     moe_grouped_from,
     moe_version,
     projection_version,
@@ -112,6 +113,10 @@ def test_moe_version_per_bucket():
     assert [moe_version(rows) for rows in (1, 8, 32, 40, 48, 128)] == [1, 1, 1, 2, 2, 2]
     assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [40] * 3
     assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
+    assert [large_experts(preset(name)) for name in ("micro", "tiny", "tiny-b", "small", "kimi-k2.6")] \
+        == [False, False, False, True, True]                  # the engine's default moe_warps
+    assert {moe_version(rows, 1, warps=True) for rows in (1, 2, 128)} == {3}
+    assert engine("micro", max_tree_nodes=8).moe_warps is False
     assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
     assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
 
@@ -217,11 +222,12 @@ def test_rejection_verifier_matches_numpy():
 
 @pytest.mark.parametrize("option, value", [
     ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
+    ("moe_warps", True),
     pytest.param("linear_version", "warps", marks=pytest.mark.gpu)])   # 19 s in the simulator
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
     2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
-    GEMMs), or linear's "warps" for
+    GEMMs), MoE version 3 ("warps"' sums) in every forward, or linear's "warps" for
     every projection and the lm_head. A branching DDTree round gives the engine's AR tokens, which
     are numpy's. A one-token prompt: no prefill; two AR forwards, and one verify forward (one
     round)."""
@@ -313,6 +319,9 @@ def test_engine_refuses_bad_input_before_running():
     for rows in (0, -1, 2.0, True, "40"):
         with pytest.raises(ValueError, match=r"moe_grouped_from_rows must be None or an integer >= 1"):
             EngineTransformer(model.config, init_weights(model.config, 0), moe_grouped_from_rows=rows)
+    for warps in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match=r"moe_warps must be None, True or False"):
+            EngineTransformer(model.config, init_weights(model.config, 0), moe_warps=warps)
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
@@ -483,5 +492,26 @@ def test_unfused_attention_engine_equals_golden_and_ar():
     expected = engine_decode.generate_ar(model, prompt, new)
     drafter = make_drafter("ngram", model, prompt, new)
     tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter)
+    assert_exact(tokens, expected)
+    assert trace.verify_forwards < new
+
+
+@pytest.mark.gpu
+def test_moe_warps_engine_equals_golden_and_ar():
+    """MoE version 3 ("warps"' sums, ``moe_warps=True``) in every forward of the engine on tiny:
+    the golden AR tokens and logits, every drafter's DDTree tokens, and a 300-token n-gram DDTree
+    generation with budget 64 (verify buckets of up to 72 rows: experts with several pairs per
+    pass) equal to its own AR."""
+    config, bundle = preset("tiny"), golden.load_bundle("tiny")
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), moe_warps=True)
+    prompt, expected = bundle["prompt"], bundle["tokens"]
+    tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
+    assert_exact(tokens, expected)
+    assert_logits_close(logits, bundle["logits"])
+    assert_ddtree_equals(engine_decode, model, prompt, expected)
+    new = 300
+    expected = engine_decode.generate_ar(model, prompt, new)
+    drafter = make_drafter("ngram", model, prompt, new)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, budget=64)
     assert_exact(tokens, expected)
     assert trace.verify_forwards < new

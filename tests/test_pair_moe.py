@@ -5,10 +5,13 @@ different order than numpy's matmul, so random tests use data whose routing deci
 separated by far more than that noise (checked as a precondition, in float64), and tie tests
 build scores that are equal by construction (x = 0, or one shared logit, plus crafted biases).
 
-The expert kernels come in two versions (per (token, slot) pair, grouped by expert) that must
-agree bit for bit: each is checked against numpy and against the other. The router comes in two
-versions too (argmax rounds over "tiles" logits, ranks over sliced logits): the crafted routing
-tests run both (``route_versions``), the random ones version 2 and one case of version 1.
+The expert kernels come in three versions: 1 per (token, slot) pair and 2 grouped by expert, which
+must agree bit for bit (each is checked against numpy and against the other), and 3, grouped by
+expert with every dot product in ``kernels.linear``'s "warps" order: other bits, so it is checked
+against numpy and for its own batch invariance (a token alone equals the same token in a batch).
+The router comes in two versions too (argmax rounds over "tiles" logits, ranks over sliced
+logits): the crafted routing tests run both (``route_versions``), the random ones version 2 and
+one case of version 1.
 
 Tolerance: weights are a few float32 operations on the sigmoid scores: rtol 1e-5. Layer outputs
 are O(1) sums of D- and F-term float32 dots whose order differs from numpy's BLAS, and some
@@ -279,7 +282,7 @@ def test_moe_matches_numpy(name):
 
 
 def run_versions(call, rows: int, width: int) -> dict:
-    """``call(out, version)`` for both versions, each into a fresh device buffer poisoned with NaN:
+    """``call(out, version)`` for every version, each into a fresh device buffer poisoned with NaN:
     version -> host result, every element written."""
     results = {}
     for version in gpu.VERSIONS:
@@ -290,7 +293,7 @@ def run_versions(call, rows: int, width: int) -> dict:
 
 
 def moe_versions(x, params, config):
-    """``moe`` of both versions on x through one scratch (it serves both): (version -> result, the
+    """``moe`` of every version on x through one scratch (it serves all): (version -> result, the
     scratch)."""
     scratch, d_x = gpu.moe_scratch(x.shape[0], params, config), to_device(x)
     results = run_versions(lambda out, version: gpu.moe(d_x, params, config, out=out, scratch=scratch,
@@ -301,6 +304,13 @@ def moe_versions(x, params, config):
 def assert_same_bits(results: dict, name: str):
     """Version 1's result and version 2's, bit for bit."""
     assert np.array_equal(results[1].view(np.uint32), results[2].view(np.uint32)), f"{name}: versions differ"
+
+
+def assert_row_alone_same(run, x, batch: np.ndarray, rows, name: str):
+    """``run(x[t:t + 1])`` equals row t of ``batch`` bit for bit, for each t in ``rows``."""
+    for t in rows:
+        alone = run(x[t:t + 1])
+        assert np.array_equal(alone[0].view(np.uint32), batch[t].view(np.uint32)), f"{name}: row {t}"
 
 
 # --- the grouped expert kernels: lists, passes, invariance ------------------------------------------
@@ -337,9 +347,9 @@ def favour_expert_zero(params: ref.MoEParams) -> ref.MoEParams:
 @pytest.mark.parametrize("rows, width, features", [(9, 16, 20), (2, 65, 7)])
 def test_moe_one_expert_takes_every_token(rows, width, features):
     """Expert 0 gets all T tokens (at T = 9 two passes of 8 pairs, the second one partial);
-    with T = 2 most experts get none (and D = 65 spans three 32-wide chunks). Both versions through
-    one scratch, against numpy, the outputs NaN-poisoned before the launch, and equal bit for bit:
-    to each other, and a token alone (either version) to the same token in the batch, as the
+    with T = 2 most experts get none (and D = 65 spans three 32-wide chunks). Every version through
+    one scratch, against numpy, the outputs NaN-poisoned before the launch; versions 1 and 2 equal
+    bit for bit, and a token alone (each version) equal to the same token in the batch, as the
     engine's tree rows must equal its AR rows."""
     config = config_with(moe_intermediate_size=features)
     host_params = favour_expert_zero(random_params(config, width, seed=rows + width))
@@ -350,19 +360,21 @@ def test_moe_one_expert_takes_every_token(rows, width, features):
     ids = scratch.ids.copy_to_host()
     assert (ids[:, 0] == 0).all(), "test data: expert 0 is every token's first choice"
     assert_exact(scratch.lists.copy_to_host(), expert_lists(ids, config.n_routed_experts), name="lists")
-    assert_close(results[2], ref.moe(x, host_params, config), rtol=RTOL, atol=ATOL)
+    expected = ref.moe(x, host_params, config)
+    for version in (2, 3):
+        assert_close(results[version], expected, rtol=RTOL, atol=ATOL, name=f"moe version {version}")
     assert_same_bits(results, "moe")
-    for t, version in ((0, 1), (rows - 1, 2)):
-        alone = gpu.moe(x[t:t + 1], params, config, version=version)
-        assert np.array_equal(alone[0].view(np.uint32), results[2][t].view(np.uint32)), f"token {t}"
+    for t, version in ((0, 1), (rows - 1, 2), (rows - 1, 3)):
+        assert_row_alone_same(lambda xs, v=version: gpu.moe(xs, params, config, version=v), x,
+                              results[version], [t], f"moe version {version}")
 
 
-# --- versions: 1 per (token, slot) pair, 2 grouped by expert ---------------------------------------
+# --- versions: 1 per (token, slot) pair, 2 grouped by expert, 3 grouped with "warps"' sums ------
 
 @pytest.mark.parametrize("rows, width, features", [(1, 37, 19), (6, 21, 45)])
 def test_moe_versions_match_numpy_and_each_other(rows, width, features):
-    """Both versions against numpy, NaN-poisoned outputs, and version 1 == version 2 bit for bit,
-    through one scratch (it serves both versions). T = 1: a decode step, one pair per chosen expert;
+    """Every version against numpy, NaN-poisoned outputs, and version 1 == version 2 bit for bit,
+    through one scratch (it serves every version). T = 1: a decode step, one pair per chosen expert;
     T = 6: 18 pairs over 12 experts, some experts with several (one expert with all of them:
     ``test_moe_one_expert_takes_every_token``)."""
     config = config_with(moe_intermediate_size=features)
@@ -381,8 +393,9 @@ def test_moe_versions_match_numpy_and_each_other(rows, width, features):
 
 @pytest.mark.parametrize("rows, width, features", [(1, 33, 70), (9, 40, 24)])
 def test_swiglu_versions_match_numpy_and_each_other(rows, width, features):
-    """A dense SwiGLU: version 1 weighs each row's one slot by 1, version 2 lists every row (9 rows:
-    two passes of 8); both equal numpy, and each other bit for bit."""
+    """A dense SwiGLU: version 1 weighs each row's one slot by 1, versions 2 and 3 list every row
+    (9 rows: two passes of 8); all equal numpy, versions 1 and 2 each other bit for bit, and version
+    3's last row alone equals the same row in the batch."""
     rng = np.random.default_rng(features)
     x = rng.standard_normal((rows, width)).astype(np.float32)
     gate_proj, up_proj = (rng.standard_normal((2, features, width)) / np.sqrt(width)).astype(np.float32)
@@ -395,6 +408,8 @@ def test_swiglu_versions_match_numpy_and_each_other(rows, width, features):
     for version, actual in results.items():
         assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=f"swiglu version {version}")
     assert_same_bits(results, "swiglu")
+    assert_row_alone_same(lambda xs: gpu.swiglu(xs, *weights, version=3), x, results[3], [rows - 1],
+                          "swiglu version 3")
 
 
 def test_bad_version_is_refused():
@@ -402,10 +417,10 @@ def test_bad_version_is_refused():
     params = random_params(config, 8, seed=0)
     x = np.ones((2, 8), np.float32)
     shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
-    for version in (0, 3, True, "2", 2.5):
-        with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got "):
+    for version in (0, 4, True, "2", 2.5):
+        with pytest.raises(ValueError, match=r"version must be one of \(1, 2, 3\), got "):
             gpu.moe(x, params, config, version=version)
-        with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got "):
+        with pytest.raises(ValueError, match=r"version must be one of \(1, 2, 3\), got "):
             gpu.swiglu(x, *shared, version=version)
 
 
@@ -553,7 +568,8 @@ def test_route_at_size(change, rows):
 
 
 @pytest.mark.gpu
-def test_moe_kimi_dims_reduced_experts():
+@pytest.mark.parametrize("version", [2, 3])
+def test_moe_kimi_dims_reduced_experts(version):
     """D = 7168, F = 2048, k = 8 and the shared expert, with 16 routed experts instead of 384:
     the full stack is 384 * 3 * 2048 * 7168 floats = 67 GB, 16 experts keep it at 2.8 GB."""
     config = config_with("kimi-k2.6", n_routed_experts=16)
@@ -563,31 +579,33 @@ def test_moe_kimi_dims_reduced_experts():
     # 7168- and 2048-term sequential float32 dots: atol scaled to the output's size (a numpy
     # emulation of the kernels' summation order, without FMA, used a fifth of this budget)
     expected = ref.moe(x, params, config)
-    assert_close(gpu.moe(x, params, config), expected, rtol=RTOL,
+    assert_close(gpu.moe(x, params, config, version=version), expected, rtol=RTOL,
                  atol=1e-5 * float(np.abs(expected).max()), name="moe K2.6")
     shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
     expected = ref.swiglu(x, *shared)
-    assert_close(gpu.swiglu(x, *shared), expected, rtol=RTOL,
+    assert_close(gpu.swiglu(x, *shared, version=version), expected, rtol=RTOL,
                  atol=1e-5 * float(np.abs(expected).max()), name="swiglu K2.6")
 
 
 @pytest.mark.gpu
-def test_moe_grouped_at_size():
+@pytest.mark.parametrize("version", [2, 3])
+def test_moe_grouped_at_size(version):
     """T = 64, E = 64, k = 6, D = 2048, F = 1408 (2.2 GB of experts): 384 pairs, several passes
-    per expert. Against numpy, and tokens alone and version 1 against the batch, bit for bit."""
+    per expert. Against numpy, and tokens alone and 9 tokens against the batch, bit for bit (and
+    version 1 against version 2)."""
     config = config_with("tiny-b", hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
                          n_group=1, topk_group=1, num_experts_per_tok=6)
     host_params = random_params(config, config.hidden_size, seed=14)
     params = gpu.device_params(host_params)
     x = np.random.default_rng(15).standard_normal((64, config.hidden_size)).astype(np.float32)
     assert_well_separated(x, host_params.gate, host_params.bias, config, gap=1e-5)
-    together = gpu.moe(x, params, config)
+    together = gpu.moe(x, params, config, version=version)
     expected = ref.moe(x, host_params, config)
     assert_close(together, expected, rtol=RTOL, atol=1e-5 * float(np.abs(expected).max()), name="moe")
-    for t in (0, 1, 31, 63):
-        alone = gpu.moe(x[t:t + 1], params, config)
-        assert np.array_equal(alone[0].view(np.uint32), together[t].view(np.uint32)), f"token {t}"
-    pairs = gpu.moe(x[:9], params, config)                          # a bucket of 9 rows
+    assert_row_alone_same(lambda xs: gpu.moe(xs, params, config, version=version), x, together,
+                          (0, 1, 31, 63), f"moe version {version}")
+    pairs = gpu.moe(x[:9], params, config, version=version)        # a bucket of 9 rows
     assert np.array_equal(pairs.view(np.uint32), together[:9].view(np.uint32)), "first 9 tokens"
-    per_pair = gpu.moe(x, params, config, version=1)               # version 1: the same bits
-    assert np.array_equal(per_pair.view(np.uint32), together.view(np.uint32)), "version 1"
+    if version == 2:
+        per_pair = gpu.moe(x, params, config, version=1)           # version 1: the same bits
+        assert np.array_equal(per_pair.view(np.uint32), together.view(np.uint32)), "version 1"

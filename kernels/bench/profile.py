@@ -142,7 +142,7 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
 
 
 ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
-                  "moe_grouped_from_rows", "linear_version")
+                  "moe_grouped_from_rows", "moe_warps", "linear_version")
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -211,6 +211,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
                         help="forwards of at least this many rows run the MoE kernels' version 2, "
                         "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
+    parser.add_argument("--moe-warps", action=argparse.BooleanOptionalAction, default=None,
+                        help="the MoE kernels' version 3 in every forward (\"warps\"' sums; default: "
+                        "the engine's choice, kernels.model.large_experts)")
     parser.add_argument("--linear-version", default=None,
                         help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)
