@@ -432,6 +432,15 @@ def non_negative(value):
     return int64(uint32(value))
 
 
+def _as_is(value):
+    return value
+
+
+# an index the kernels may pass through ``non_negative`` on a GPU; the simulator, where that cast
+# is a slow call, takes the value as it is (the same result either way)
+index = _as_is if SIMULATOR else non_negative
+
+
 @functools.cache
 def tiles_gemm_kernel(tiles: GemmTiles):
     """The "tiles_gemm" kernel for one launch shape (shared and local array sizes are literals)."""

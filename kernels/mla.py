@@ -68,7 +68,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
-from kernels.linear import non_negative as _gpu_non_negative
+from kernels.linear import index
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
 # enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
@@ -138,13 +138,9 @@ ABSORB_LOADS = ABSORB_DEPTH            # a slab's TILE x DEPTH elements over TIL
 F32 = 4
 
 
-def _as_is(value):
-    return value
-
-
 # version 5's indices: ``kernels.linear.non_negative`` on a GPU (float4 shared reads need the
-# compiler to know an index is not negative); the simulator, where that cast is a slow call, skips it
-non_negative = _as_is if SIMULATOR else _gpu_non_negative
+# compiler to know an index is not negative), as they are in the simulator (``kernels.linear.index``)
+non_negative = index
 
 
 # --8<-- [start:absorb_query_kernel]

@@ -27,7 +27,8 @@ tree node's logits are bit-identical to the AR logits at the same position, so D
 exactly in the engine, for any weights.
 The MoE kernels' version depends on the forward's row count (``moe_version``: per pair for few
 rows, grouped by expert for many); both versions give the same bits, so an AR step and a large
-tree's verify still agree row for row.
+tree's verify still agree row for row. Where experts are large (small, Kimi) every forward runs
+version 3 instead (``moe_warps``: other bits, the same in every forward).
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Two differences of form: q_proj and kv_a_proj are split at load into their nope / rope (latent /

@@ -34,6 +34,10 @@ Kernels:
     k slots added in slot order.
   Blocks along y cover every expert's possible passes for the T rows (a fixed grid: the launches
   can be captured in a CUDA graph); a block past its expert's last pair returns.
+- the routed experts, version 3: version 2's lists, grouping, blocks along y and combine, with
+  other dot products (``expert_lanes_kernels``): one warp per C output features, lane l summing
+  k = l, l + 32, ... in order (``lane_dots``, ``kernels.linear``'s "warps" order), then the 32
+  lanes' sums added in lane order through shared memory.
 Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
 routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
 for bit).
@@ -59,9 +63,9 @@ themselves (k * ceil(E / C): 48 of Kimi's 384); the top k are all there and rank
 adds the counts with shared-memory atomics: integers, so the ranks never depend on their order.
 
 Expert versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per
-forward by its row count, ``kernels.model.moe_version``). Both versions compute each pair's dot products with
+forward, ``kernels.model.moe_version``). Versions 1 and 2 compute each pair's dot products with
 the same ``tile_dots`` sums and add a token's slots in slot order from the same start, so they
-give the same bits: a row's result does not depend on the version either.
+give the same bits: a row's result does not depend on which of the two ran.
 Version 1 stages an expert's weight tiles once per (token, slot) pair that chose it: an expert
 chosen by 20 tokens is read 20 times. The routed experts need no lists and no combine (two
 launches, not four), so it is the faster one for few rows (a decode step, where most chosen
@@ -69,13 +73,26 @@ experts have one pair anyway).
 Version 2 stages them once per pass of ROWS_PER_PASS of the expert's pairs: read 3 times, not 20.
 It pays two extra launches (the lists, the combine) and each pair's down projection (T, k, D)
 written and read back, so it is the faster one for many rows (a large tree's verify).
+Version 3 reads W as version 2 does, once per pass, but without the shared-memory tile: in
+"tiles"' order each output is a sequential sum along 32-wide chunks, so a warp can only read W
+coalesced by staging a 32 x 32 tile and turning it around, between two barriers per chunk. In
+"warps"' order neighbouring lanes take neighbouring k, so a warp's load of one W row is 128
+consecutive bytes straight into registers, each lane with U loads of each of its C rows in flight
+before its first add, and no barrier until the pass's lane sums. Its bits are not versions 1's
+and 2's (another order of the same terms): the engine runs it in every forward or in none
+(``kernels.model.moe_version``). Its launch shape (``lane_shape``) is free: C = 4 outputs per
+warp with U = 4 loads for few rows, C = 8 with U = 2 (each x value then feeds 8 outputs) from
+LANE_WIDE_FROM_ROWS rows on. Measured against version 2 on the H200
+(``docs/results/moe-versions-h200-2026-12-02.txt``): small's MoE layer 203 against 431 µs at one
+token, 2168 against 2642 at 72 (the first draft, without ``kernels.linear.index`` on its indices,
+was slower than version 2 from 72 rows on).
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
-"expert" (E = 1) that every row chooses with weight 1, two launches in either version: version 1
-reads ids = 0 and weights = 1 from the scratch; version 2 lists every row (lists[t, 0] = t, made
-with the scratch) and its down projection is the output, no combine. ``moe`` runs the shared
+"expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1
+reads ids = 0 and weights = 1 from the scratch; versions 2 and 3 list every row (lists[t, 0] = t,
+made with the scratch) and the down projection is the output, no combine. ``moe`` runs the shared
 expert first, then adds the routed experts in place: five launches (version 1) or seven
-(version 2) plus the router's logits, nothing leaves the device.
+(versions 2 and 3) plus the router's logits, nothing leaves the device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
@@ -128,6 +145,7 @@ from kernels.linear import (
     LANES_PADDED,
     MAX_SLICES,
     ROWS_PER_PASS,
+    index,
     k_slices,
     linear,
     row_passes,
@@ -150,11 +168,13 @@ F32, I64 = 4, 8
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
 listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
 slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
-# version 3's blocks: warps per block, outputs per warp, W loads in flight per output row and lane
-# (fewer threads in the simulator, where each is a Python thread; none of them changes a sum)
-LANE_WARPS = 1 if SIMULATOR else 4
-LANE_COLUMNS = 8 if SIMULATOR else 4
-LANE_UNROLL = 2 if SIMULATOR else 4
+# version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
+# lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
+# (small's and Kimi's experts) NARROW was the faster at 1 and 8 rows, WIDE at 24 and 72 (Kimi: 16);
+# WIDE needs 255 registers (NARROW 168). The simulator runs one warp per block (Python threads).
+LANE_NARROW = (1, 8, 2) if SIMULATOR else (4, 4, 4)
+LANE_WIDE = (1, 8, 2) if SIMULATOR else (4, 8, 2)
+LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -685,27 +705,28 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 @functools.cache
 def lane_dots(rows: int, columns: int, unroll: int):
     """Version 3's dot products for passes of ``rows`` rows (a literal: the sums live in registers):
-    acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < count.
+    acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < rows.
     Lane l sums k = l, l + 32, l + 64, ... in order (``kernels.linear``'s "warps"), so a warp's
     loads of a W row are 128 consecutive bytes; each lane has ``unroll`` loads of each of its
     ``columns`` rows in flight before the first add."""
 
     @cuda.jit(device=True)
-    def dots(x, row_ids, count, weight, n0, acc, w):
-        lane = cuda.threadIdx.x % LANES
-        depth, last = x.shape[1], weight.shape[0] - 1
+    def dots(x, row_ids, weight, n0, acc, w):
+        """(row_ids: ROWS_PER_PASS rows, the pass's last one repeated after its count.)"""
+        lane = index(cuda.threadIdx.x % LANES)
+        depth, last = index(x.shape[1]), index(weight.shape[0] - 1)
         for c in range(columns):
             for r in range(rows):
                 acc[c, r] = float32(0.0)
         for k_lane in range(lane, depth, LANES * unroll):
             for c in range(columns):                     # the loads first (a column past the end
                 for u in range(unroll):                  # re-reads the last one, never written)
-                    w[c, u] = weight[min(n0 + c, last), min(k_lane + u * LANES, depth - 1)]
+                    w[c, u] = weight[index(min(n0 + c, last)), index(min(k_lane + u * LANES, depth - 1))]
             for u in range(unroll):                      # then the sums, k in order
-                k = k_lane + u * LANES
+                k = index(k_lane + u * LANES)
                 if k < depth:
                     for r in range(rows):
-                        value = x[row_ids[min(r, count - 1)], k]
+                        value = x[index(row_ids[r]), k]
                         for c in range(columns):
                             acc[c, r] += value * w[c, u]
 
@@ -713,9 +734,15 @@ def lane_dots(rows: int, columns: int, unroll: int):
 # --8<-- [end:lane_dots]
 
 
+def lane_shape(rows: int) -> tuple[int, int, int]:
+    """Version 3's launch shape for T rows: LANE_WIDE from LANE_WIDE_FROM_ROWS on, else LANE_NARROW
+    (the same bits either way)."""
+    return LANE_WIDE if rows >= LANE_WIDE_FROM_ROWS else LANE_NARROW
+
+
 # --8<-- [start:expert_lanes_kernels]
 @functools.cache
-def expert_lanes_kernels(warps: int = LANE_WARPS, columns: int = LANE_COLUMNS, unroll: int = LANE_UNROLL):
+def expert_lanes_kernels(warps: int, columns: int, unroll: int):
     """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
     warp and ``unroll`` loads in flight per W row and lane (literals: shared and local array
     sizes). None of them changes a sum: every output is added in "warps"' order."""
@@ -726,9 +753,9 @@ def expert_lanes_kernels(warps: int = LANE_WARPS, columns: int = LANE_COLUMNS, u
     @cuda.jit(device=True)
     def warp_dots(x, rows, count, weight, n0, acc, w):
         if count == 1:                                   # a lone pair skips the other rows' work
-            lane_dots_one(x, rows, count, weight, n0, acc, w)
+            lane_dots_one(x, rows, weight, n0, acc, w)
         else:
-            lane_dots_pass(x, rows, count, weight, n0, acc, w)
+            lane_dots_pass(x, rows, weight, n0, acc, w)
 
     @cuda.jit(device=True)
     def share(sums, acc):
@@ -926,13 +953,13 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) ->
     per_expert = row_passes(rows)
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if version == 3:
-        hidden_kernel, down_kernel = expert_lanes_kernels(LANE_WARPS, LANE_COLUMNS, LANE_UNROLL)
-        per_block = LANE_WARPS * LANE_COLUMNS                               # outputs per block
-        grid = (blocks(features, per_block), experts * per_expert)           # x over F
-        hidden_kernel[grid, LANES * LANE_WARPS, stream](x, gate_proj, up_proj, lists, slots, per_expert,
-                                                        flat_hidden)
-        grid = (blocks(width, per_block), experts * per_expert)              # x over D
-        down_kernel[grid, LANES * LANE_WARPS, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
+        warps, columns, unroll = lane_shape(rows)
+        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll)
+        grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
+        hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert,
+                                                   flat_hidden)
+        grid = (blocks(width, warps * columns), experts * per_expert)        # x over D
+        down_kernel[grid, LANES * warps, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
         return
     grid = (blocks(features, LANES), experts * per_expert)                  # x over F
     expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, lists, slots,
