@@ -83,9 +83,9 @@ and 2's (another order of the same terms): the engine runs it in every forward o
 (``kernels.model.moe_version``). Its launch shape (``lane_shape``) is free: C = 4 outputs per
 warp with U = 4 loads for few rows, C = 8 with U = 2 (each x value then feeds 8 outputs) from
 LANE_WIDE_FROM_ROWS rows on. Measured against version 2 on the H200
-(``docs/results/moe-versions-h200-2026-12-02.txt``): small's MoE layer 203 against 431 µs at one
-token, 2168 against 2642 at 72 (the first draft, without ``kernels.linear.index`` on its indices,
-was slower than version 2 from 72 rows on).
+(``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's MoE layer 201 against
+396 µs at one token, 1879 against 2648 at 72 (the first draft, without ``kernels.linear.index``
+on its indices, was slower than version 2 from 72 rows on).
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
 "expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1

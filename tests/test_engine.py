@@ -475,25 +475,32 @@ def test_long_ngram_generation_equals_ar():
     assert trace.verify_forwards < 2000
 
 
-@pytest.mark.gpu
-def test_unfused_attention_engine_equals_golden_and_ar():
-    """attention_paths' version 5 in the whole engine on tiny: the golden AR tokens and logits, and
-    a 600-token n-gram DDTree generation equal to its own AR: past two chunks of UNFUSED_CHUNK
-    keys, so the P V GEMM's chunks and the tail kernel's meet in the same rows, bit for bit."""
+def assert_option_keeps_golden_and_ddtree(new: int, budget: int | None = None, **option):
+    """An engine option on tiny: the golden AR tokens and logits, every drafter's DDTree tokens,
+    and a ``new``-token n-gram DDTree generation (``budget``: the default when None) equal to the
+    engine's own AR."""
     config, bundle = preset("tiny"), golden.load_bundle("tiny")
-    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), attention_unfused=True)
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), **option)
     prompt, expected = bundle["prompt"], bundle["tokens"]
     tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
     assert_exact(tokens, expected)
     assert_logits_close(logits, bundle["logits"])
     assert_ddtree_equals(engine_decode, model, prompt, expected)
-    new = 600
-    assert prompt.size + new > 2 * UNFUSED_CHUNK
     expected = engine_decode.generate_ar(model, prompt, new)
     drafter = make_drafter("ngram", model, prompt, new)
-    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter)
+    options = {} if budget is None else {"budget": budget}
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
     assert_exact(tokens, expected)
     assert trace.verify_forwards < new
+
+
+@pytest.mark.gpu
+def test_unfused_attention_engine_equals_golden_and_ar():
+    """attention_paths' version 5 in the whole engine on tiny: the golden AR tokens and logits, and
+    a 600-token n-gram DDTree generation equal to its own AR: past two chunks of UNFUSED_CHUNK
+    keys, so the P V GEMM's chunks and the tail kernel's meet in the same rows, bit for bit."""
+    assert golden.load_bundle("tiny")["prompt"].size + 600 > 2 * UNFUSED_CHUNK
+    assert_option_keeps_golden_and_ddtree(600, attention_unfused=True)
 
 
 @pytest.mark.gpu
@@ -502,16 +509,4 @@ def test_moe_warps_engine_equals_golden_and_ar():
     the golden AR tokens and logits, every drafter's DDTree tokens, and a 300-token n-gram DDTree
     generation with budget 64 (verify buckets of up to 72 rows: experts with several pairs per
     pass) equal to its own AR."""
-    config, bundle = preset("tiny"), golden.load_bundle("tiny")
-    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), moe_warps=True)
-    prompt, expected = bundle["prompt"], bundle["tokens"]
-    tokens, logits = engine_decode.generate_ar(model, prompt, expected.size, return_logits=True)
-    assert_exact(tokens, expected)
-    assert_logits_close(logits, bundle["logits"])
-    assert_ddtree_equals(engine_decode, model, prompt, expected)
-    new = 300
-    expected = engine_decode.generate_ar(model, prompt, new)
-    drafter = make_drafter("ngram", model, prompt, new)
-    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, budget=64)
-    assert_exact(tokens, expected)
-    assert trace.verify_forwards < new
+    assert_option_keeps_golden_and_ddtree(300, budget=64, moe_warps=True)

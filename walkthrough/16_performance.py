@@ -7,15 +7,18 @@ records under docs/results/ (nothing is measured on this machine):
   max(bytes / copy bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
   kernel issue's targets that it measures; bench-h200-2026-12-01g.md: attention's version 5
   (unfused), the engine's from R = 512, at the same shapes, which the attention targets read;
+  bench-h200-2026-12-02.md: the MoE cases again, with the expert kernels' version 3 (a later
+  record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-01b.json: ``small``'s AR step against its floor, and the verify time
-  against the tree's size (``python -m kernels.bench engine --floor-only``);
+* engine-small-h200-2026-12-02.json: ``small``'s AR step against its floor, and the verify time
+  against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3;
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
   with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
   contexts with version 4 (register-tiled); sweep-small-h200-2026-12-01c.json: the same with
-  version 5 (unfused), the engine's default for small now.
+  version 5 (unfused), the engine's default for small; sweep-small-h200-2026-12-02.json: the same
+  with version 5 and the MoE kernels' version 3, both the engine's defaults for small now.
 
 Run: python walkthrough/16_performance.py
 
@@ -35,12 +38,14 @@ STEM = "16_performance"
 RESULTS = chapter.ROOT / "docs" / "results"
 BENCH = RESULTS / "bench-h200-2026-12-01d.md"
 BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 5, a later run
+BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-01b.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-02.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
 SWEEP_UNFUSED = RESULTS / "sweep-small-h200-2026-12-01c.json"   # attention version 5 (unfused)
+SWEEP_MOE = RESULTS / "sweep-small-h200-2026-12-02.json"       # ... and the MoE kernels' version 3
 ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long",
                    "paths_v5_tree_few", "paths_v5_tree_many", "paths_v5_tree_many_rank_long")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
@@ -83,16 +88,19 @@ def kernel_floors() -> list[dict]:
     """Each benchmark case as its record states it: the kernels' device time (outputs given,
     replayed from a CUDA graph), the public call's time, the share of its floor reached (the run's
     own copy bandwidth and fp32 rate) and torch's device time for the same work, where measured.
-    Every ratio comes from one run; version 5's cases come from a later run than the others."""
-    cases = []
-    rows = [row for record in (BENCH, BENCH_UNFUSED)
+    Every ratio comes from one run; attention's version 5 and the MoE cases come from later runs
+    than the others, and a later record's case replaces an earlier one of the same name."""
+    cases = {}
+    rows = [row for record in (BENCH, BENCH_UNFUSED, BENCH_MOE)
             for row in read_table(record.read_text(encoding="utf-8"), "case")]
     for row in rows:
-        cases.append({"case": row["case"], "device": number(row["device µs"]) * 1e-6,
-                      "call": number(row["call µs"]) * 1e-6, "of_floor": number(row["% of floor"]) / 100,
-                      "torch": number(row["torch µs"]) * 1e-6, "copy": number(row["% of copy BW"]) / 100,
-                      "bound": "FLOPs" if row["% of copy BW"] == "-" else "bytes"})
-    return cases
+        cases[row["case"]] = {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
+                              "call": number(row["call µs"]) * 1e-6,
+                              "of_floor": number(row["% of floor"]) / 100,
+                              "torch": number(row["torch µs"]) * 1e-6,
+                              "copy": number(row["% of copy BW"]) / 100,
+                              "bound": "FLOPs" if row["% of copy BW"] == "-" else "bytes"}
+    return list(cases.values())
 # --8<-- [end:kernel_floors]
 
 
@@ -153,7 +161,8 @@ def kernel_targets(cases) -> list[tuple[str, str, float, float, bool]]:
     rows.append(("tree build, one request < 20 us", "tree_build_one",
                  by_name["tree_build_one"]["device"] * 1e6, 20.0))
     rows.append(("MoE router >= 50% of floor", "moe_route", 100 * by_name["moe_route"]["of_floor"], 50.0))
-    rows.append(("MoE experts >= 60% of copy BW", "moe_reduced", 100 * by_name["moe_reduced"]["copy"], 60.0))
+    rows.append(("MoE experts >= 60% of copy BW", "moe_reduced_v3",     # the engine's for large experts
+                 100 * by_name["moe_reduced_v3"]["copy"], 60.0))
     at_most = ("device time <= 2x an empty kernel's", "tree build, one request < 20 us")
     return [(target, name, measured, needed, measured <= needed if target in at_most else measured >= needed)
             for target, name, measured, needed in rows]
@@ -254,12 +263,13 @@ def plot_small(result, sweeps) -> None:
     left.set_ylabel("ms")
     left.set_title("small: verify time against tree size")
     left.legend()
-    for (version, rows), style in zip(sweeps.items(), (":", "-.", "--", "-"), strict=True):
+    lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 1.0), ("-", 2.5))       # style, width
+    for (version, rows), (style, width) in zip(sweeps.items(), lines, strict=True):
         contexts = [r["context"] for r in rows]
-        right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], "o" + style, color="tab:blue",
-                   label=f"AR, attention {version}")
-        right.plot(contexts, [r["ddtree_oracle"]["tokens_per_second"] for r in rows], "s" + style,
-                   color="tab:orange", label=f"DDTree oracle, attention {version}")
+        right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], marker="o", ls=style, lw=width,
+                   color="tab:blue", label=f"AR, attention {version}")
+        right.plot(contexts, [r["ddtree_oracle"]["tokens_per_second"] for r in rows], marker="s", ls=style,
+                   lw=width, color="tab:orange", label=f"DDTree oracle, attention {version}")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("context (tokens)")
@@ -281,7 +291,7 @@ def main() -> None:
     result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
     sweeps = sweep_report({version: json.loads(path.read_text(encoding="utf-8"))
                            for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT), ("v4", SWEEP_GEMM),
-                                                 ("v5", SWEEP_UNFUSED))})
+                                                 ("v5", SWEEP_UNFUSED), ("v5, MoE v3", SWEEP_MOE))})
     plot_small(result, sweeps)
 
 
