@@ -769,18 +769,18 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int):
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def total(sums, index):
-        """Output ``index`` (c * R + r) of this warp: its 32 lanes' sums added in lane order."""
+    def total(sums, output):
+        """This warp's sum ``output`` (c * R + r): its 32 lanes' sums added in lane order."""
         warp = cuda.threadIdx.x // LANES
-        value = sums[warp, index, 0]
+        value = sums[warp, output, 0]
         for lane in range(1, LANES):
-            value += sums[warp, index, lane]
+            value += sums[warp, output, lane]
         return value
 
     @cuda.jit(device=True)
-    def written(n0, index, count, width):
-        """Whether sum ``index`` = c * R + r is an output: row r < count, column n0 + c < width."""
-        return index < outputs and index % ROWS_PER_PASS < count and n0 + index // ROWS_PER_PASS < width
+    def written(n0, output, count, width):
+        """Whether sum ``output`` = c * R + r is written: row r < count, column n0 + c < width."""
+        return output < outputs and output % ROWS_PER_PASS < count and n0 + output // ROWS_PER_PASS < width
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
@@ -809,10 +809,10 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int):
                     gate_totals[i] = total(sums, lane + i * LANES)
             share(sums, up)
             for i in range(per_lane):
-                index = lane + i * LANES
-                if written(f0, index, count, hidden.shape[1]):
-                    f, r = f0 + index // ROWS_PER_PASS, index % ROWS_PER_PASS
-                    hidden[lists[first + r, expert], f] = silu_times(gate_totals[i], total(sums, index))
+                output = lane + i * LANES
+                if written(f0, output, count, hidden.shape[1]):
+                    f, r = f0 + output // ROWS_PER_PASS, output % ROWS_PER_PASS
+                    hidden[lists[first + r, expert], f] = silu_times(gate_totals[i], total(sums, output))
 
     @cuda.jit
     def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
@@ -831,9 +831,9 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int):
             warp_dots(hidden, rows, count, down_proj[expert], d0, dots, w)
             share(sums, dots)
             for i in range(per_lane):
-                index = lane + i * LANES
-                if written(d0, index, count, down.shape[1]):
-                    down[rows[index % ROWS_PER_PASS], d0 + index // ROWS_PER_PASS] = total(sums, index)
+                output = lane + i * LANES
+                if written(d0, output, count, down.shape[1]):
+                    down[rows[output % ROWS_PER_PASS], d0 + output // ROWS_PER_PASS] = total(sums, output)
 
     return expert_hidden_lanes_kernel, expert_down_lanes_kernel
 # --8<-- [end:expert_lanes_kernels]
