@@ -93,6 +93,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from ddtree import linear as reference
 from kernels.blocks import (
+    MAX_TPB,
     block_argmax,
     block_sum,
     block_sums,
@@ -118,7 +119,11 @@ TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x
 TILE_PADDED = 17    # TILE + 1 columns for the W tile (a shared array's shape must be a literal)
 TPB = 128           # embed's threads per block (the GEMV and argmax size theirs from the work)
 GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEMM above
-VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps", "stream")
+# argmax: the most threads its one block per row takes by default (one row of small's 32000 logits
+# took 66 µs with 128 threads and 15 with 1024 on the H200, a graph of 10 launches; the simulator's
+# threads are Python threads)
+ARGMAX_MAX_THREADS = MAX_TPB if SIMULATOR else 1024
+VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps", "stream", "lanes")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
 # every block costs Python threads. Each output's sum is the same either way.
@@ -134,6 +139,11 @@ LANES_PADDED = 33   # "tiles": a W tile row, one float longer than LANES (no ban
 # the simulator, where every thread is a Python thread, runs one
 WARPS_PER_BLOCK = 1 if SIMULATOR else 4
 UNROLL = 4          # "warps": W loads a lane issues before it adds them (in order)
+# "lanes": "warps"' sums; its launch shapes (warps per block, C columns per warp, U loads of each
+# column in flight per lane) change no bit, so ``lanes_shape`` picks the fastest measured one. The
+# simulator runs one warp per block (each thread is a Python thread).
+LANES_SIMULATED = (1, 8, 2)
+LANES_WIDE_OUTPUTS = 8192    # Dout from which a row's many columns take more C per warp (an lm_head)
 
 # "tiles_gemm": the register-tiled GEMM that sums exactly as "tiles" (tiles_gemm_kernel, GemmTiles)
 GEMM_PAD = 4        # floats after each staged k-row of a tile: rows stay 16-byte aligned (float4 reads)
@@ -590,7 +600,8 @@ def warps_kernel(x, weight, out):
     # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of
     # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ...
     # in order (a warp's W loads are one coalesced 128-byte row segment; UNROLL of them in flight
-    # per lane), then lane r adds the 32 lanes' sums of row r in lane order (shared memory)
+    # per lane), then lane r adds the 32 lanes' sums of row r in lane order, from lane 0's
+    # (shared memory)
     partial = cuda.shared.array((WARPS_PER_BLOCK, ROWS_PER_PASS, LANES_PADDED), float32)
     acc = cuda.local.array(ROWS_PER_PASS, float32)
     w = cuda.local.array(UNROLL, float32)
@@ -617,12 +628,174 @@ def warps_kernel(x, weight, out):
             partial[warp, r, lane] = acc[r]
         cuda.syncthreads()
         if lane < count and n < weight.shape[0]:
-            total = float32(0.0)
-            for other in range(LANES):
+            total = partial[warp, lane, 0]
+            for other in range(1, LANES):
                 total += partial[warp, lane, other]
             out[t0 + lane, n] = total
         cuda.syncthreads()                               # partial is rewritten by the next pass
 # --8<-- [end:warps_kernel]
+
+
+# --8<-- [start:lane_dots]
+@functools.cache
+def lane_dots(rows: int, columns: int, unroll: int):
+    """"warps"' dot products for passes of ``rows`` rows (a literal: the sums live in registers):
+    acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < rows.
+    Lane l sums k = l, l + 32, l + 64, ... in order, so a warp's loads of a W row are 128
+    consecutive bytes; each lane has ``unroll`` loads of each of its ``columns`` rows in flight
+    before the first add ("lanes" here, ``kernels.moe``'s version 3)."""
+
+    @cuda.jit(device=True)
+    def dots(x, row_ids, weight, n0, acc, w):
+        """(row_ids: ROWS_PER_PASS rows, the pass's last one repeated after its count.)"""
+        lane = index(cuda.threadIdx.x % LANES)
+        depth, last = index(x.shape[1]), index(weight.shape[0] - 1)
+        for c in range(columns):
+            for r in range(rows):
+                acc[c, r] = float32(0.0)
+        for k_lane in range(lane, depth, LANES * unroll):
+            for c in range(columns):                     # the loads first (a column past the end
+                for u in range(unroll):                  # re-reads the last one, never written)
+                    w[c, u] = weight[index(min(n0 + c, last)), index(min(k_lane + u * LANES, depth - 1))]
+            for u in range(unroll):                      # then the sums, k in order
+                k = index(k_lane + u * LANES)
+                if k < depth:
+                    for r in range(rows):
+                        value = x[index(row_ids[r]), k]
+                        for c in range(columns):
+                            acc[c, r] += value * w[c, u]
+
+    return dots
+# --8<-- [end:lane_dots]
+
+
+@functools.cache
+def pass_dots(columns: int, unroll: int):
+    """``lane_dots`` for a pass of ``count`` rows: one row alone skips the other rows' work (each
+    row's sums are the same either way)."""
+    dots_one, dots_pass = lane_dots(1, columns, unroll), lane_dots(ROWS_PER_PASS, columns, unroll)
+
+    @cuda.jit(device=True)
+    def dots(x, row_ids, count, weight, n0, acc, w):
+        if count == 1:
+            dots_one(x, row_ids, weight, n0, acc, w)
+        else:
+            dots_pass(x, row_ids, weight, n0, acc, w)
+
+    return dots
+
+
+# --8<-- [start:lane_sums]
+@functools.cache
+def lane_sums(warps: int, columns: int):
+    """The device functions that finish "warps"' sums in blocks of ``warps`` warps, each with
+    ``columns`` x ROWS_PER_PASS sums (output o = c * ROWS_PER_PASS + r) spread over its lanes:
+    ``share`` puts every lane's sums in shared memory, ``total`` adds one output's 32 lane sums in
+    lane order, ``written`` says whether an output is a real one."""
+    outputs = columns * ROWS_PER_PASS
+
+    @cuda.jit(device=True)
+    def share(sums, acc):
+        """Every lane's sums into sums[warp, c * R + r, lane], between two barriers (the block's
+        readers of the last ones first)."""
+        warp, lane = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
+        cuda.syncthreads()
+        for c in range(columns):
+            for r in range(ROWS_PER_PASS):
+                sums[warp, c * ROWS_PER_PASS + r, lane] = acc[c, r]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def total(sums, output):
+        """This warp's sum ``output``: its 32 lanes' sums added in lane order."""
+        warp = cuda.threadIdx.x // LANES
+        value = sums[warp, output, 0]
+        for lane in range(1, LANES):
+            value += sums[warp, output, lane]
+        return value
+
+    @cuda.jit(device=True)
+    def written(n0, output, count, width):
+        """Whether sum ``output`` = c * R + r is written: row r < count, column n0 + c < width."""
+        return output < outputs and output % ROWS_PER_PASS < count and n0 + output // ROWS_PER_PASS < width
+
+    return share, total, written
+# --8<-- [end:lane_sums]
+
+
+# --8<-- [start:lanes_kernel]
+@functools.cache
+def lanes_kernel(warps: int, columns: int, unroll: int):
+    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp and
+    ``unroll`` W loads in flight per column and lane (literals: shared and local array sizes).
+    None of them changes a sum: every output is added in "warps"' order."""
+    outputs = columns * ROWS_PER_PASS                    # a warp's (column, row) sums per pass
+    per_lane = -(-outputs // LANES)                      # ... that each lane adds up
+    dots = pass_dots(columns, unroll)
+    share, total, written = lane_sums(warps, columns)
+
+    @cuda.jit
+    def kernel(x, weight, out, groups):
+        # groups G (blockIdx.z = g): row t of group g is x[t G + g] and out[t G + g], its weight
+        # rows g Dout .. (g + 1) Dout - 1 (one group: a linear; a head each: MLA's absorb_output).
+        # One warp = C columns n0 + c (blockIdx.x: warps * C columns) for the passes of
+        # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of
+        # every dot product (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in
+        # lane order (lane_sums)
+        sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
+        acc = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        w = cuda.local.array((columns, unroll), float32)
+        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        lane = cuda.threadIdx.x % LANES
+        group = cuda.blockIdx.z
+        width = out.shape[1]                             # Dout of each group
+        n0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
+        group_rows = x.shape[0] // groups
+        for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, group_rows, cuda.gridDim.y * ROWS_PER_PASS):
+            count = min(ROWS_PER_PASS, group_rows - t0)
+            for r in range(ROWS_PER_PASS):               # the pass's last row repeated after count
+                rows[r] = (t0 + min(r, count - 1)) * groups + group
+            dots(x, rows, count, weight, group * width + n0, acc, w)
+            share(sums, acc)
+            for i in range(per_lane):
+                output = lane + i * LANES
+                if written(n0, output, count, width):
+                    out[rows[output % ROWS_PER_PASS], n0 + output // ROWS_PER_PASS] = total(sums, output)
+
+    return kernel
+
+
+def lanes_launch(x, weight, out, *, groups: int = 1, shape: tuple[int, int, int] | None = None,
+                 stream=None) -> None:
+    """out = x @ weight.T by "lanes", device arrays x (T G, Din), weight (G Dout, Din), out
+    (T G, Dout): for each group g of ``groups``, rows t G + g times weight rows g Dout ... ``shape``
+    (warps, columns, unroll): None takes ``lanes_shape``."""
+    rows, outputs = x.shape[0] // groups, out.shape[1]
+    warps, columns, unroll = shape or lanes_shape(rows, outputs)
+    grid = (blocks(outputs, warps * columns), row_passes(rows), groups)   # x over Dout, y over T
+    lanes_kernel(warps, columns, unroll)[grid, warps * LANES, stream](x, weight, out, groups)
+# --8<-- [end:lanes_kernel]
+
+
+# --8<-- [start:lanes_shape]
+def lanes_shape(rows: int, outputs: int) -> tuple[int, int, int]:
+    """"lanes"' launch shape (warps per block, C columns per warp, U loads in flight per column and
+    lane) for T = ``rows`` rows and Dout = ``outputs``; the same bits whatever the shape. The
+    fastest of those timed on the H200 at small's projections (lanes-h200-2026-12-02.txt): few
+    columns per warp and many loads while the rows are few (more warps, each with a long run of
+    one W row in flight), more columns per warp as the rows grow (each x value loaded feeds C
+    multiply-adds), and C = 8 for a wide lm_head from a few rows on."""
+    if SIMULATOR:
+        return LANES_SIMULATED
+    wide = outputs >= LANES_WIDE_OUTPUTS
+    if rows == 1:
+        return (4, 4, 4) if wide else (4, 1, 8)
+    if rows < 16:
+        return (4, 8, 2) if wide else (4, 2, 8)
+    if rows < 48:
+        return (4, 8, 2) if wide else (4, 4, 4)
+    return (4, 8, 2)
+# --8<-- [end:lanes_shape]
 
 
 # --8<-- [start:stream_kernel]
@@ -811,6 +984,8 @@ def linear(x, weight, *, version: str | None = None, threads: int | None = None,
             warps_kernel[grid, LANES * WARPS_PER_BLOCK, stream](d_x, d_weight, d_y)
         elif version == "stream":
             stream_launch(d_x, d_weight, d_y, stream=stream)
+        elif version == "lanes":
+            lanes_launch(d_x, d_weight, d_y, stream=stream)
         elif version == "gemm":
             grid = (blocks(outputs, TILE), blocks(rows, TILE))            # x over Dout, y over T
             gemm_tiled_kernel[grid, (TILE, TILE), stream](d_x, d_weight, d_y)
@@ -941,7 +1116,7 @@ def argmax(logits, *, threads: int | None = None, out=None, stream=None):
     rows, vocab = d_logits.shape
     d_out = output(out, logits.shape[:-1], np.int64, stream)              # [...] -1 until written
     if rows > 0:
-        threads = threads or pow2_threads(vocab)
+        threads = threads or pow2_threads(vocab, ARGMAX_MAX_THREADS)
         argmax_kernel(threads)[rows, threads, stream](d_logits, d_out.reshape(rows))
     return deliver(d_out, out, logits)
 # --8<-- [end:argmax]

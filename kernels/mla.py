@@ -22,7 +22,8 @@ Kernels:
   ``attention_tail_kernel`` (+ the merge): version 5, unfused (``unfused=True``): every row's
   scores as one GEMM, the softmax's statistics, P V as a second GEMM over the prefix's whole
   chunks of keys and a gathering kernel for the chunks that hold the tree's paths.
-- ``absorb_output_kernel``: o = W_UV o_lat, one thread per output element (t, h, v).
+- ``absorb_output``: o = W_UV o_lat, a linear per head: ``kernels.linear``'s "lanes" kernel with
+  a group per head (a warp per few outputs (h, v), lane l summing r = l, l + 32, ...).
 
 Only the absorbed form is implemented here, on purpose. The numpy module also has
 ``attention_naive``, which expands every cached latent into per-head keys and values
@@ -58,6 +59,7 @@ from kernels.blocks import (
 )
 from kernels.device import (
     SIMULATOR,
+    as_rows,
     check_float32,
     check_out,
     deliver,
@@ -68,7 +70,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
-from kernels.linear import index
+from kernels.linear import index, lanes_launch
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
 # enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
@@ -131,10 +133,6 @@ UNFUSED_SUM_BATCH = 4 if SIMULATOR else 32   # the statistics: scores a thread l
 MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``paths_unfused``)
 ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
-ABSORB_TILE = 8 if SIMULATOR else 32    # absorb_output: outputs (threads) per block
-ABSORB_DEPTH = 8 if SIMULATOR else 32   # ... and r per staged slab
-ABSORB_SLAB = (ABSORB_TILE, ABSORB_DEPTH + 1)
-ABSORB_LOADS = ABSORB_DEPTH            # a slab's TILE x DEPTH elements over TILE threads
 F32 = 4
 
 
@@ -172,43 +170,6 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
 # --8<-- [end:absorb_query_kernel]
 
 
-# --8<-- [start:absorb_output_kernel]
-@cuda.jit
-def absorb_output_kernel(o_lat, w_uv, out):
-    """out[t, h, v] = sum_r o_lat[t, h, r] * W_UV[h, v, r].
-
-    One thread computes one output element (t, h, v) with a float32 loop over R, r in order; block
-    (x, row * H + head) of ABSORB_TILE threads serves outputs v = x TILE + tid. W_UV's rows are
-    contiguous in r, so reading them a thread per row would put neighbouring threads R floats
-    apart (uncoalesced): the block stages a TILE x ABSORB_DEPTH slab of them through shared memory
-    instead, consecutive threads loading consecutive r of a row (coalesced), all LOADS of a
-    thread issued before they are stored, then each thread adds its row's DEPTH products from
-    shared memory (rows DEPTH + 1 apart: no bank conflicts). Cost: T*H*dv threads of R
-    multiply-adds; W_UV (H*dv*R floats) is read once per row t.
-    """
-    tid = cuda.threadIdx.x
-    v0 = cuda.blockIdx.x * ABSORB_TILE
-    row = cuda.blockIdx.y // o_lat.shape[1]
-    head = cuda.blockIdx.y % o_lat.shape[1]
-    value_dim, rank = out.shape[2], o_lat.shape[2]
-    slab = cuda.shared.array(ABSORB_SLAB, float32)               # [TILE, DEPTH + 1]
-    staged = cuda.local.array(ABSORB_LOADS, float32)
-    acc = float32(0.0)
-    for r0 in range(0, rank, ABSORB_DEPTH):
-        for p in range(ABSORB_LOADS):                             # element e: row e // DEPTH, r e % DEPTH
-            e = tid + p * ABSORB_TILE
-            v, r = min(v0 + e // ABSORB_DEPTH, value_dim - 1), min(r0 + e % ABSORB_DEPTH, rank - 1)
-            staged[p] = w_uv[head, v, r]                          # past the ends: clamped, never added
-        cuda.syncthreads()                                        # the last slab consumed
-        for p in range(ABSORB_LOADS):
-            e = tid + p * ABSORB_TILE
-            slab[e // ABSORB_DEPTH, e % ABSORB_DEPTH] = staged[p]
-        cuda.syncthreads()
-        for k in range(min(ABSORB_DEPTH, rank - r0)):
-            acc += o_lat[row, head, r0 + k] * slab[tid, k]
-    if v0 + tid < value_dim:
-        out[row, head, v0 + tid] = acc
-# --8<-- [end:absorb_output_kernel]
 
 
 # --8<-- [start:attention_absorb_kernel]
@@ -352,9 +313,10 @@ def absorb_output(o_lat, w_uv, *, out=None, stream=None):
     o_lat, w_uv = check_absorb_output(o_lat, w_uv, out=out)
     (rows, heads, _), value_dim = o_lat.shape, w_uv.shape[1]
     d_out = output(out, (rows, heads, value_dim), stream=stream)            # [T, H, dv]
-    if rows * heads * value_dim:
-        absorb_output_kernel[(blocks(value_dim, ABSORB_TILE), rows * heads), ABSORB_TILE, stream](
-            to_device(o_lat, np.float32), to_device(w_uv, np.float32), d_out)
+    if rows * heads * value_dim:                                           # a linear per head
+        lanes_launch(as_rows(to_device(o_lat, np.float32), "o_lat"),              # [T H, R]
+                     as_rows(to_device(w_uv, np.float32), "w_uv"),                # [H dv, R]
+                     as_rows(d_out, "out"), groups=heads, stream=stream)          # [T H, dv]
     return deliver(d_out, out, o_lat, w_uv)
 # --8<-- [end:absorb_output]
 

@@ -21,10 +21,10 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear`` version "tiles", run as "stream" or
-"tiles_gemm" with the same bits where they are faster, ``attention_paths``, the MoE kernels): a
-tree node's logits are bit-identical to the AR logits at the same position, so DDTree == AR holds
-exactly in the engine, for any weights.
+runs in an order fixed by its own row (``linear`` version "warps", run as its fast twin "lanes"
+with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are
+bit-identical to the AR logits at the same position, so DDTree == AR holds exactly in the engine,
+for any weights.
 The MoE kernels' version depends on the forward's row count (``moe_version``: per pair for few
 rows, grouped by expert for many); both versions give the same bits, so an AR step and a large
 tree's verify still agree row for row. Where experts are large (small, Kimi) every forward runs
@@ -125,10 +125,10 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS, warps
 # --8<-- [start:projection_version]
 def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, int]) -> str:
     """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) by a weight of
-    ``weight_shape`` (Dout, Din) for the engine's ``linear_version``. "tiles" runs as the fastest
-    kernel with its bits: "tiles_gemm" from GEMM_FROM_ROWS rows on where W has GEMM_MIN_WEIGHTS
-    elements or more, "stream" for one row where
-    Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself. "warps" stays.
+    ``weight_shape`` (Dout, Din) for the engine's ``linear_version``. "warps" runs as "lanes" (the
+    same bits, far more loads in flight). "tiles" runs as the fastest kernel with its bits:
+    "tiles_gemm" from GEMM_FROM_ROWS rows on where W has GEMM_MIN_WEIGHTS elements or more,
+    "stream" for one row where Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself.
 
     "tiles_gemm" and "stream" add every output's terms in "tiles"' order (the same bits), so the
     switch cannot break DDTree == AR: an AR step and the same row in a large tree's verify get
@@ -144,6 +144,8 @@ def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, 
       85 µs against 7.5 / 38 / 124 (tiny's AR step: 486 µs with it, 523 without), but 627
       against 356 at Dout 18432; and tiny's 40-row verify was slower with it (787 against 723 µs).
     """
+    if linear_version == "warps":
+        return "lanes"                                  # "warps"' bits, its loads in flight
     if linear_version != "tiles":
         return linear_version
     outputs, depth = weight_shape
@@ -461,23 +463,25 @@ class Transformer:
     product in "warps"' order, a warp's W loads coalesced; ``moe_grouped_from_rows`` then unused);
     None (the default) takes it with ``large_experts`` (small, Kimi). Its bits differ from versions
     1 and 2, so two engines with different ``moe_warps`` may differ in the last bits.
-    ``linear_version``: the projections' and lm_head's ``kernels.linear`` version, one of
-    LINEAR_VERSIONS ("tiles" by default; "warps" streams the weights with a warp per output column:
-    on the H200 it made the AR step of tiny, tiny-b and small 9%, 10% and 1% shorter and every
-    forward of 24 rows or more longer, profile-h200-2026-12-01e.md; alone on Kimi's up projection
-    it ran at half the speed of "tiles", bench-h200-2026-12-01c.md). Both are batch-invariant, so
-    either keeps DDTree == AR, but they round differently: two engines with different versions may
-    differ in the last bits. With "tiles", forwards of GEMM_FROM_ROWS rows or more (tree verifies,
-    prefill chunks) run "tiles_gemm", a register-tiled GEMM, where the weight is large, and an AR
-    step runs "stream" where Dout is small: both add each output's terms in "tiles"' order, the
-    same bits, so AR steps and verifies still agree (``projection_version``).
+    ``linear_version``: the projections' and lm_head's ``kernels.linear`` order, one of
+    LINEAR_VERSIONS. "warps" (the default) runs as "lanes", its twin with the same bits: a warp
+    per few output columns, lane l summing k = l, l + 32, ..., each lane with a run of W loads in
+    flight. "tiles" sums each output along 32-wide chunks in slice order; its forwards of
+    GEMM_FROM_ROWS rows or more (tree verifies, prefill chunks) run "tiles_gemm", a register-tiled
+    GEMM, where the weight is large, and an AR step runs "stream" where Dout is small: all three
+    add each output's terms in "tiles"' order (``projection_version``). Both orders are
+    batch-invariant, so either keeps DDTree == AR, but they round differently: two engines with
+    different versions may differ in the last bits. On the H200 (lanes-h200-2026-12-02.txt) the
+    engine's "tiles" kernels took 330 µs for one row through a layer's projections and the
+    lm_head of small, "lanes" 137; "lanes" was faster on tiny and tiny-b at 1 to 72 rows, and on
+    small up to 24 rows (at 72 rows small's lm_head took 1076 µs against "tiles_gemm"'s 692).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
                  attention_unfused: bool | None = None, moe_grouped_from_rows: int | None = None,
-                 moe_warps: bool | None = None, linear_version: str = "tiles"):
+                 moe_warps: bool | None = None, linear_version: str = "warps"):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")

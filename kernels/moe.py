@@ -36,7 +36,7 @@ Kernels:
   can be captured in a CUDA graph); a block past its expert's last pair returns.
 - the routed experts, version 3: version 2's lists, grouping, blocks along y and combine, with
   other dot products (``expert_lanes_kernels``): one warp per C output features, lane l summing
-  k = l, l + 32, ... in order (``lane_dots``, ``kernels.linear``'s "warps" order), then the 32
+  k = l, l + 32, ... in order (``kernels.linear.lane_dots``: "warps"' order), then the 32
   lanes' sums added in lane order through shared memory.
 Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
 routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
@@ -145,9 +145,10 @@ from kernels.linear import (
     LANES_PADDED,
     MAX_SLICES,
     ROWS_PER_PASS,
-    index,
     k_slices,
+    lane_sums,
     linear,
+    pass_dots,
     row_passes,
     tile_dots,
 )
@@ -701,37 +702,6 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 
 # --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
 
-# --8<-- [start:lane_dots]
-@functools.cache
-def lane_dots(rows: int, columns: int, unroll: int):
-    """Version 3's dot products for passes of ``rows`` rows (a literal: the sums live in registers):
-    acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < rows.
-    Lane l sums k = l, l + 32, l + 64, ... in order (``kernels.linear``'s "warps"), so a warp's
-    loads of a W row are 128 consecutive bytes; each lane has ``unroll`` loads of each of its
-    ``columns`` rows in flight before the first add."""
-
-    @cuda.jit(device=True)
-    def dots(x, row_ids, weight, n0, acc, w):
-        """(row_ids: ROWS_PER_PASS rows, the pass's last one repeated after its count.)"""
-        lane = index(cuda.threadIdx.x % LANES)
-        depth, last = index(x.shape[1]), index(weight.shape[0] - 1)
-        for c in range(columns):
-            for r in range(rows):
-                acc[c, r] = float32(0.0)
-        for k_lane in range(lane, depth, LANES * unroll):
-            for c in range(columns):                     # the loads first (a column past the end
-                for u in range(unroll):                  # re-reads the last one, never written)
-                    w[c, u] = weight[index(min(n0 + c, last)), index(min(k_lane + u * LANES, depth - 1))]
-            for u in range(unroll):                      # then the sums, k in order
-                k = index(k_lane + u * LANES)
-                if k < depth:
-                    for r in range(rows):
-                        value = x[index(row_ids[r]), k]
-                        for c in range(columns):
-                            acc[c, r] += value * w[c, u]
-
-    return dots
-# --8<-- [end:lane_dots]
 
 
 def lane_shape(rows: int) -> tuple[int, int, int]:
@@ -748,39 +718,8 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int):
     sizes). None of them changes a sum: every output is added in "warps"' order."""
     outputs = columns * ROWS_PER_PASS                    # a warp's (output, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
-    lane_dots_one, lane_dots_pass = lane_dots(1, columns, unroll), lane_dots(ROWS_PER_PASS, columns, unroll)
-
-    @cuda.jit(device=True)
-    def warp_dots(x, rows, count, weight, n0, acc, w):
-        if count == 1:                                   # a lone pair skips the other rows' work
-            lane_dots_one(x, rows, weight, n0, acc, w)
-        else:
-            lane_dots_pass(x, rows, weight, n0, acc, w)
-
-    @cuda.jit(device=True)
-    def share(sums, acc):
-        """Every lane's sums into shared memory, sums[warp, c * R + r, lane], between two barriers
-        (the block's readers of the last ones first)."""
-        warp, lane = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
-        cuda.syncthreads()
-        for c in range(columns):
-            for r in range(ROWS_PER_PASS):
-                sums[warp, c * ROWS_PER_PASS + r, lane] = acc[c, r]
-        cuda.syncthreads()
-
-    @cuda.jit(device=True)
-    def total(sums, output):
-        """This warp's sum ``output`` (c * R + r): its 32 lanes' sums added in lane order."""
-        warp = cuda.threadIdx.x // LANES
-        value = sums[warp, output, 0]
-        for lane in range(1, LANES):
-            value += sums[warp, output, lane]
-        return value
-
-    @cuda.jit(device=True)
-    def written(n0, output, count, width):
-        """Whether sum ``output`` = c * R + r is written: row r < count, column n0 + c < width."""
-        return output < outputs and output % ROWS_PER_PASS < count and n0 + output // ROWS_PER_PASS < width
+    warp_dots = pass_dots(columns, unroll)
+    share, total, written = lane_sums(warps, columns)
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):

@@ -123,7 +123,8 @@ def test_moe_version_per_bucket():
 
 def test_projection_version_per_bucket():
     """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on where W is large,
-    as "stream" (the same bits) for one row where Dout <= STREAM_MAX_OUTPUTS; "warps" never changes."""
+    as "stream" (the same bits) for one row where Dout <= STREAM_MAX_OUTPUTS; "warps" always runs
+    as "lanes" (its bits)."""
     assert GEMM_FROM_ROWS == 8
     large_w = (STREAM_MAX_OUTPUTS, -(-GEMM_MIN_WEIGHTS // STREAM_MAX_OUTPUTS))        # (Dout, Din)
     small_w, wide_w = (512, 256), (STREAM_MAX_OUTPUTS + 1, 4096)
@@ -133,7 +134,8 @@ def test_projection_version_per_bucket():
         ["stream", "tiles", "tiles", "tiles"]
     assert [projection_version("tiles", rows, wide_w) for rows in (1, 7, 8)] == \
         ["tiles", "tiles", "tiles_gemm"]
-    assert {projection_version("warps", rows, large_w) for rows in (1, 16, 128)} == {"warps"}
+    assert {projection_version("warps", rows, w) for rows in (1, 16, 128)
+            for w in (large_w, small_w)} == {"lanes"}
 
 
 # Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
@@ -222,15 +224,14 @@ def test_rejection_verifier_matches_numpy():
 
 @pytest.mark.parametrize("option, value", [
     ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
-    ("moe_warps", True),
-    pytest.param("linear_version", "warps", marks=pytest.mark.gpu)])   # 19 s in the simulator
+    ("moe_warps", True), ("linear_version", "tiles")])
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
     2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
-    GEMMs), MoE version 3 ("warps"' sums) in every forward, or linear's "warps" for
-    every projection and the lm_head. A branching DDTree round gives the engine's AR tokens, which
-    are numpy's. A one-token prompt: no prefill; two AR forwards, and one verify forward (one
-    round)."""
+    GEMMs), MoE version 3 ("warps"' sums) in every forward, or linear's "tiles" order (run as
+    "tiles", "stream" and "tiles_gemm") for every projection and the lm_head. A branching DDTree
+    round gives the engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR
+    forwards, and one verify forward (one round)."""
     config = preset("micro")
     model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
                               **{option: value})
@@ -245,13 +246,12 @@ def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
 
 
-@pytest.mark.gpu                                                  # 8 s in the simulator
-def test_warps_engine_logits_match_numpy():
-    """linear's "warps" for every projection and the lm_head: one 4-token forward's logits are
-    numpy's (the whole DDTree round with warps is a GPU test, above)."""
+def test_tiles_engine_logits_match_numpy():
+    """linear's "tiles" order for every projection and the lm_head (the default is "warps"): one
+    4-token forward's logits are numpy's."""
     config = preset("micro")
     model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
-                              linear_version="warps")
+                              linear_version="tiles")
     prompt = golden.default_prompt("micro")[:4]
     assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
 
@@ -444,7 +444,8 @@ def test_rejection_verifier_equals_numpy_on_hardware(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
 def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatch):
-    """A 1-row and a 40-row forward with every projection and the lm_head forced to "tiles_gemm"
+    """The engine with linear's "tiles" order (``linear_version="tiles"``, not the default): a 1-row
+    and a 40-row forward with every projection and the lm_head forced to "tiles_gemm"
     (GEMM_FROM_ROWS 1, GEMM_MIN_WEIGHTS 0), to "stream" for the one row, or left to "tiles"
     (GEMM_FROM_ROWS past Tmax, STREAM_MAX_OUTPUTS 0): the same logits, bit for bit."""
     config = preset(name)
@@ -454,7 +455,7 @@ def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatc
     def logits(**settings):
         for setting, value in settings.items():
             monkeypatch.setattr(engine_model, setting, value)
-        model = EngineTransformer(config, weights)
+        model = EngineTransformer(config, weights, linear_version="tiles")
         return np.concatenate([model.logits(prompt), model.logits(prompt[:1])]).view(np.uint32)
 
     tiles = logits(GEMM_FROM_ROWS=129, STREAM_MAX_OUTPUTS=0)
@@ -510,3 +511,12 @@ def test_moe_warps_engine_equals_golden_and_ar():
     generation with budget 64 (verify buckets of up to 72 rows: experts with several pairs per
     pass) equal to its own AR."""
     assert_option_keeps_golden_and_ddtree(300, budget=64, moe_warps=True)
+
+
+@pytest.mark.gpu
+def test_tiles_engine_equals_golden_and_ar():
+    """linear's "tiles" order (``linear_version="tiles"``, the default before "lanes") in the whole
+    engine on tiny: the golden AR tokens and logits, every drafter's DDTree tokens, and a 300-token
+    n-gram DDTree generation with budget 64 (verify buckets of up to 72 rows: "tiles_gemm") equal to
+    its own AR."""
+    assert_option_keeps_golden_and_ddtree(300, budget=64, linear_version="tiles")

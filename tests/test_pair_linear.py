@@ -71,12 +71,13 @@ def test_rows_version_is_batch_invariant_and_equals_gemv():
 
 
 @pytest.mark.parametrize("version, rows, depth, outputs", [
-    ("tiles", 11, 100, 37), ("tiles", 9, 33, 70), ("warps", 11, 100, 37), ("warps", 10, 290, 5)])
+    ("tiles", 11, 100, 37), ("tiles", 9, 33, 70), ("warps", 11, 100, 37), ("warps", 10, 290, 5),
+    ("lanes", 11, 100, 37), ("lanes", 10, 290, 5)])
 def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
-    """Every row of "tiles" and "warps" is bit-identical to the same row run alone and to the row
-    in any other batch: Din spans several 32-wide chunks (for "warps", more than one unrolled step
-    of 4 x 32 and a partial one), Dout two column tiles of "tiles", the rows two passes of
-    ROWS_PER_PASS."""
+    """Every row of "tiles", "warps" and "lanes" is bit-identical to the same row run alone and to
+    the row in any other batch: Din spans several 32-wide chunks (for "warps", more than one
+    unrolled step of 4 x 32 and a partial one), Dout two column tiles of "tiles", the rows two
+    passes of ROWS_PER_PASS."""
     x, weight = _inputs(rows, depth, outputs, seed=3)
     together = kernel.linear(x, weight, version=version)
     assert_close(together, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
@@ -384,10 +385,11 @@ def test_kimi_k26_linear():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["tiles", "tiles_gemm", "warps"])
+@pytest.mark.parametrize("version", ["tiles", "tiles_gemm", "warps", "lanes"])
 def test_invariant_versions_batch_invariant_at_kimi_sizes(version):
-    """"tiles" (four warps splitting Din = 7168) and "warps" (four columns per block): 72 tree rows
-    equal each row alone, bit for bit."""
+    """"tiles" (four warps splitting Din = 7168), "warps" (four columns per block) and "lanes" (its
+    wide shape for 72 rows, its one-row shape alone): 72 tree rows equal each row alone, bit for
+    bit."""
     x, weight = _inputs(72, 7168, 300, seed=8)
     d_weight = cuda.to_device(weight)
     together = kernel.linear(x, d_weight, version=version).copy_to_host()
@@ -502,3 +504,76 @@ def test_stream_variants_equal_tiles(variant):
         streamed, tiled = _stream_and_tiles(x, weight, **variant)
         assert not np.isnan(streamed).any(), f"unwritten outputs: {variant} at {rows}x{depth}x{outputs}"
         assert np.array_equal(streamed, tiled), f"{variant} at {rows}x{depth}x{outputs}"
+
+
+# ---------------------------------------------------------------- "lanes": "warps"' bits, in flight
+
+def _lanes(x, weight, shape=None, groups=1):
+    """"lanes" into a NaN-poisoned output (``shape``: lanes_launch's; ``groups``: x (T G, Din),
+    weight (G Dout, Din)), on the host."""
+    outputs = weight.shape[0] // groups
+    d_out = device.poisoned((x.shape[0], outputs))
+    kernel.lanes_launch(cuda.to_device(x), cuda.to_device(weight), d_out, groups=groups, shape=shape)
+    return d_out.copy_to_host()
+
+
+# (T, Din, Dout, shape): Din not a multiple of 32 and short of one unrolled step (45), or spanning
+# several with a partial one (290); 1, 2, 9 rows (a pass of 8 and a lone row after it); Dout past
+# the last warp's columns and over several blocks; blocks of 1 to 3 warps of 1 to 5 columns
+@pytest.mark.parametrize("rows, depth, outputs, shape", [
+    (1, 70, 5, None), (1, 290, 37, (2, 3, 4)), (2, 45, 9, (1, 5, 1)), (9, 290, 19, (3, 2, 3)),
+    (9, 100, 37, (1, 8, 2))])
+def test_lanes_equals_warps_bit_for_bit(rows, depth, outputs, shape):
+    x, weight = _inputs(rows, depth, outputs, seed=12)
+    lanes = _lanes(x, weight, shape)
+    assert not np.isnan(lanes).any(), "an output was never written"
+    warps = kernel.linear(x, weight, version="warps")
+    assert np.array_equal(_bits(lanes), _bits(warps))
+    assert np.array_equal(_bits(kernel.linear(x, weight, version="lanes")), _bits(warps))
+    # the order is visible at these sizes: summing each dot product straight along Din differs
+    straight = np.cumsum(x[:, None, :] * weight[None, :, :], axis=-1, dtype=np.float32)[..., -1]
+    assert not np.array_equal(straight, lanes)
+
+
+def test_lanes_groups_are_one_linear_each():
+    """Groups (MLA's absorb_output: one per head): rows t G + g times weight rows g Dout ..., each
+    group bit for bit the linear of its own rows and weight, every output written."""
+    rows, groups, depth, outputs = 9, 3, 40, 7
+    x, weight = _inputs(rows * groups, depth, groups * outputs, seed=13)
+    together = _lanes(x, weight, (2, 2, 2), groups=groups)
+    assert not np.isnan(together).any(), "an output was never written"
+    for g in range(groups):
+        own = kernel.linear(x[g::groups], weight[g * outputs:(g + 1) * outputs], version="warps")
+        assert np.array_equal(_bits(together[g::groups]), _bits(own)), f"group {g}"
+
+
+def test_lanes_shape_by_rows_and_outputs():
+    """The launch shape follows the rows and Dout on a GPU; the simulator always runs its own."""
+    if device.SIMULATOR:
+        assert {kernel.lanes_shape(r, n) for r in (1, 8, 72) for n in (64, 32000)} == {kernel.LANES_SIMULATED}
+        return
+    assert kernel.lanes_shape(1, 2048) == (4, 1, 8) and kernel.lanes_shape(1, 32000) == (4, 4, 4)
+    assert kernel.lanes_shape(8, 2048) == (4, 2, 8) and kernel.lanes_shape(24, 2048) == (4, 4, 4)
+    assert {kernel.lanes_shape(r, 32000) for r in (2, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
+
+
+@pytest.mark.gpu
+def test_lanes_equals_warps_at_real_sizes():
+    """"lanes" at every shape ``lanes_shape`` picks and at those timed (lanes-h200-2026-12-02.txt)
+    equals "warps" bit for bit for 1, 2, 8, 16, 24 and 72 rows at small's projection sizes and an
+    odd one (Din 511 -> 33), the H200's fused multiply-adds included; every output written."""
+    shapes = {(4, 1, 16), (4, 2, 8), (4, 4, 4), (8, 1, 8), (8, 2, 8), (2, 2, 8), (4, 1, 8), (8, 1, 16),
+              (4, 8, 2), (8, 4, 4), (2, 8, 2), (4, 8, 4), None}
+    for depth, outputs in ((2048, 1536), (1536, 1024), (2048, 64), (2048, 32000), (511, 33)):
+        x, weight = _inputs(72, depth, outputs, seed=14)
+        d_weight = cuda.to_device(weight)
+        for rows in (1, 2, 8, 16, 24, 72):
+            d_x = cuda.to_device(x[:rows])
+            warps = kernel.linear(d_x, d_weight, version="warps").copy_to_host()
+            for shape in shapes:
+                d_out = device.poisoned((rows, outputs))
+                kernel.lanes_launch(d_x, d_weight, d_out, shape=shape)
+                lanes = d_out.copy_to_host()
+                where = f"{shape} at {rows}x{depth}x{outputs}"
+                assert not np.isnan(lanes).any(), f"unwritten outputs: {where}"
+                assert np.array_equal(_bits(lanes), _bits(warps)), where

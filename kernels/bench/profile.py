@@ -168,10 +168,15 @@ def profile(name: str, rows_list, context: int, **options) -> str:
         return merged
 
     merged = {r: by_kernel(table[r][0]) for r in rows_list}
-    launches = collections.Counter()
-    for label, count in table[rows_list[-1]][1].items():
-        launches[label.split(" grid")[0]] += count
-    names = sorted(merged[rows_list[-1]], key=lambda n: -merged[rows_list[-1]][n])
+    launches = collections.Counter()                                   # per forward: the most of any T
+    for rows in rows_list:
+        per_kernel = collections.Counter()
+        for label, count in table[rows][1].items():
+            per_kernel[label.split(" grid")[0]] += count
+        for kernel, count in per_kernel.items():
+            launches[kernel] = max(launches[kernel], count)
+    # every kernel of any T (a forward's kernels change with T), the costliest at the largest T first
+    names = sorted(launches, key=lambda n: tuple(-merged[r].get(n, 0.0) for r in reversed(rows_list)))
     lines.append("| kernel | launches | " + " | ".join(f"T={r}" for r in rows_list) + " |")
     lines.append("|---|---|" + "---|" * len(rows_list))
     for kernel in names:
