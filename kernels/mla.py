@@ -70,7 +70,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
-from kernels.linear import index, lanes_launch
+from kernels.linear import ROWS_PER_PASS, index, lanes_launch, row_passes
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
 # enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
@@ -123,16 +123,21 @@ UNFUSED_PAD = 4                                # floats after a staged k-row (ro
 UNFUSED_ALIGN = None if SIMULATOR else 16
 UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's two staged buffers
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
-UNFUSED_TAIL_HEADS = 8                         # the tail kernel's heads per block
-UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 128  # ... and output columns per block (a thread each)
+UNFUSED_TAIL_HEADS = 4                         # the tail kernel's heads per block
+UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 64   # ... and output columns per block (a thread each)
+UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16     # ... and cache loads a thread issues before their adds
 UNFUSED_TAIL_PROBS = UNFUSED_TAIL_HEADS * UNFUSED_CHUNK   # its staged exp(s - M), [heads, keys]
 UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512   # the statistics' most threads (a decode row's few blocks)
 UNFUSED_STATS_FEW = 32 if SIMULATOR else 128       # ... and their threads where blocks are many
 UNFUSED_STATS_MANY_BLOCKS = 528                    # 4 per SM of the H200's 132: from here on, FEW threads
-UNFUSED_SUM_BATCH = 4 if SIMULATOR else 32   # the statistics: scores a thread loads before it adds them
+UNFUSED_LANE_KEYS = max(1, UNFUSED_CHUNK // LANES)  # the statistics: a lane's keys of a chunk (a warp's)
+UNFUSED_STATS_LANE_SUMS = (UNFUSED_STATS_THREADS // LANES, LANES)   # ... and its warps' lane sums
 MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``paths_unfused``)
 ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
+ABSORB_LANES = 8 if SIMULATOR else 32   # ... latent columns r per block (a thread each)
+ABSORB_SLICES = 2 if SIMULATOR else 8   # ... and dn's slices of consecutive n (a thread each)
+ABSORB_SUMS = (ROWS_PER_PASS, ABSORB_SLICES, ABSORB_LANES)   # the slices' sums of a pass's rows
 F32 = 4
 
 
@@ -146,27 +151,46 @@ non_negative = index
 def absorb_query_kernel(q_nope, w_uk, q_lat):
     """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
 
-    One thread computes one output element (t, h, r) with a float32 loop over dn, n in order;
-    blockIdx.y is the (row, head) pair, so a block's threads read one q_nope vector (broadcast)
-    and consecutive r of each W_UK row (coalesced). A thread issues ABSORB_BATCH loads of W_UK
-    before it adds their products (in order): one load at a time left a decode row's few blocks
-    waiting on memory. No shared memory. Cost: T*H*R threads of dn multiply-adds; W_UK (H*dn*R
-    floats) is read once per row t, from L2 after the first row.
+    Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
+    warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive n
+    (threadIdx.y = s: slice s, its n in order), for the passes of ROWS_PER_PASS rows y, y +
+    gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK before it adds their products to
+    all of the pass's rows; then the slices' sums meet in shared memory and thread (lane, r) adds
+    row r's in slice order. The slices depend on dn only, so a row's sum does not depend on the
+    rows beside it. W_UK (H dn R floats) is read once per pass of 8 rows; a decode row's 16 heads
+    x 512 r get H R S threads, a load each in flight per batch.
     """
-    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    row = cuda.blockIdx.y // q_nope.shape[1]
-    head = cuda.blockIdx.y % q_nope.shape[1]
-    depth = q_nope.shape[2]
-    if r >= q_lat.shape[2]:
-        return
+    lane, part = cuda.threadIdx.x, cuda.threadIdx.y
+    r = cuda.blockIdx.x * ABSORB_LANES + lane
+    head = cuda.blockIdx.y
+    rows, depth, rank = q_nope.shape[0], q_nope.shape[2], q_lat.shape[2]
+    width = (depth + ABSORB_SLICES - 1) // ABSORB_SLICES           # n per slice
+    first, last = min(part * width, depth), min(part * width + width, depth)
+    sums = cuda.shared.array(ABSORB_SUMS, float32)                  # [rows, slices, lanes]
     staged = cuda.local.array(ABSORB_BATCH, float32)
-    acc = float32(0.0)
-    for n0 in range(0, depth, ABSORB_BATCH):
-        for b in range(ABSORB_BATCH):
-            staged[b] = w_uk[head, min(n0 + b, depth - 1), r]   # past dn: row dn - 1 again, not added
-        for b in range(min(ABSORB_BATCH, depth - n0)):
-            acc += q_nope[row, head, n0 + b] * staged[b]
-    q_lat[row, head, r] = acc
+    acc = cuda.local.array(ROWS_PER_PASS, float32)
+    column = min(r, rank - 1)                                       # past R: R - 1 again, never written
+    for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, rows, cuda.gridDim.z * ROWS_PER_PASS):
+        count = min(ROWS_PER_PASS, rows - t0)
+        for i in range(ROWS_PER_PASS):
+            acc[i] = float32(0.0)
+        for n0 in range(first, last, ABSORB_BATCH):
+            for b in range(ABSORB_BATCH):                           # the loads first
+                staged[b] = w_uk[head, min(n0 + b, last - 1), column]
+            for b in range(min(ABSORB_BATCH, last - n0)):           # then the sums, n in order
+                for i in range(ROWS_PER_PASS):
+                    if i < count:
+                        acc[i] += q_nope[t0 + i, head, n0 + b] * staged[b]
+        cuda.syncthreads()                                          # the last pass's sums read
+        for i in range(ROWS_PER_PASS):
+            sums[i, part, lane] = acc[i]
+        cuda.syncthreads()
+        if r < rank:                                       # thread (lane, part): rows part, part + S, ...
+            for i in range(part, count, ABSORB_SLICES):
+                total = sums[i, 0, lane]
+                for other in range(1, ABSORB_SLICES):
+                    total += sums[i, other, lane]
+                q_lat[t0 + i, head, r] = total
 # --8<-- [end:absorb_query_kernel]
 
 
@@ -291,8 +315,8 @@ def absorb_query(q_nope, w_uk, *, out=None, stream=None):
     (rows, heads, _), rank = q_nope.shape, w_uk.shape[2]
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     if rows * heads * rank:
-        threads = row_threads(rank)
-        absorb_query_kernel[(blocks(rank, threads), rows * heads), threads, stream](
+        grid = (blocks(rank, ABSORB_LANES), heads, row_passes(rows))
+        absorb_query_kernel[grid, (ABSORB_LANES, ABSORB_SLICES), stream](
             to_device(q_nope, np.float32), to_device(w_uk, np.float32), d_out)
     return deliver(d_out, out, q_nope, w_uk)
 # --8<-- [end:absorb_query]
@@ -1042,9 +1066,12 @@ def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale
 def attention_stats_kernel(scores, prefix, depths, paths, partials):
     """Version 5, step 2 of 4: block (head, row) finds M, the largest score of the row's keys
     (positions 0 .. P + depth: the prefix, then its path, ``_key_slot``; exact in any order), then
-    each chunk's sum of exp(s - M), one thread per chunk adding its keys in position order (its
-    loads issued SUM_BATCH at a time, ahead of their adds):
-    partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) // CHUNK."""
+    each chunk's sum of exp(s - M), a warp per chunk: lane l adds the chunk's keys l, l + 32, ...
+    in position order (its loads all issued before its adds), then lane 0 adds the 32 lanes' sums
+    in lane order: partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) //
+    CHUNK. The order depends on the key's position in its chunk alone, not on the rows or the
+    tree. (One thread per chunk, adding its 256 keys one after another, took most of a decode
+    step's statistics: a row of 16 heads at 16k keys has 1024 chunks, a few per SM.)"""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -1060,17 +1087,30 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     red[tid] = top
     block_max(red)
     top = red[0]
-    staged = cuda.local.array(UNFUSED_SUM_BATCH, float32)
-    for chunk in range(tid, (keys - 1) // UNFUSED_CHUNK + 1, threads):
+    staged = cuda.local.array(UNFUSED_LANE_KEYS, float32)
+    lane_sums = cuda.shared.array(UNFUSED_STATS_LANE_SUMS, float32)   # [warps, lanes]
+    warp, lane, warps = tid // LANES, tid % LANES, threads // LANES
+    chunks = (keys - 1) // UNFUSED_CHUNK + 1
+    for first in range(0, chunks, warps):                 # the same trip count in every warp
+        chunk = first + warp
+        start = chunk * UNFUSED_CHUNK
+        end = min(start + UNFUSED_CHUNK, keys)
         total = float32(0.0)
-        end = min(chunk * UNFUSED_CHUNK + UNFUSED_CHUNK, keys)
-        for j0 in range(chunk * UNFUSED_CHUNK, end, UNFUSED_SUM_BATCH):   # SUM_BATCH loads, then their adds
-            for b in range(UNFUSED_SUM_BATCH):
-                staged[b] = scores[query, _key_slot(n_prefix, paths, row, min(j0 + b, end - 1))]
-            for b in range(min(UNFUSED_SUM_BATCH, end - j0)):
-                total += math.exp(staged[b] - top)
-        partials[row, head, chunk, rank] = top
-        partials[row, head, chunk, rank + 1] = total
+        if chunk < chunks:                                # lane's keys: start + lane, + LANES, ...
+            for i in range(UNFUSED_LANE_KEYS):            # the loads first (past the end: the last
+                key = min(start + lane + i * LANES, end - 1)   # key again, never added)
+                staged[i] = scores[query, _key_slot(n_prefix, paths, row, key)]
+            for i in range(UNFUSED_LANE_KEYS):            # then the sums, in position order
+                if start + lane + i * LANES < end:
+                    total += math.exp(staged[i] - top)
+        lane_sums[warp, lane] = total
+        cuda.syncthreads()
+        if lane == 0 and chunk < chunks:                  # the lanes' sums, in lane order
+            for other in range(1, LANES):
+                total += lane_sums[warp, other]
+            partials[row, head, chunk, rank] = top
+            partials[row, head, chunk, rank + 1] = total
+        cuda.syncthreads()                                # lane_sums is rewritten next
 
 
 @cuda.jit
@@ -1142,8 +1182,9 @@ def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials)
     path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
     g TAIL_HEADS .. of one row. Per chunk the block stages the keys' slots and the heads'
     exp(s - M) in shared memory, then each thread adds the chunk's keys in position order for its
-    column and heads: term for term the sums step 3's GEMM gives a chunk of the prefix, so a tree
-    row equals the row at its position in the committed chain, bit for bit."""
+    column and heads (its cache loads issued TAIL_BATCH at a time, ahead of their adds): term for
+    term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at its
+    position in the committed chain, bit for bit."""
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
     column = cuda.blockIdx.x * threads + tid
@@ -1155,6 +1196,7 @@ def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials)
     slots = cuda.shared.array(UNFUSED_CHUNK, int32)
     probs = cuda.shared.array(UNFUSED_TAIL_PROBS, float32)   # [heads, keys]
     acc = cuda.local.array(UNFUSED_TAIL_HEADS, float32)
+    values = cuda.local.array(UNFUSED_TAIL_BATCH, float32)
     for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
         start = chunk * UNFUSED_CHUNK
         count = min(UNFUSED_CHUNK, last + 1 - start)
@@ -1173,10 +1215,12 @@ def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials)
         for h in range(UNFUSED_TAIL_HEADS):
             acc[h] = float32(0.0)
         if column < rank:
-            for k in range(count):
-                value = cache_latent[slots[k], column]
-                for h in range(UNFUSED_TAIL_HEADS):
-                    acc[h] += probs[h * UNFUSED_CHUNK + k] * value
+            for k0 in range(0, count, UNFUSED_TAIL_BATCH):   # BATCH loads, then their adds, k in order
+                for b in range(UNFUSED_TAIL_BATCH):
+                    values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
+                for b in range(min(UNFUSED_TAIL_BATCH, count - k0)):
+                    for h in range(UNFUSED_TAIL_HEADS):
+                        acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
             for h in range(UNFUSED_TAIL_HEADS):
                 if head0 + h < heads:
                     partials[row, head0 + h, chunk, column] = acc[h]
