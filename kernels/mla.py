@@ -1368,9 +1368,8 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
 
 def stats_threads(queries: int) -> int:
     """Version 5's statistics: a block per query row, STATS_THREADS of them while the blocks are
-    few (a decode row: more loads in flight), STATS_FEW once they fill the GPU (the chunk sums
-    keep one thread per chunk busy, the rest idle). Neither changes a sum (the max is exact in
-    any order, each chunk's sum is one thread's)."""
+    few (a decode row: more chunks' warps at once), STATS_FEW once they fill the GPU. Neither
+    changes a sum (the max is exact in any order, each chunk's sum is one warp's, in lane order)."""
     return UNFUSED_STATS_THREADS if queries < UNFUSED_STATS_MANY_BLOCKS else UNFUSED_STATS_FEW
 
 

@@ -7,18 +7,21 @@ records under docs/results/ (nothing is measured on this machine):
   max(bytes / copy bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
   kernel issue's targets that it measures; bench-h200-2026-12-01g.md: attention's version 5
   (unfused), the engine's from R = 512, at the same shapes, which the attention targets read;
-  bench-h200-2026-12-02.md: the MoE cases again, with the expert kernels' version 3 (a later
+  bench-h200-2026-12-02.md: the MoE cases again, with the expert kernels' version 3;
+  bench-h200-2026-12-02b.md: version 5's cases again, its statistics a warp per chunk (a later
   record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-02.json: ``small``'s AR step against its floor, and the verify time
-  against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3;
+* engine-small-h200-2026-12-02c.json: ``small``'s AR step against its floor, and the verify time
+  against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3,
+  linear's "lanes" and attention version 5's statistics a warp per chunk;
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
   with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
   contexts with version 4 (register-tiled); sweep-small-h200-2026-12-01c.json: the same with
   version 5 (unfused), the engine's default for small; sweep-small-h200-2026-12-02.json: the same
-  with version 5 and the MoE kernels' version 3, both the engine's defaults for small now.
+  with version 5 and the MoE kernels' version 3; sweep-small-h200-2026-12-02b.json: the same with
+  linear's "lanes" too, all three the engine's defaults for small now.
 
 Run: python walkthrough/16_performance.py
 
@@ -39,13 +42,15 @@ RESULTS = chapter.ROOT / "docs" / "results"
 BENCH = RESULTS / "bench-h200-2026-12-01d.md"
 BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 5, a later run
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
+BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-02.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-02c.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
 SWEEP_UNFUSED = RESULTS / "sweep-small-h200-2026-12-01c.json"   # attention version 5 (unfused)
 SWEEP_MOE = RESULTS / "sweep-small-h200-2026-12-02.json"       # ... and the MoE kernels' version 3
+SWEEP_LANES = RESULTS / "sweep-small-h200-2026-12-02b.json"     # ... and linear's "lanes"
 ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long",
                    "paths_v5_tree_few", "paths_v5_tree_many", "paths_v5_tree_many_rank_long")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
@@ -91,7 +96,7 @@ def kernel_floors() -> list[dict]:
     Every ratio comes from one run; attention's version 5 and the MoE cases come from later runs
     than the others, and a later record's case replaces an earlier one of the same name."""
     cases = {}
-    rows = [row for record in (BENCH, BENCH_UNFUSED, BENCH_MOE)
+    rows = [row for record in (BENCH, BENCH_UNFUSED, BENCH_MOE, BENCH_STATS)
             for row in read_table(record.read_text(encoding="utf-8"), "case")]
     for row in rows:
         cases[row["case"]] = {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
@@ -242,13 +247,13 @@ def sweep_report(records: dict[str, dict]) -> dict[str, list[dict]]:
     """Each sweep's rows by attention version (the records' ``result.rows``)."""
     sweeps = {version: record["result"]["rows"] for version, record in records.items()}
     with chapter.section("sweep"):
-        print(f"{'attention':<10} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
+        print(f"{'attention':<18} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
               f"{'att. share':>10}")
         for version, rows in sweeps.items():
             for r in rows:
                 oracle = r["ddtree_oracle"]["tokens_per_second"]
                 noisy = r["ddtree_noisy"]["tokens_per_second"]
-                print(f"{version:<10} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
+                print(f"{version:<18} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
                       f"{noisy:>8.1f} {100 * r['attention_share']:>9.0f}%")
     return sweeps
 
@@ -263,7 +268,7 @@ def plot_small(result, sweeps) -> None:
     left.set_ylabel("ms")
     left.set_title("small: verify time against tree size")
     left.legend()
-    lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 1.0), ("-", 2.5))       # style, width
+    lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 0.8), ("-", 1.6), ("-", 3.0))   # style, width
     for (version, rows), (style, width) in zip(sweeps.items(), lines, strict=True):
         contexts = [r["context"] for r in rows]
         right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], marker="o", ls=style, lw=width,
@@ -275,7 +280,7 @@ def plot_small(result, sweeps) -> None:
     right.set_xlabel("context (tokens)")
     right.set_ylabel("tokens/s")
     right.set_title("small: tokens/s against context")
-    right.legend()
+    right.legend(fontsize="x-small")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "small")
 
@@ -291,7 +296,8 @@ def main() -> None:
     result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
     sweeps = sweep_report({version: json.loads(path.read_text(encoding="utf-8"))
                            for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT), ("v4", SWEEP_GEMM),
-                                                 ("v5", SWEEP_UNFUSED), ("v5, MoE v3", SWEEP_MOE))})
+                                                 ("v5", SWEEP_UNFUSED), ("v5, MoE v3", SWEEP_MOE),
+                                                 ("v5, MoE v3, lanes", SWEEP_LANES))})
     plot_small(result, sweeps)
 
 
