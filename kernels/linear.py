@@ -1166,10 +1166,10 @@ def _linear_case(name: str, what: str, rows: int, depth: int, outputs: int, vers
 
 
 def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: decode GEMVs, a tree-rows GEMM, the
-    engine's batch-invariant versions ("tiles", "warps", "stream") for a decode row and ("tiles",
-    "warps", "tiles_gemm") for tree rows, a prefill's GEMM ("gemm", "tiles" and "tiles_gemm"),
-    argmax."""
+    """This module's cases of ``python -m kernels.bench``: decode GEMVs (the lm_head also by
+    "lanes", the engine's), a tree-rows GEMM, the batch-invariant versions ("tiles", "warps",
+    "stream", "lanes") for a decode row and ("tiles", "warps", "tiles_gemm", "lanes") for tree
+    rows, a prefill's GEMM ("gemm", "tiles" and "tiles_gemm"), argmax."""
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     config = sizes.config
@@ -1181,16 +1181,18 @@ def bench_cases(sizes):
                      1, hidden, config.intermediate_size, "gemv"),
         _linear_case("linear_gemv_lm_head", f"lm_head, 1 decode row (W {head_gb:.1f} GB)",
                      1, hidden, vocab, "gemv"),
+        _linear_case("linear_lanes_lm_head", f"lm_head, 1 decode row, the engine's \"lanes\" "
+                     f"(W {head_gb:.1f} GB)", 1, hidden, vocab, "lanes"),
         _linear_case("linear_gemm", f"{sizes.rows} tree rows through a {hidden} -> "
                      f"{config.moe_intermediate_size} projection (expert-sized)",
                      sizes.rows, hidden, config.moe_intermediate_size, "gemm"),
         *(_linear_case(f"linear_{version}_mlp_up", f"the up projection, 1 decode row, batch-invariant "
                        f"(W {up_mb:.0f} MB)", 1, hidden, config.intermediate_size, version)
-          for version in ("tiles", "warps", "stream")),
+          for version in ("tiles", "warps", "stream", "lanes")),
         *(_linear_case(f"linear_{version}_verify", f"{sizes.rows} tree rows, batch-invariant, "
                        f"{hidden} -> {config.moe_intermediate_size}", sizes.rows, hidden,
                        config.moe_intermediate_size, version)
-          for version in ("tiles", "warps", "tiles_gemm")),
+          for version in ("tiles", "warps", "tiles_gemm", "lanes")),
         *(_linear_case(f"linear_{version}_prefill", f"{sizes.large_rows} prefill rows, {hidden} -> "
                        f"{config.moe_intermediate_size}", sizes.large_rows, hidden,
                        config.moe_intermediate_size, version)

@@ -22,9 +22,10 @@ from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
     "rmsnorm", "rmsnorm_large", "rope_q_pe", "rope_q_pe_large", "linear_gemv_mlp_up",
-    "linear_gemv_lm_head", "linear_gemm", "linear_tiles_mlp_up", "linear_warps_mlp_up",
-    "linear_stream_mlp_up",
-    "linear_tiles_verify", "linear_warps_verify", "linear_tiles_gemm_verify", "linear_gemm_prefill",
+    "linear_gemv_lm_head", "linear_lanes_lm_head", "linear_gemm", "linear_tiles_mlp_up",
+    "linear_warps_mlp_up", "linear_stream_mlp_up", "linear_lanes_mlp_up",
+    "linear_tiles_verify", "linear_warps_verify", "linear_tiles_gemm_verify", "linear_lanes_verify",
+    "linear_gemm_prefill",
     "linear_tiles_prefill", "linear_tiles_gemm_prefill", "argmax",
     "attention_decode_short", "attention_verify",
     "paths_v1_decode", "paths_v2_decode", "paths_v3_decode", "paths_v3_decode_long",
@@ -201,6 +202,23 @@ def test_device_timings_are_refused_in_the_simulator(command, capsys):
     with pytest.raises(SystemExit):
         main([command])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_profile_table_lists_every_kernel_of_any_row_count():
+    """A kernel that runs at one T only (a decode row's "stream" projections) gets its row; launch
+    shapes of one kernel merge; launches are the most of any T; the costliest at the largest T
+    comes first; the sums add every launch label."""
+    from kernels.bench.profile import kernel_table
+
+    table = {1: ({"stream_kernel grid (4, 1, 1) x 64": 30.0, "stream_kernel grid (8, 1, 1) x 64": 10.0,
+                  "rmsnorm_kernel grid (1, 1, 1) x 128": 5.0}, {"stream_kernel grid (4, 1, 1) x 64": 3,
+                  "stream_kernel grid (8, 1, 1) x 64": 2, "rmsnorm_kernel grid (1, 1, 1) x 128": 4}),
+             8: ({"tiles_gemm_kernel grid (2, 1, 1) x 256": 70.0, "rmsnorm_kernel grid (8, 1, 1) x 128": 6.0},
+                 {"tiles_gemm_kernel grid (2, 1, 1) x 256": 5, "rmsnorm_kernel grid (8, 1, 1) x 128": 4})}
+    lines = kernel_table(table, [1, 8])
+    assert lines[:2] == ["| kernel | launches | T=1 | T=8 |", "|---|---|---|---|"]
+    assert lines[2:] == ["| tiles_gemm_kernel | 5 | 0.0 | 70.0 |", "| rmsnorm_kernel | 4 | 5.0 | 6.0 |",
+                         "| stream_kernel | 5 | 40.0 | 0.0 |", "| **sum of kernels** | | 45.0 | 76.0 |"]
 
 
 def test_gc_pauses_times_the_collector_and_unhooks_itself():

@@ -141,6 +141,33 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
                                block, nodes - 1, None)
 
 
+def kernel_table(table: dict, rows_list) -> list[str]:
+    """The profile's table rows from ``table`` = {T: (µs by launch label, launches by label)}: one
+    row per kernel (labels' grids dropped, launches summed) of any T (a forward's kernels change
+    with T: one decode row's projections are not a verify's), the costliest at the largest T first,
+    its launches the most of any T, then the sum of every kernel per T."""
+    def by_kernel(per_label):
+        merged = collections.Counter()
+        for label, value in per_label.items():
+            merged[label.split(" grid")[0]] += value
+        return merged
+
+    times = {rows: by_kernel(table[rows][0]) for rows in rows_list}
+    launches = collections.Counter()
+    for rows in rows_list:
+        for kernel, count in by_kernel(table[rows][1]).items():
+            launches[kernel] = max(launches[kernel], count)
+    names = sorted(launches, key=lambda n: tuple(-times[r].get(n, 0.0) for r in reversed(rows_list)))
+    lines = ["| kernel | launches | " + " | ".join(f"T={r}" for r in rows_list) + " |",
+             "|---|---|" + "---|" * len(rows_list)]
+    for kernel in names:
+        cells = [f"{times[r].get(kernel, 0.0):.1f}" for r in rows_list]
+        lines.append(f"| {kernel} | {launches[kernel]} | " + " | ".join(cells) + " |")
+    sums = [sum(table[r][0].values()) for r in rows_list]
+    lines.append("| **sum of kernels** | | " + " | ".join(f"{s:.1f}" for s in sums) + " |")
+    return lines
+
+
 ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
                   "moe_grouped_from_rows", "moe_warps", "linear_version")
 
@@ -161,29 +188,7 @@ def profile(name: str, rows_list, context: int, **options) -> str:
     for rows in rows_list:
         kernel_times(model, rows)                                       # compile and warm
         table[rows] = kernel_times(model, rows)
-    def by_kernel(times):                                              # the labels' grids dropped
-        merged = collections.Counter()
-        for label, value in times.items():
-            merged[label.split(" grid")[0]] += value
-        return merged
-
-    merged = {r: by_kernel(table[r][0]) for r in rows_list}
-    launches = collections.Counter()                                   # per forward: the most of any T
-    for rows in rows_list:
-        per_kernel = collections.Counter()
-        for label, count in table[rows][1].items():
-            per_kernel[label.split(" grid")[0]] += count
-        for kernel, count in per_kernel.items():
-            launches[kernel] = max(launches[kernel], count)
-    # every kernel of any T (a forward's kernels change with T), the costliest at the largest T first
-    names = sorted(launches, key=lambda n: tuple(-merged[r].get(n, 0.0) for r in reversed(rows_list)))
-    lines.append("| kernel | launches | " + " | ".join(f"T={r}" for r in rows_list) + " |")
-    lines.append("|---|---|" + "---|" * len(rows_list))
-    for kernel in names:
-        cells = [f"{merged[r].get(kernel, 0.0):.1f}" for r in rows_list]
-        lines.append(f"| {kernel} | {launches[kernel]} | " + " | ".join(cells) + " |")
-    sums = [sum(table[r][0].values()) for r in rows_list]
-    lines.append("| **sum of kernels** | | " + " | ".join(f"{s:.1f}" for s in sums) + " |")
+    lines += kernel_table(table, rows_list)
     replays = [replay_time(model, r) for r in rows_list]
     lines.append("| **graph replay** | | " + " | ".join(f"{s:.1f}" for s in replays) + " |")
     for rows in (rows_list[0], rows_list[-1]):
