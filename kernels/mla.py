@@ -194,8 +194,6 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
 # --8<-- [end:absorb_query_kernel]
 
 
-
-
 # --8<-- [start:attention_absorb_kernel]
 @cuda.jit(device=True)
 def _score(query, cache_latent, cache_rope, key, scale):

@@ -143,6 +143,7 @@ from kernels.device import (
 from kernels.linear import (
     LANES,
     LANES_PADDED,
+    LANES_SIMULATED,
     MAX_SLICES,
     ROWS_PER_PASS,
     k_slices,
@@ -172,9 +173,10 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
 # (small's and Kimi's experts) NARROW was the faster at 1 and 8 rows, WIDE at 24 and 72 (Kimi: 16);
-# WIDE needs 255 registers (NARROW 168). The simulator runs one warp per block (Python threads).
-LANE_NARROW = (1, 8, 2) if SIMULATOR else (4, 4, 4)
-LANE_WIDE = (1, 8, 2) if SIMULATOR else (4, 8, 2)
+# WIDE needs 255 registers (NARROW 168). The simulator runs linear's "lanes" shape (one warp per
+# block: each thread is a Python thread).
+LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
+LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
 
 
@@ -701,8 +703,6 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 
 
 # --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
-
-
 
 def lane_shape(rows: int) -> tuple[int, int, int]:
     """Version 3's launch shape for T rows: LANE_WIDE from LANE_WIDE_FROM_ROWS on, else LANE_NARROW
