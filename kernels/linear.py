@@ -173,10 +173,17 @@ def k_slices(depth: int) -> int:
     return max(1, min(2 if SIMULATOR else MAX_SLICES, -(-depth // LANES)))
 
 
-def row_passes(rows: int) -> int:
-    """Blocks along the rows for the "rows" kernels: one per pass of ROWS_PER_PASS rows on a GPU
+def row_passes(rows: int, per_pass: int = ROWS_PER_PASS) -> int:
+    """Blocks along the rows for the "rows" kernels: one per pass of ``per_pass`` rows on a GPU
     (a tree verify then takes about as long as a decode step); one in the simulator."""
-    return 1 if SIMULATOR else blocks(rows, ROWS_PER_PASS)
+    return 1 if SIMULATOR else blocks(rows, per_pass)
+
+
+def pass_rows(rows: int) -> int:
+    """The rows of a pass ("lanes", MoE version 3) for a launch over T = ``rows`` rows: one for a
+    decode row, whose kernel then keeps one row's sums in registers instead of ROWS_PER_PASS'
+    (fewer registers, more warps per SM), else ROWS_PER_PASS. Each row's sums are the same."""
+    return 1 if rows == 1 else ROWS_PER_PASS
 F32, I64 = 4, 8
 
 
@@ -670,10 +677,10 @@ def lane_dots(rows: int, columns: int, unroll: int):
 
 
 @functools.cache
-def pass_dots(columns: int, unroll: int):
-    """``lane_dots`` for a pass of ``count`` rows: one row alone skips the other rows' work (each
-    row's sums are the same either way)."""
-    dots_one, dots_pass = lane_dots(1, columns, unroll), lane_dots(ROWS_PER_PASS, columns, unroll)
+def pass_dots(columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
+    """``lane_dots`` for a pass of ``count`` of ``per_pass`` rows: one row alone skips the other
+    rows' work (each row's sums are the same either way)."""
+    dots_one, dots_pass = lane_dots(1, columns, unroll), lane_dots(per_pass, columns, unroll)
 
     @cuda.jit(device=True)
     def dots(x, row_ids, count, weight, n0, acc, w):
@@ -687,12 +694,12 @@ def pass_dots(columns: int, unroll: int):
 
 # --8<-- [start:lane_sums]
 @functools.cache
-def lane_sums(warps: int, columns: int):
+def lane_sums(warps: int, columns: int, per_pass: int = ROWS_PER_PASS):
     """The device functions that finish "warps"' sums in blocks of ``warps`` warps, each with
-    ``columns`` x ROWS_PER_PASS sums (output o = c * ROWS_PER_PASS + r) spread over its lanes:
+    ``columns`` x R sums (R = ``per_pass`` rows; output o = c * R + r) spread over its lanes:
     ``share`` puts every lane's sums in shared memory, ``total`` adds one output's 32 lane sums in
     lane order, ``written`` says whether an output is a real one."""
-    outputs = columns * ROWS_PER_PASS
+    outputs = columns * per_pass
 
     @cuda.jit(device=True)
     def share(sums, acc):
@@ -701,8 +708,8 @@ def lane_sums(warps: int, columns: int):
         warp, lane = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
         cuda.syncthreads()
         for c in range(columns):
-            for r in range(ROWS_PER_PASS):
-                sums[warp, c * ROWS_PER_PASS + r, lane] = acc[c, r]
+            for r in range(per_pass):
+                sums[warp, c * per_pass + r, lane] = acc[c, r]
         cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -717,7 +724,7 @@ def lane_sums(warps: int, columns: int):
     @cuda.jit(device=True)
     def written(n0, output, count, width):
         """Whether sum ``output`` = c * R + r is written: row r < count, column n0 + c < width."""
-        return output < outputs and output % ROWS_PER_PASS < count and n0 + output // ROWS_PER_PASS < width
+        return output < outputs and output % per_pass < count and n0 + output // per_pass < width
 
     return share, total, written
 # --8<-- [end:lane_sums]
@@ -725,42 +732,43 @@ def lane_sums(warps: int, columns: int):
 
 # --8<-- [start:lanes_kernel]
 @functools.cache
-def lanes_kernel(warps: int, columns: int, unroll: int):
-    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp and
-    ``unroll`` W loads in flight per column and lane (literals: shared and local array sizes).
-    None of them changes a sum: every output is added in "warps"' order."""
-    outputs = columns * ROWS_PER_PASS                    # a warp's (column, row) sums per pass
+def lanes_kernel(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
+    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp,
+    ``unroll`` W loads in flight per column and lane and passes of R = ``per_pass`` rows
+    (literals: shared and local array sizes). None of them changes a sum: every output is added in
+    "warps"' order."""
+    outputs = columns * per_pass                         # a warp's (column, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
-    dots = pass_dots(columns, unroll)
-    share, total, written = lane_sums(warps, columns)
+    dots = pass_dots(columns, unroll, per_pass)
+    share, total, written = lane_sums(warps, columns, per_pass)
 
     @cuda.jit
     def kernel(x, weight, out, groups):
         # groups G (blockIdx.z = g): row t of group g is x[t G + g] and out[t G + g], its weight
         # rows g Dout .. (g + 1) Dout - 1 (one group: a linear; a head each: MLA's absorb_output).
-        # One warp = C columns n0 + c (blockIdx.x: warps * C columns) for the passes of
-        # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of
+        # One warp = C columns n0 + c (blockIdx.x: warps * C columns) for the passes of R rows
+        # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of
         # every dot product (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in
         # lane order (lane_sums)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
-        acc = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        acc = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
-        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        rows = cuda.local.array(per_pass, int32)
         lane = cuda.threadIdx.x % LANES
         group = cuda.blockIdx.z
         width = out.shape[1]                             # Dout of each group
         n0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
         group_rows = x.shape[0] // groups
-        for t0 in range(cuda.blockIdx.y * ROWS_PER_PASS, group_rows, cuda.gridDim.y * ROWS_PER_PASS):
-            count = min(ROWS_PER_PASS, group_rows - t0)
-            for r in range(ROWS_PER_PASS):               # the pass's last row repeated after count
+        for t0 in range(cuda.blockIdx.y * per_pass, group_rows, cuda.gridDim.y * per_pass):
+            count = min(per_pass, group_rows - t0)
+            for r in range(per_pass):                    # the pass's last row repeated after count
                 rows[r] = (t0 + min(r, count - 1)) * groups + group
             dots(x, rows, count, weight, group * width + n0, acc, w)
             share(sums, acc)
             for i in range(per_lane):
                 output = lane + i * LANES
                 if written(n0, output, count, width):
-                    out[rows[output % ROWS_PER_PASS], n0 + output // ROWS_PER_PASS] = total(sums, output)
+                    out[rows[output % per_pass], n0 + output // per_pass] = total(sums, output)
 
     return kernel
 
@@ -772,8 +780,9 @@ def lanes_launch(x, weight, out, *, groups: int = 1, shape: tuple[int, int, int]
     (warps, columns, unroll): None takes ``lanes_shape``."""
     rows, outputs = x.shape[0] // groups, out.shape[1]
     warps, columns, unroll = shape or lanes_shape(rows, outputs)
-    grid = (blocks(outputs, warps * columns), row_passes(rows), groups)   # x over Dout, y over T
-    lanes_kernel(warps, columns, unroll)[grid, warps * LANES, stream](x, weight, out, groups)
+    per_pass = pass_rows(rows)
+    grid = (blocks(outputs, warps * columns), row_passes(rows, per_pass), groups)   # x over Dout, y over T
+    lanes_kernel(warps, columns, unroll, per_pass)[grid, warps * LANES, stream](x, weight, out, groups)
 # --8<-- [end:lanes_kernel]
 
 

@@ -40,6 +40,7 @@ that every row sees a key (with P > 0 every row sees the prefix). ``bytes_moved`
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -122,11 +123,17 @@ UNFUSED_LOAD_KEYS = UNFUSED_THREADS // UNFUSED_TILE   # P V's values: keys betwe
 UNFUSED_PAD = 4                                # floats after a staged k-row (rows stay 16-byte aligned)
 UNFUSED_ALIGN = None if SIMULATOR else 16
 UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's two staged buffers
+# the scores' (TILE, THREAD, STEP) for many query rows, and for a decode row's few (``scores_shape``)
+# (query tile, key tile, a thread's queries, its keys, STEP)
+UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
+UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
-UNFUSED_TAIL_HEADS = 4                         # the tail kernel's heads per block
-UNFUSED_TAIL_THREADS = 8 if SIMULATOR else 64   # ... and output columns per block (a thread each)
-UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16     # ... and cache loads a thread issues before their adds
-UNFUSED_TAIL_PROBS = UNFUSED_TAIL_HEADS * UNFUSED_CHUNK   # its staged exp(s - M), [heads, keys]
+UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
+# ... its (heads, output columns) per block (a thread per column) for one row, a few and many (``tail_shape``)
+UNFUSED_TAIL_ONE = (1, 8 if SIMULATOR else 64)
+UNFUSED_TAIL_FEW = (2, 8 if SIMULATOR else 128)
+UNFUSED_TAIL_MANY = (4 if SIMULATOR else 8, 8 if SIMULATOR else 128)
+UNFUSED_TAIL_MANY_ROWS = 16                        # ... MANY from this many rows on
 UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512   # the statistics' most threads (a decode row's few blocks)
 UNFUSED_STATS_FEW = 32 if SIMULATOR else 128       # ... and their threads where blocks are many
 UNFUSED_STATS_MANY_BLOCKS = 528                    # 4 per SM of the H200's 132: from here on, FEW threads
@@ -950,114 +957,167 @@ def _key_slot(n_prefix, paths, row, position):
     return position if position < n_prefix else n_prefix + paths[row, position - n_prefix]
 
 
-@cuda.jit(device=True)
-def _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values):
-    """acc[i, j] += a[k, THREAD ty + i] * b[k, THREAD tx + j] for the STEP staged k-rows from
-    ``first`` on, k in order. A thread's rows (and its columns) are THREAD consecutive floats,
-    16-byte aligned: one float4 read each (indices ``non_negative``, so that the compiler sees
-    it); a warp's two ty share their reads of a (a broadcast), its 16 tx read 256 consecutive
-    bytes of b (no bank conflicts). Per k: 2 shared loads feed THREAD^2 multiply-adds."""
-    for k in range(UNFUSED_STEP):
-        at = non_negative(first + k)
-        for i in range(UNFUSED_THREAD):
-            a_values[i] = a_tile[at, non_negative(ty * UNFUSED_THREAD + i)]
-        for j in range(UNFUSED_THREAD):
-            b_values[j] = b_tile[at, non_negative(tx * UNFUSED_THREAD + j)]
-        for i in range(UNFUSED_THREAD):
-            for j in range(UNFUSED_THREAD):
-                acc[i, j] += a_values[i] * b_values[j]
+@functools.cache
+def tile_products(thread_a: int, thread_b: int, step: int):
+    """The device function products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values) of a
+    register tile of THREAD_A x THREAD_B = ``thread_a`` x ``thread_b``: acc[i, j] += a[k, THREAD_A
+    ty + i] * b[k, THREAD_B tx + j] for the STEP = ``step`` staged k-rows from ``first`` on, k in
+    order. A thread's rows (and its columns) are consecutive floats, 16-byte aligned: one float4
+    read each where there are 4 (indices ``non_negative``, so that the compiler sees it); a warp's
+    threads of one ty share their reads of a (a broadcast), its tx read consecutive bytes of b (no
+    bank conflicts). Per k: 2 shared loads feed THREAD_A THREAD_B multiply-adds."""
+    @cuda.jit(device=True)
+    def products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values):
+        for k in range(step):
+            at = non_negative(first + k)
+            for i in range(thread_a):
+                a_values[i] = a_tile[at, non_negative(ty * thread_a + i)]
+            for j in range(thread_b):
+                b_values[j] = b_tile[at, non_negative(tx * thread_b + j)]
+            for i in range(thread_a):
+                for j in range(thread_b):
+                    acc[i, j] += a_values[i] * b_values[j]
+
+    return products
 
 
-@cuda.jit(device=True)
-def _stage(tile, first, values, k, row0, row_stride):
-    """The LOADS values a thread loaded into the k-major tile: tile[first + k, row0 + p row_stride]."""
-    for p in range(UNFUSED_LOADS):
-        tile[first + k, row0 + p * row_stride] = values[p]
+@functools.cache
+def staging(loads: int):
+    """The device function stage(tile, first, values, k, row0, row_stride): the LOADS = ``loads``
+    values a thread loaded into the k-major tile, tile[first + k, row0 + p row_stride]."""
+    @cuda.jit(device=True)
+    def stage(tile, first, values, k, row0, row_stride):
+        for p in range(loads):
+            tile[first + k, row0 + p * row_stride] = values[p]
+
+    return stage
 
 
-@cuda.jit(device=True)
-def _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
-    """Column ``column`` of the thread's LOADS query rows (q_rows[p] < 0: past the last query) and
-    cache slots (past ``keys``: none) into a_next and b_next, 0 where there is none or the column
-    lies past R + dr (a padded term adds nothing)."""
-    rank = q_lat.shape[2]
-    for p in range(UNFUSED_LOADS):
-        row, slot = q_rows[p], slots[p]
-        a_next[p] = float32(0.0)
-        b_next[p] = float32(0.0)
-        if column < rank:
+# the P V GEMM's (attention_values_kernel)
+_tile_products = tile_products(UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
+_stage = staging(UNFUSED_LOADS)
+
+
+@functools.cache
+def score_loads(query_loads: int, key_loads: int):
+    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots,
+    keys, column, a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows
+    (q_rows[p] < 0: past the last query) into a_next and of its ``key_loads`` cache slots (past
+    ``keys``: none) into b_next, 0 where there is none or the column lies past R + dr (a padded
+    term adds nothing)."""
+    @cuda.jit(device=True)
+    def load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
+        rank = q_lat.shape[2]
+        for p in range(query_loads):
+            row = q_rows[p]
+            a_next[p] = float32(0.0)
             if row >= 0:
-                a_next[p] = q_lat[row, q_heads[p], column]
+                if column < rank:
+                    a_next[p] = q_lat[row, q_heads[p], column]
+                elif column < rank + q_pe.shape[2]:
+                    a_next[p] = q_pe[row, q_heads[p], column - rank]
+        for p in range(key_loads):
+            slot = slots[p]
+            b_next[p] = float32(0.0)
             if slot < keys:
-                b_next[p] = cache_latent[slot, column]
-        elif column < rank + q_pe.shape[2]:
-            if row >= 0:
-                a_next[p] = q_pe[row, q_heads[p], column - rank]
-            if slot < keys:
-                b_next[p] = cache_rope[slot, column - rank]
+                if column < rank:
+                    b_next[p] = cache_latent[slot, column]
+                elif column < rank + q_pe.shape[2]:
+                    b_next[p] = cache_rope[slot, column - rank]
+
+    return load
 
 
-@cuda.jit
-def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
-    """Version 5, step 1 of 4: scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s]
-    for every query row q = row * H + head and every slot s < P + T (the prefix and the whole
-    tree; the mask is the next steps' business), a register-tiled GEMM.
+@functools.cache
+def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_keys: int, step: int):
+    """Version 5, step 1 of 4, for tiles of QT = ``query_tile`` queries x KT = ``key_tile`` keys,
+    register tiles of TQ = ``thread_queries`` x TK = ``thread_keys`` and STEP = ``step`` k-rows
+    staged at a time (literals: shared and local array sizes). None of them changes a score: each
+    adds its R + dr terms in column order (``scores_shape``)."""
+    side = key_tile // thread_keys                        # threads along the keys
+    threads = (query_tile // thread_queries) * side
+    load_rows = threads // step                           # tile rows between a thread's loads
+    query_loads, key_loads = query_tile // load_rows, key_tile // load_rows   # per step, per thread
+    registers = (thread_queries, thread_keys)
+    query_staged = (2 * step, query_tile + UNFUSED_PAD)   # each operand's two staged buffers
+    key_staged = (2 * step, key_tile + UNFUSED_PAD)
+    products = tile_products(thread_queries, thread_keys, step)
+    stage_queries, stage_keys = staging(query_loads), staging(key_loads)
+    load = score_loads(query_loads, key_loads)
 
-    Block (x, y) computes the TILE x TILE scores of queries y TILE .. and slots x TILE ..; the grid
-    covers the cache's capacity and a block past P + T (P read on the device) returns at once, so
-    one launch shape serves every step. Thread (ty, tx) of the SIDE x SIDE block holds the THREAD x
-    THREAD scores of queries THREAD ty + i and slots THREAD tx + j in registers. Per step the block
-    stages STEP columns of both operands k-major in shared memory: a thread loads column tid % STEP
-    of LOADS rows LOAD_ROWS apart (consecutive threads read consecutive columns of a row), two
-    buffers, the next step's loads waiting in registers while this step's products run. A score
-    adds its R + dr terms one at a time in column order whatever the launch, the rows or the tree:
-    batch-invariant.
-    """
-    tid = non_negative(cuda.threadIdx.x)
-    ty, tx = tid // UNFUSED_SIDE, tid % UNFUSED_SIDE
-    rows, heads, rank = q_lat.shape
-    width = rank + q_pe.shape[2]
-    keys = prefix[0] + rows
-    q0 = non_negative(cuda.blockIdx.y) * UNFUSED_TILE
-    s0 = non_negative(cuda.blockIdx.x) * UNFUSED_TILE
-    if s0 >= keys:                                        # the whole block: past the last key
-        return
-    a_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
-    b_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
-    acc = cuda.local.array(UNFUSED_REGISTERS, float32)
-    a_values = cuda.local.array(UNFUSED_THREAD, float32)
-    b_values = cuda.local.array(UNFUSED_THREAD, float32)
-    a_next = cuda.local.array(UNFUSED_LOADS, float32)
-    b_next = cuda.local.array(UNFUSED_LOADS, float32)
-    q_rows = cuda.local.array(UNFUSED_LOADS, int32)      # the staged queries' rows and heads
-    q_heads = cuda.local.array(UNFUSED_LOADS, int32)
-    slots = cuda.local.array(UNFUSED_LOADS, int32)       # ... and slots
-    column, first_row = tid % UNFUSED_STEP, tid // UNFUSED_STEP
-    for p in range(UNFUSED_LOADS):
-        query = q0 + first_row + p * UNFUSED_LOAD_ROWS
-        q_rows[p] = query // heads if query < rows * heads else -1
-        q_heads[p] = query % heads
-        slots[p] = s0 + first_row + p * UNFUSED_LOAD_ROWS
-    for i in range(UNFUSED_THREAD):
-        for j in range(UNFUSED_THREAD):
-            acc[i, j] = float32(0.0)
-    _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next)
-    steps = (width + UNFUSED_STEP - 1) // UNFUSED_STEP
-    for step in range(steps):
-        first = step % 2 * UNFUSED_STEP                   # this step's buffer
-        _stage(a_tile, first, a_next, column, first_row, UNFUSED_LOAD_ROWS)
-        _stage(b_tile, first, b_next, column, first_row, UNFUSED_LOAD_ROWS)
-        cuda.syncthreads()                                # staged (and the other buffer free again)
-        if step + 1 < steps:
-            _load_scores(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys,
-                         (step + 1) * UNFUSED_STEP + column, a_next, b_next)
-        _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
-    for i in range(UNFUSED_THREAD):
-        query = q0 + ty * UNFUSED_THREAD + i
-        for j in range(UNFUSED_THREAD):
-            slot = s0 + tx * UNFUSED_THREAD + j
-            if query < rows * heads and slot < keys:
-                scores[query, slot] = acc[i, j] * scale
+    @cuda.jit
+    def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+        """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every
+        query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
+        mask is the next steps' business), a register-tiled GEMM.
+
+        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid
+        covers the cache's capacity and a block past P + T (P read on the device) returns at once,
+        so one launch shape serves every step. Thread (ty, tx) holds the TQ x TK scores of queries
+        TQ ty + i and slots TK tx + j in registers. Per step the block stages STEP columns of both
+        operands k-major in shared memory: a thread loads column tid % STEP of rows LOAD_ROWS
+        apart (consecutive threads read consecutive columns of a row), two buffers, the next
+        step's loads waiting in registers while this step's products run. A score adds its R + dr
+        terms one at a time in column order whatever the launch, the tiles, the rows or the tree:
+        batch-invariant.
+        """
+        tid = non_negative(cuda.threadIdx.x)
+        ty, tx = tid // side, tid % side
+        rows, heads, rank = q_lat.shape
+        width = rank + q_pe.shape[2]
+        keys = prefix[0] + rows
+        q0 = non_negative(cuda.blockIdx.y) * query_tile
+        s0 = non_negative(cuda.blockIdx.x) * key_tile
+        if s0 >= keys:                                    # the whole block: past the last key
+            return
+        a_tile = cuda.shared.array(query_staged, float32, alignment=UNFUSED_ALIGN)
+        b_tile = cuda.shared.array(key_staged, float32, alignment=UNFUSED_ALIGN)
+        acc = cuda.local.array(registers, float32)
+        a_values = cuda.local.array(thread_queries, float32)
+        b_values = cuda.local.array(thread_keys, float32)
+        a_next = cuda.local.array(query_loads, float32)
+        b_next = cuda.local.array(key_loads, float32)
+        q_rows = cuda.local.array(query_loads, int32)     # the staged queries' rows and heads
+        q_heads = cuda.local.array(query_loads, int32)
+        slots = cuda.local.array(key_loads, int32)        # ... and slots
+        column, first_row = tid % step, tid // step
+        for p in range(query_loads):
+            query = q0 + first_row + p * load_rows
+            q_rows[p] = query // heads if query < rows * heads else -1
+            q_heads[p] = query % heads
+        for p in range(key_loads):
+            slots[p] = s0 + first_row + p * load_rows
+        for i in range(thread_queries):
+            for j in range(thread_keys):
+                acc[i, j] = float32(0.0)
+        load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next)
+        steps = (width + step - 1) // step
+        for at in range(steps):
+            first = at % 2 * step                         # this step's buffer
+            stage_queries(a_tile, first, a_next, column, first_row, load_rows)
+            stage_keys(b_tile, first, b_next, column, first_row, load_rows)
+            cuda.syncthreads()                            # staged (and the other buffer free again)
+            if at + 1 < steps:
+                load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys,
+                     (at + 1) * step + column, a_next, b_next)
+            products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
+        for i in range(thread_queries):
+            query = q0 + ty * thread_queries + i
+            for j in range(thread_keys):
+                slot = s0 + tx * thread_keys + j
+                if query < rows * heads and slot < keys:
+                    scores[query, slot] = acc[i, j] * scale
+
+    return attention_scores_kernel
+
+
+def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
+    """The scores kernel's (QT, KT, TQ, TK, STEP) for ``queries`` = T H query rows: NARROW while
+    they fit one of its query tiles (a decode row of small's 16 heads: WIDE's 64-query tile would
+    be three quarters empty), else WIDE; the faster of the shapes timed on the H200 at 136 and at
+    16k keys (``docs/results/unfused-shapes-h200-2026-12-02.txt``). Every shape gives the same
+    bits."""
+    return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
 
 
 @cuda.jit
@@ -1173,55 +1233,77 @@ def attention_values_kernel(scores, cache_latent, prefix, partials):
                 partials[query // heads, query % heads, chunk, at] = acc[i, j]
 
 
-@cuda.jit
-def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
-    """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the one
-    holding the row's own position P + depth, where the row's keys are prefix keys, then its
-    path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
-    g TAIL_HEADS .. of one row. Per chunk the block stages the keys' slots and the heads'
-    exp(s - M) in shared memory, then each thread adds the chunk's keys in position order for its
-    column and heads (its cache loads issued TAIL_BATCH at a time, ahead of their adds): term for
-    term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at its
-    position in the committed chain, bit for bit."""
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    column = cuda.blockIdx.x * threads + tid
-    head0 = cuda.blockIdx.y * UNFUSED_TAIL_HEADS
-    row = cuda.blockIdx.z
-    heads, rank = partials.shape[1], cache_latent.shape[1]
-    n_prefix = prefix[0]
-    last = n_prefix + depths[row]                         # the row's own position
-    slots = cuda.shared.array(UNFUSED_CHUNK, int32)
-    probs = cuda.shared.array(UNFUSED_TAIL_PROBS, float32)   # [heads, keys]
-    acc = cuda.local.array(UNFUSED_TAIL_HEADS, float32)
-    values = cuda.local.array(UNFUSED_TAIL_BATCH, float32)
-    for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
-        start = chunk * UNFUSED_CHUNK
-        count = min(UNFUSED_CHUNK, last + 1 - start)
-        cuda.syncthreads()                                # the last chunk's slots and probs consumed
-        for k in range(tid, count, threads):
-            slots[k] = _key_slot(n_prefix, paths, row, start + k)
-        cuda.syncthreads()
-        for e in range(tid, UNFUSED_TAIL_HEADS * count, threads):
-            h, k = e // count, e % count
-            value = float32(0.0)
-            if head0 + h < heads:
-                top = partials[row, head0 + h, chunk, rank]
-                value = math.exp(scores[row * heads + head0 + h, slots[k]] - top)
-            probs[h * UNFUSED_CHUNK + k] = value
-        cuda.syncthreads()
-        for h in range(UNFUSED_TAIL_HEADS):
-            acc[h] = float32(0.0)
-        if column < rank:
-            for k0 in range(0, count, UNFUSED_TAIL_BATCH):   # BATCH loads, then their adds, k in order
-                for b in range(UNFUSED_TAIL_BATCH):
-                    values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
-                for b in range(min(UNFUSED_TAIL_BATCH, count - k0)):
-                    for h in range(UNFUSED_TAIL_HEADS):
-                        acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
-            for h in range(UNFUSED_TAIL_HEADS):
+@functools.cache
+def tail_kernel(heads_per_block: int):
+    """Version 5's tail kernel for HB = ``heads_per_block`` heads per block (a literal: its staged
+    probabilities and its sums' registers); HB never changes a sum (``tail_shape``)."""
+    probs_shape = heads_per_block * UNFUSED_CHUNK         # the staged exp(s - M), [HB, keys]
+
+    @cuda.jit
+    def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
+        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the
+        one holding the row's own position P + depth, where the row's keys are prefix keys, then
+        its path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
+        g HB .. of one row. Per chunk the block stages the keys' slots and the heads' exp(s - M)
+        in shared memory, then each thread adds the chunk's keys in position order for its column
+        and heads (its cache loads issued TAIL_BATCH at a time, ahead of their adds): term for
+        term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at
+        its position in the committed chain, bit for bit."""
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        column = cuda.blockIdx.x * threads + tid
+        head0 = cuda.blockIdx.y * heads_per_block
+        row = cuda.blockIdx.z
+        heads, rank = partials.shape[1], cache_latent.shape[1]
+        n_prefix = prefix[0]
+        last = n_prefix + depths[row]                     # the row's own position
+        slots = cuda.shared.array(UNFUSED_CHUNK, int32)
+        probs = cuda.shared.array(probs_shape, float32)   # [HB, keys]
+        acc = cuda.local.array(heads_per_block, float32)
+        values = cuda.local.array(UNFUSED_TAIL_BATCH, float32)
+        for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
+            start = chunk * UNFUSED_CHUNK
+            count = min(UNFUSED_CHUNK, last + 1 - start)
+            cuda.syncthreads()                            # the last chunk's slots and probs consumed
+            for k in range(tid, count, threads):
+                slots[k] = _key_slot(n_prefix, paths, row, start + k)
+            cuda.syncthreads()
+            for e in range(tid, heads_per_block * count, threads):
+                h, k = e // count, e % count
+                value = float32(0.0)
                 if head0 + h < heads:
-                    partials[row, head0 + h, chunk, column] = acc[h]
+                    top = partials[row, head0 + h, chunk, rank]
+                    value = math.exp(scores[row * heads + head0 + h, slots[k]] - top)
+                probs[h * UNFUSED_CHUNK + k] = value
+            cuda.syncthreads()
+            for h in range(heads_per_block):
+                acc[h] = float32(0.0)
+            if column < rank:
+                for k0 in range(0, count, UNFUSED_TAIL_BATCH):   # BATCH loads, then their adds, k in order
+                    for b in range(UNFUSED_TAIL_BATCH):
+                        values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
+                    for b in range(UNFUSED_TAIL_BATCH):          # a fixed trip count: values stay registers
+                        if k0 + b < count:
+                            for h in range(heads_per_block):
+                                acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
+                for h in range(heads_per_block):
+                    if head0 + h < heads:
+                        partials[row, head0 + h, chunk, column] = acc[h]
+
+    return attention_tail_kernel
+
+
+def tail_shape(rows: int) -> tuple[int, int]:
+    """The tail kernel's (HB heads, threads) per block for T = ``rows`` rows, the fastest measured
+    on the H200 at small's 16 heads (``docs/results/unfused-shapes-h200-2026-12-02.txt``): one head
+    for a decode row (its tail is its whole context while that is short: more blocks, fewer sums
+    per thread), two for a few rows, eight from TAIL_MANY_ROWS on (each cache load then feeds
+    eight heads' sums). The same bits whatever the shape."""
+    if rows == 1:
+        return UNFUSED_TAIL_ONE
+    return UNFUSED_TAIL_FEW if rows < UNFUSED_TAIL_MANY_ROWS else UNFUSED_TAIL_MANY
+
+
 # --8<-- [end:attention_unfused_kernels]
 
 
@@ -1349,15 +1431,20 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     check_out(partials, (rows, heads, chunks, rank + 2), name="partials")
     scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
-    queries = blocks(rows * heads, UNFUSED_TILE)
-    attention_scores_kernel[(blocks(capacity, UNFUSED_TILE), queries), UNFUSED_THREADS, stream](
+    shape = scores_shape(rows * heads)
+    query_tile, key_tile, thread_queries, thread_keys, _ = shape
+    scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
+    scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
+    scores_kernel(*shape)[scores_grid, scores_threads, stream](
         q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
+    queries = blocks(rows * heads, UNFUSED_TILE)
     attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](
         scores, prefix, depths, paths, partials)
     attention_values_kernel[(blocks(rank, UNFUSED_TILE), queries, chunks), UNFUSED_THREADS, stream](
         scores, cache_latent, prefix, partials)
-    tail_grid = (blocks(rank, UNFUSED_TAIL_THREADS), blocks(heads, UNFUSED_TAIL_HEADS), rows)
-    attention_tail_kernel[tail_grid, UNFUSED_TAIL_THREADS, stream](
+    tail_heads, tail_threads = tail_shape(rows)
+    tail_grid = (blocks(rank, tail_threads), blocks(heads, tail_heads), rows)
+    tail_kernel(tail_heads)[tail_grid, tail_threads, stream](
         scores, cache_latent, prefix, depths, paths, partials)
     attention_merge_kernel[(heads, rows), merge_threads(rank), stream](
         partials, prefix, depths, UNFUSED_CHUNK, d_out)

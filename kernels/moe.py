@@ -150,6 +150,7 @@ from kernels.linear import (
     lane_sums,
     linear,
     pass_dots,
+    pass_rows,
     row_passes,
     tile_dots,
 )
@@ -165,6 +166,10 @@ LOGIT_SLICE = 512       # router version 2: the depth of a logit's slices (S = c
 COLUMNS = 64            # router version 2: columns of experts whose bests prune the ranking
 MAX_CANDIDATES = MAX_EXPERTS + COLUMNS     # ... at most C columns of ceil(E / C) experts
 ROUTE_TPB = 512         # router version 2's largest default block (a thread per expert up to 512)
+# route_ranks' default block on a GPU: ROUTE_TPB whatever E (small's 64 experts took 30.0 µs a token with
+# 64 threads, 23.7 with 512: more threads share each ranking's comparisons); the simulator: a thread per
+# expert (each thread is a Python thread)
+ROUTE_RANKS_THREADS = 32 if SIMULATOR else ROUTE_TPB
 F32, I64 = 4, 8
 # the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
@@ -172,9 +177,11 @@ listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PE
 slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
-# (small's and Kimi's experts) NARROW was the faster at 1 and 8 rows, WIDE at 24 and 72 (Kimi: 16);
-# WIDE needs 255 registers (NARROW 168). The simulator runs linear's "lanes" shape (one warp per
-# block: each thread is a Python thread).
+# (small's and Kimi's experts) NARROW was the faster at 8 rows, WIDE at 24 and 72 (Kimi: 16); WIDE
+# needs 255 registers (NARROW 168). A decode row's kernels keep one row's sums (``pass_rows``), and
+# ONE was the fastest of nine shapes for them (docs/results/pass-rows-h200-2026-12-02.txt). The
+# simulator runs linear's "lanes" shape (one warp per block: each thread is a Python thread).
+LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 4, 8)
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
@@ -624,17 +631,25 @@ def expert_lists_kernel(ids, lists):
 
 
 # --8<-- [start:listed_dots]
-@cuda.jit(device=True)
-def _pass_rows(lists, expert, first, per_row, rows):
-    """rows[r] = the row (pair // per_row) of the pair lists[first + r, expert], for the up to
-    ROWS_PER_PASS pairs of one pass (lists[first, expert] is one); the rows after its last pair
+@functools.cache
+def listed_rows(per_pass: int):
+    """The device function rows_of(lists, expert, first, per_row, rows) for passes of R =
+    ``per_pass`` pairs: rows[r] = the row (pair // per_row) of the pair lists[first + r, expert],
+    for the up to R pairs of one pass (lists[first, expert] is one); the rows after its last pair
     repeat it (staged, never written). Returns the pass's pair count."""
-    count = 0
-    for r in range(ROWS_PER_PASS):
-        if first + r < lists.shape[0] and lists[first + r, expert] >= 0:
-            count = r + 1
-        rows[r] = lists[first + count - 1, expert] // per_row
-    return count
+    @cuda.jit(device=True)
+    def rows_of(lists, expert, first, per_row, rows):
+        count = 0
+        for r in range(per_pass):
+            if first + r < lists.shape[0] and lists[first + r, expert] >= 0:
+                count = r + 1
+            rows[r] = lists[first + count - 1, expert] // per_row
+        return count
+
+    return rows_of
+
+
+_pass_rows = listed_rows(ROWS_PER_PASS)
 
 
 @cuda.jit(device=True)
@@ -705,41 +720,45 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 # --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
 
 def lane_shape(rows: int) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows: LANE_WIDE from LANE_WIDE_FROM_ROWS on, else LANE_NARROW
-    (the same bits either way)."""
+    """Version 3's launch shape for T rows: LANE_ONE for one row, LANE_WIDE from LANE_WIDE_FROM_ROWS
+    on, else LANE_NARROW (the same bits whatever the shape)."""
+    if rows == 1:
+        return LANE_ONE
     return LANE_WIDE if rows >= LANE_WIDE_FROM_ROWS else LANE_NARROW
 
 
 # --8<-- [start:expert_lanes_kernels]
 @functools.cache
-def expert_lanes_kernels(warps: int, columns: int, unroll: int):
+def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
     """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
-    warp and ``unroll`` loads in flight per W row and lane (literals: shared and local array
-    sizes). None of them changes a sum: every output is added in "warps"' order."""
-    outputs = columns * ROWS_PER_PASS                    # a warp's (output, row) sums per pass
+    warp, ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs
+    (literals: shared and local array sizes). None of them changes a sum: every output is added
+    in "warps"' order."""
+    outputs = columns * per_pass                         # a warp's (output, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
-    warp_dots = pass_dots(columns, unroll)
-    share, total, written = lane_sums(warps, columns)
+    warp_dots = pass_dots(columns, unroll, per_pass)
+    share, total, written = lane_sums(warps, columns, per_pass)
+    rows_of = listed_rows(per_pass)
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
         # hidden[p, f] as expert_hidden_kernel's (the same blocks along y: expert e, its passes of
-        # ROWS_PER_PASS pairs); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
+        # R pairs); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
         # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
         # feature c's 32 lane sums for pair r in lane order (shared memory)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
-        gate = cuda.local.array((columns, ROWS_PER_PASS), float32)
-        up = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        gate = cuda.local.array((columns, per_pass), float32)
+        up = cuda.local.array((columns, per_pass), float32)
         gate_totals = cuda.local.array(per_lane, float32)
         w = cuda.local.array((columns, unroll), float32)
-        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        rows = cuda.local.array(per_pass, int32)
         lane = cuda.threadIdx.x % LANES
         expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
         f0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
-        for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+        for first in range(own * per_pass, lists.shape[0], per_expert * per_pass):
             if lists[first, expert] < 0:
                 return
-            count = _pass_rows(lists, expert, first, slots, rows)
+            count = rows_of(lists, expert, first, slots, rows)
             warp_dots(x, rows, count, gate_proj[expert], f0, gate, w)
             warp_dots(x, rows, count, up_proj[expert], f0, up, w)
             share(sums, gate)
@@ -750,29 +769,29 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int):
             for i in range(per_lane):
                 output = lane + i * LANES
                 if written(f0, output, count, hidden.shape[1]):
-                    f, r = f0 + output // ROWS_PER_PASS, output % ROWS_PER_PASS
+                    f, r = f0 + output // per_pass, output % per_pass
                     hidden[lists[first + r, expert], f] = silu_times(gate_totals[i], total(sums, output))
 
     @cuda.jit
     def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
         # down[p, d] as expert_down_kernel's; the blocks and sums as expert_hidden_lanes_kernel's
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
-        dots = cuda.local.array((columns, ROWS_PER_PASS), float32)
+        dots = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
-        rows = cuda.local.array(ROWS_PER_PASS, int32)
+        rows = cuda.local.array(per_pass, int32)
         lane = cuda.threadIdx.x % LANES
         expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
         d0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
-        for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
+        for first in range(own * per_pass, lists.shape[0], per_expert * per_pass):
             if lists[first, expert] < 0:
                 return
-            count = _pass_rows(lists, expert, first, 1, rows)
+            count = rows_of(lists, expert, first, 1, rows)
             warp_dots(hidden, rows, count, down_proj[expert], d0, dots, w)
             share(sums, dots)
             for i in range(per_lane):
                 output = lane + i * LANES
                 if written(d0, output, count, down.shape[1]):
-                    down[rows[output % ROWS_PER_PASS], d0 + output // ROWS_PER_PASS] = total(sums, output)
+                    down[rows[output % per_pass], d0 + output // per_pass] = total(sums, output)
 
     return expert_hidden_lanes_kernel, expert_down_lanes_kernel
 # --8<-- [end:expert_lanes_kernels]
@@ -861,7 +880,8 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
         return
     grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
     logit_slices_kernel[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
-    route_ranks_kernel[rows, threads or pow2_threads(experts, ROUTE_TPB), stream](
+    threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
+    route_ranks_kernel[rows, threads, stream](
         logits, bias, *flags, ids, weights)
 
 
@@ -893,7 +913,9 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) ->
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if version == 3:
         warps, columns, unroll = lane_shape(rows)
-        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll)
+        per_pass = pass_rows(rows)
+        per_expert = row_passes(rows, per_pass)
+        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass)
         grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
         hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert,
                                                    flat_hidden)

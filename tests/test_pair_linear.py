@@ -548,13 +548,30 @@ def test_lanes_groups_are_one_linear_each():
 
 
 def test_lanes_shape_by_rows_and_outputs():
-    """The launch shape follows the rows and Dout on a GPU; the simulator always runs its own."""
+    """The launch shape follows the rows and Dout on a GPU; the simulator always runs its own. A
+    decode row's kernel keeps one row's sums (``pass_rows``), any other launch ROWS_PER_PASS'."""
+    assert kernel.pass_rows(1) == 1 and {kernel.pass_rows(r) for r in (2, 8, 9, 72)} == {kernel.ROWS_PER_PASS}
     if device.SIMULATOR:
         assert {kernel.lanes_shape(r, n) for r in (1, 8, 72) for n in (64, 32000)} == {kernel.LANES_SIMULATED}
         return
     assert kernel.lanes_shape(1, 2048) == (4, 1, 8) and kernel.lanes_shape(1, 32000) == (4, 4, 4)
     assert kernel.lanes_shape(8, 2048) == (4, 2, 8) and kernel.lanes_shape(24, 2048) == (4, 4, 4)
     assert {kernel.lanes_shape(r, 32000) for r in (2, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
+
+
+def test_lanes_passes_of_one_row_equal_warps():
+    """The kernel of one-row passes (a decode row's) over several rows, a pass each: "warps"' bits
+    for every row, every output written."""
+    rows, depth, outputs, shape = 3, 100, 37, (2, 3, 4)
+    x, weight = _inputs(rows, depth, outputs, seed=15)
+    d_out = device.poisoned((rows, outputs))
+    warps, columns, unroll = shape
+    grid = (kernel.blocks(outputs, warps * columns), kernel.row_passes(rows, 1), 1)
+    kernel.lanes_kernel(warps, columns, unroll, 1)[grid, warps * kernel.LANES](
+        cuda.to_device(x), cuda.to_device(weight), d_out, 1)
+    lanes = d_out.copy_to_host()
+    assert not np.isnan(lanes).any(), "an output was never written"
+    assert np.array_equal(_bits(lanes), _bits(kernel.linear(x, weight, version="warps")))
 
 
 @pytest.mark.gpu

@@ -674,7 +674,7 @@ def test_attention_unfused_kimi_dims(rows, heads):
 @pytest.mark.parametrize("rows, prefix, rank, rope, heads", [
     (3, 0, 13, 4, 2),             # no prefix: every chunk is the tail kernel's
     (5, 37, 9, 2, 3),             # 2 whole chunks (simulator: 16 keys) by the GEMM, the rest by the tail
-    (4, 30, 20, 5, 10),           # paths cross a chunk boundary; 10 heads: 2 tail head groups; R past a tile
+    (4, 30, 20, 5, 10),           # paths cross a chunk boundary; 10 heads: 5 tail head groups; R past a tile
     (2, 48, 7, 1, 1),             # the prefix ends at a chunk boundary
     (6, 21, 16, 8, 9)])           # 54 query rows: 7 query tiles, the last one partial
 def test_attention_unfused_equals_the_masked_attention(rows, prefix, rank, rope, heads):
@@ -720,6 +720,34 @@ def test_attention_unfused_tree_row_equals_the_chain_row_bit_for_bit(rank, rope,
         alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
                           np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, unfused=True)
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
+
+
+@pytest.mark.parametrize("rows, heads, prefix", [(3, 6, 37)])
+def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, heads, prefix):
+    """Version 5 with each launch shape of its scores kernel (``scores_shape``: NARROW and WIDE)
+    and of its tail kernel (``tail_shape``: ONE, FEW and MANY heads per block): the same output,
+    partials and scores, bit for bit (every buffer poisoned with NaN first). The prefix reaches
+    past a whole chunk, so that the P V GEMM and the tail both run."""
+    rng = np.random.default_rng(rows * heads)
+    depths, paths = ancestor_paths(random_parents(rng, rows))
+    case = Case("unfused shapes", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=19, rope=5)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=rows)
+    results = {}
+    narrow, one = gpu.UNFUSED_NARROW, gpu.UNFUSED_TAIL_ONE
+    for scores_shape, tail_shape in ((narrow, one), (gpu.UNFUSED_WIDE, one), (narrow, gpu.UNFUSED_TAIL_FEW),
+                                     (narrow, gpu.UNFUSED_TAIL_MANY)):
+        monkeypatch.setattr(gpu, "scores_shape", lambda queries, shape=scores_shape: shape)
+        monkeypatch.setattr(gpu, "tail_shape", lambda rows, shape=tail_shape: shape)
+        partials = []
+        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale,
+                        unfused=True, partials_out=partials)
+        assert np.isfinite(out).all(), f"{scores_shape} {tail_shape}: an output was not written"
+        results[scores_shape, tail_shape] = (out, partials[0])
+    first_out, first_partials = next(iter(results.values()))
+    for shapes, (out, partials) in results.items():
+        assert_exact(out.view(np.uint32), first_out.view(np.uint32), name=f"o_lat with the shapes {shapes}")
+        assert_exact(partials.view(np.uint32), first_partials.view(np.uint32),       # unused chunks: NaN
+                     name=f"partials with the shapes {shapes}")
 
 
 @pytest.mark.parametrize("options, message", [
