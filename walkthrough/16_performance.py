@@ -12,16 +12,18 @@ records under docs/results/ (nothing is measured on this machine):
   record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-02c.json: ``small``'s AR step against its floor, and the verify time
+* engine-small-h200-2026-12-02d.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3,
-  linear's "lanes" and attention version 5's statistics a warp per chunk;
+  linear's "lanes", attention version 5's statistics a warp per chunk and the decode-row launch
+  shapes (version 5's scores and tail, one-row passes);
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
   with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
   contexts with version 4 (register-tiled); sweep-small-h200-2026-12-01c.json: the same with
   version 5 (unfused), the engine's default for small; sweep-small-h200-2026-12-02.json: the same
   with version 5 and the MoE kernels' version 3; sweep-small-h200-2026-12-02b.json: the same with
-  linear's "lanes" too, all three the engine's defaults for small now.
+  linear's "lanes" too, all three the engine's defaults for small now; sweep-small-h200-2026-12-02c
+  .json: the same with the decode-row launch shapes.
 
 Run: python walkthrough/16_performance.py
 
@@ -44,13 +46,14 @@ BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-02c.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-02d.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
 SWEEP_UNFUSED = RESULTS / "sweep-small-h200-2026-12-01c.json"   # attention version 5 (unfused)
 SWEEP_MOE = RESULTS / "sweep-small-h200-2026-12-02.json"       # ... and the MoE kernels' version 3
 SWEEP_LANES = RESULTS / "sweep-small-h200-2026-12-02b.json"     # ... and linear's "lanes"
+SWEEP_SHAPES = RESULTS / "sweep-small-h200-2026-12-02c.json"    # ... and the decode-row launch shapes
 ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long",
                    "paths_v5_tree_few", "paths_v5_tree_many", "paths_v5_tree_many_rank_long")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
@@ -247,19 +250,19 @@ def sweep_report(records: dict[str, dict]) -> dict[str, list[dict]]:
     """Each sweep's rows by attention version (the records' ``result.rows``)."""
     sweeps = {version: record["result"]["rows"] for version, record in records.items()}
     with chapter.section("sweep"):
-        print(f"{'attention':<18} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
+        print(f"{'attention':<26} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
               f"{'att. share':>10}")
         for version, rows in sweeps.items():
             for r in rows:
                 oracle = r["ddtree_oracle"]["tokens_per_second"]
                 noisy = r["ddtree_noisy"]["tokens_per_second"]
-                print(f"{version:<18} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
+                print(f"{version:<26} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
                       f"{noisy:>8.1f} {100 * r['attention_share']:>9.0f}%")
     return sweeps
 
 
 def plot_small(result, sweeps) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 6.4))
     sizes = result["tree_sizes"]
     left.plot([s["nodes"] for s in sizes], [s["verify_us"] / 1e3 for s in sizes], "o-", label="verify")
     left.axhline(result["floor"]["ar_step_us"] / 1e3, color="gray", ls="--", label="AR step")
@@ -268,7 +271,8 @@ def plot_small(result, sweeps) -> None:
     left.set_ylabel("ms")
     left.set_title("small: verify time against tree size")
     left.legend()
-    lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 0.8), ("-", 1.6), ("-", 3.0))   # style, width
+    lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 0.8), ("-", 1.6), ("-", 2.6),   # (style, width)
+             ("-", 4.0))
     for (version, rows), (style, width) in zip(sweeps.items(), lines, strict=True):
         contexts = [r["context"] for r in rows]
         right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], marker="o", ls=style, lw=width,
@@ -280,8 +284,8 @@ def plot_small(result, sweeps) -> None:
     right.set_xlabel("context (tokens)")
     right.set_ylabel("tokens/s")
     right.set_title("small: tokens/s against context")
-    right.legend(fontsize="x-small")
-    fig.tight_layout()
+    fig.legend(*right.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize="x-small")  # below
+    fig.tight_layout(rect=(0, 0.24, 1, 1))
     chapter.save_figure(fig, STEM, "small")
 
 
@@ -297,7 +301,8 @@ def main() -> None:
     sweeps = sweep_report({version: json.loads(path.read_text(encoding="utf-8"))
                            for version, path in (("v1", SWEEP), ("v2", SWEEP_SPLIT), ("v4", SWEEP_GEMM),
                                                  ("v5", SWEEP_UNFUSED), ("v5, MoE v3", SWEEP_MOE),
-                                                 ("v5, MoE v3, lanes", SWEEP_LANES))})
+                                                 ("v5, MoE v3, lanes", SWEEP_LANES),
+                                                 ("v5, MoE v3, lanes, shapes", SWEEP_SHAPES))})
     plot_small(result, sweeps)
 
 
