@@ -626,8 +626,8 @@ class Transformer:
                                 out=b.o_lat[:rows], stream=s)                          # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
-        self.add(s, h, delta)                                                      # h += o_proj(o)
-        rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, out=b.f[:rows], stream=s)  # [T, D]
+        rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],
+                stream=s)                                                  # h += o_proj(o); [T, D]
         # the MoE kernels' version by the bucket's rows: either gives the same bits (DDTree == AR)
         version = moe_version(rows, self.moe_grouped_from_rows, self.moe_warps)
         if layer.moe is not None:

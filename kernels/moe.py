@@ -182,6 +182,7 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass
 # ONE was the fastest of nine shapes for them (docs/results/pass-rows-h200-2026-12-02.txt). The
 # simulator runs linear's "lanes" shape (one warp per block: each thread is a Python thread).
 LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 4, 8)
+LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 8)   # ... a dense SwiGLU's (shared experts)
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
@@ -719,11 +720,13 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 
 # --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
 
-def lane_shape(rows: int) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows: LANE_ONE for one row, LANE_WIDE from LANE_WIDE_FROM_ROWS
-    on, else LANE_NARROW (the same bits whatever the shape)."""
+def lane_shape(rows: int, experts: int = 2) -> tuple[int, int, int]:
+    """Version 3's launch shape for T rows over ``experts`` experts: for one row LANE_ONE, or
+    LANE_ONE_DENSE for a dense SwiGLU (one "expert": the shared experts, a dense layer; its
+    launch has no other experts' blocks, and two outputs per warp gave it more), LANE_WIDE from
+    LANE_WIDE_FROM_ROWS on, else LANE_NARROW (the same bits whatever the shape)."""
     if rows == 1:
-        return LANE_ONE
+        return LANE_ONE_DENSE if experts == 1 else LANE_ONE
     return LANE_WIDE if rows >= LANE_WIDE_FROM_ROWS else LANE_NARROW
 
 
@@ -912,7 +915,7 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) ->
     per_expert = row_passes(rows)
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if version == 3:
-        warps, columns, unroll = lane_shape(rows)
+        warps, columns, unroll = lane_shape(rows, experts)
         per_pass = pass_rows(rows)
         per_expert = row_passes(rows, per_pass)
         hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass)

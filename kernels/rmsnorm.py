@@ -35,6 +35,7 @@ from kernels.device import (
     check_out,
     deliver,
     host_or_device,
+    is_device_array,
     output,
     reduction_threads,
     to_device,
@@ -47,14 +48,16 @@ ROW_BATCH = 8       # a thread's row elements loaded together (registers)
 
 # --8<-- [start:rmsnorm_kernel]
 @functools.cache
-def rmsnorm_kernel(threads: int):
-    """The RMSNorm kernel for blocks of ``threads`` threads (a power of two)."""
+def rmsnorm_kernel(threads: int, residual: bool = False):
+    """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``,
+    the residual add before it (x += delta, written back), in the same launch."""
 
     @cuda.jit
-    def kernel(x, weight, eps, out):
+    def kernel(x, delta, weight, eps, out):
         # one block = one row of x (T, D); one thread = columns tid, tid + TPB, tid + 2 TPB, ...
         # read ROW_BATCH at a time into registers (their loads overlap), squares summed in column
-        # order; shared memory: TPB float32 partial sums of squares, reduced to partial[0]
+        # order; shared memory: TPB float32 partial sums of squares, reduced to partial[0]. With
+        # ``residual`` a value is x + delta, and its thread writes it back to x (delta unused else)
         partial = cuda.shared.array(threads, float32)
         values = cuda.local.array(ROW_BATCH, float32)
         row = cuda.blockIdx.x
@@ -65,10 +68,12 @@ def rmsnorm_kernel(threads: int):
         for base in range(tid, width, threads * ROW_BATCH):
             for b in range(ROW_BATCH):
                 d = min(base + b * threads, width - 1)      # past the row: re-read its last column
-                values[b] = x[row, d]
+                values[b] = x[row, d] + delta[row, d] if residual else x[row, d]
             for b in range(ROW_BATCH):
                 if base + b * threads < width:
                     acc += values[b] * values[b]
+                    if residual:                            # the owner alone writes the sum back
+                        x[row, base + b * threads] = values[b]
         partial[tid] = acc
         block_sum(partial)
 
@@ -80,7 +85,7 @@ def rmsnorm_kernel(threads: int):
                 d = tid + b * threads
                 if d < width:
                     out[row, d] = values[b] * inv_rms * weight[d]
-        else:
+        else:                                               # x holds the sums: the thread wrote them
             for d in range(tid, width, threads):
                 out[row, d] = x[row, d] * inv_rms * weight[d]
 
@@ -88,35 +93,46 @@ def rmsnorm_kernel(threads: int):
 # --8<-- [end:rmsnorm_kernel]
 
 
-def check_rmsnorm(x, weight, eps, *, threads=None, out=None):
+def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None):
     """The reference's rules (shapes, eps), then the launch's: block size, float32 on the device,
-    ``out``. Returns x and weight as numpy or device arrays."""
+    ``out``, and ``residual`` (x's shape, float32, x and it both device arrays: x is updated in
+    place). Returns x and weight as numpy or device arrays."""
     x, weight = host_or_device(x, np.float32), host_or_device(weight, np.float32)
     reference.check_rmsnorm(x, weight, eps)
     if threads is not None:
         check_threads(threads)
     check_float32(x=x, weight=weight)
     check_out(out, x.shape)
+    if residual is not None:
+        if not (is_device_array(x) and is_device_array(residual)):
+            raise ValueError("residual needs x and residual as device arrays (x is updated in place), got "
+                             f"x {type(x).__name__} and residual {type(residual).__name__}")
+        check_float32(residual=residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {x.shape}, got {residual.shape}")
     return x, weight
 
 
 # --8<-- [start:rmsnorm]
-def rmsnorm(x, weight, eps: float, *, threads: int | None = None, out=None, stream=None):
+def rmsnorm(x, weight, eps: float, *, residual=None, threads: int | None = None, out=None, stream=None):
     """Normalise each row of ``x`` (T, D) (or any (..., D)) by its RMS, then scale by ``weight`` (D,).
 
     numpy in -> numpy out; a device array in -> a device array out (no copy back to the host).
+    ``residual`` (device arrays only): first x += residual, written back into x, then the norm of
+    the sum: a residual add and the norm after it in one launch, the same bits as the two apart.
     ``threads`` (a power of two) sets the block size, by default the smallest covering D (at most
     ROW_THREADS on a GPU, 32 in the simulator); any D works with any block size. ``out`` (x's
     shape, float32) receives the result; ``stream`` is where the kernel is launched (None: the
     default stream).
     """
-    x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out)
+    x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out, residual=residual)
     threads = threads or reduction_threads(x.shape[x.ndim - 1], ROW_THREADS)
     d_x = as_rows(to_device(x, np.float32), "x")                      # [T, D]
     d_out = output(out, x.shape, stream=stream)                       # NaN until written
     if d_x.shape[0] > 0:
-        rmsnorm_kernel(threads)[d_x.shape[0], threads, stream](
-            d_x, to_device(weight, np.float32), float(eps), as_rows(d_out, "out"))
+        delta = d_x if residual is None else as_rows(residual, "residual")   # [T, D]
+        rmsnorm_kernel(threads, residual is not None)[d_x.shape[0], threads, stream](
+            d_x, delta, to_device(weight, np.float32), float(eps), as_rows(d_out, "out"))
     return deliver(d_out, out, x, weight)
 # --8<-- [end:rmsnorm]
 

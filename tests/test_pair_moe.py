@@ -315,12 +315,15 @@ def assert_row_alone_same(run, x, batch: np.ndarray, rows, name: str):
 
 def test_version_3_shape_by_rows():
     """Version 3's launch shape on a GPU: ONE for a decode row (whose kernels keep one row's sums:
-    ``pass_rows``), NARROW for a few rows, WIDE for many; the simulator always runs its own."""
+    ``pass_rows``; ONE_DENSE for a dense SwiGLU's), NARROW for a few rows, WIDE for many; the
+    simulator always runs its own."""
     if gpu.SIMULATOR:
         assert {gpu.lane_shape(r) for r in (1, 8, 72)} == {gpu.LANES_SIMULATED}
         return
     assert (gpu.lane_shape(1), gpu.lane_shape(8), gpu.lane_shape(72)) == (gpu.LANE_ONE, gpu.LANE_NARROW,
                                                                           gpu.LANE_WIDE)
+    dense = gpu.lane_shape(1, experts=1), gpu.lane_shape(8, experts=1)
+    assert dense == (gpu.LANE_ONE_DENSE, gpu.LANE_NARROW)
 
 
 # --- the grouped expert kernels: lists, passes, invariance ------------------------------------------

@@ -50,12 +50,36 @@ def test_every_element_written():
     launch = kernel.rmsnorm_kernel(32)
 
     out = device.poisoned(x.shape)
-    launch[3, 32](d_x, d_weight, 1e-6, out)
+    launch[3, 32](d_x, d_x, d_weight, 1e-6, out)                 # delta: unused without residual
     assert np.isfinite(out.copy_to_host()).all()
 
     out = device.poisoned(x.shape)                                # negative control: the poison shows
-    launch[2, 32](d_x, d_weight, 1e-6, out)
+    launch[2, 32](d_x, d_x, d_weight, 1e-6, out)
     assert np.isnan(out.copy_to_host()[2]).all() and np.isfinite(out.copy_to_host()[:2]).all()
+
+
+# (T, D, TPB): the row in registers (45 <= 32 x 8), and spanning several batches (300 > 32 x 8)
+@pytest.mark.parametrize("rows, width, threads", [(3, 45, 32), (2, 300, 32)])
+def test_residual_is_the_add_then_the_norm_bit_for_bit(rows, width, threads):
+    """rmsnorm(x, residual=delta): x becomes x + delta (every element, the add's bits), and the
+    output is the norm of that sum, bit for bit the norm launched on its own after the add."""
+    x, weight = _inputs((rows, width))
+    delta = np.random.default_rng(7).standard_normal((rows, width)).astype(np.float32)
+    d_x, d_delta = cuda.to_device(x), cuda.to_device(delta)
+    fused = kernel.rmsnorm(d_x, weight, 1e-6, residual=d_delta, threads=threads,
+                           out=device.poisoned(x.shape)).copy_to_host()
+    summed = x + delta                                            # float32: the add kernel's bits
+    assert np.array_equal(d_x.copy_to_host().view(np.uint32), summed.view(np.uint32))
+    apart = kernel.rmsnorm(cuda.to_device(summed), weight, 1e-6, threads=threads).copy_to_host()
+    assert np.array_equal(fused.view(np.uint32), apart.view(np.uint32))
+
+
+def test_residual_refuses_host_arrays_and_other_shapes():
+    x, weight = _inputs((2, 40))
+    with pytest.raises(ValueError, match="residual needs x and residual as device arrays"):
+        kernel.rmsnorm(x, weight, 1e-6, residual=x)
+    with pytest.raises(ValueError, match=r"residual must have x's shape \(2, 40\), got \(2, 39\)"):
+        kernel.rmsnorm(cuda.to_device(x), weight, 1e-6, residual=cuda.to_device(x[:, :39].copy()))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")           # the simulator's float32 overflow
