@@ -82,10 +82,12 @@ before its first add, and no barrier until the pass's lane sums. Its bits are no
 and 2's (another order of the same terms): the engine runs it in every forward or in none
 (``kernels.model.moe_version``). Its launch shape (``lane_shape``) is free: C = 4 outputs per
 warp with U = 4 loads for few rows, C = 8 with U = 2 (each x value then feeds 8 outputs) from
-LANE_WIDE_FROM_ROWS rows on. Measured against version 2 on the H200
-(``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's MoE layer 201 against
-396 µs at one token, 1879 against 2648 at 72 (the first draft, without ``kernels.linear.index``
-on its indices, was slower than version 2 from 72 rows on).
+LANE_WIDE_FROM_ROWS rows on; a decode token's kernels keep one row's sums in registers
+(``kernels.linear.pass_rows``) with U = 8, C = 4 (C = 2 for a dense SwiGLU). Measured against
+version 2 on the H200 (``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's
+MoE layer 201 against 396 µs at one token, 1879 against 2648 at 72 (the first draft, without
+``kernels.linear.index`` on its indices, was slower than version 2 from 72 rows on); 169 µs at
+one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``).
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
 "expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1
