@@ -123,8 +123,8 @@ UNFUSED_LOAD_KEYS = UNFUSED_THREADS // UNFUSED_TILE   # P V's values: keys betwe
 UNFUSED_PAD = 4                                # floats after a staged k-row (rows stay 16-byte aligned)
 UNFUSED_ALIGN = None if SIMULATOR else 16
 UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's two staged buffers
-# the scores' (TILE, THREAD, STEP) for many query rows, and for a decode row's few (``scores_shape``)
-# (query tile, key tile, a thread's queries, its keys, STEP)
+# the scores' (query tile, key tile, a thread's queries, its keys, STEP) for many query rows, and for
+# a decode row's few (``scores_shape``)
 UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each

@@ -722,13 +722,13 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
 
 # --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
 
-def lane_shape(rows: int, experts: int = 2) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows over ``experts`` experts: for one row LANE_ONE, or
-    LANE_ONE_DENSE for a dense SwiGLU (one "expert": the shared experts, a dense layer; its
-    launch has no other experts' blocks, and two outputs per warp gave it more), LANE_WIDE from
-    LANE_WIDE_FROM_ROWS on, else LANE_NARROW (the same bits whatever the shape)."""
+def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
+    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a
+    ``dense`` SwiGLU (one "expert": the shared experts, a dense layer; its launch has no other
+    experts' blocks, and two outputs per warp gave it more), LANE_WIDE from LANE_WIDE_FROM_ROWS
+    on, else LANE_NARROW (the same bits whatever the shape)."""
     if rows == 1:
-        return LANE_ONE_DENSE if experts == 1 else LANE_ONE
+        return LANE_ONE_DENSE if dense else LANE_ONE
     return LANE_WIDE if rows >= LANE_WIDE_FROM_ROWS else LANE_NARROW
 
 
@@ -912,13 +912,12 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) ->
     gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
     # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
-    # per pass of ROWS_PER_PASS of them (blocks past the expert's last pair return), in the
-    # simulator one block per expert walks all its passes
-    per_expert = row_passes(rows)
+    # per pass of ROWS_PER_PASS of them (version 3 at one row: of one; blocks past the expert's
+    # last pair return), in the simulator one block per expert walks all its passes
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if version == 3:
-        warps, columns, unroll = lane_shape(rows, experts)
-        per_pass = pass_rows(rows)
+        warps, columns, unroll = lane_shape(rows, dense=experts == 1)
+        per_pass = pass_rows(rows)                          # a decode row's kernels: passes of one
         per_expert = row_passes(rows, per_pass)
         hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass)
         grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
@@ -927,6 +926,7 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) ->
         grid = (blocks(width, warps * columns), experts * per_expert)        # x over D
         down_kernel[grid, LANES * warps, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
         return
+    per_expert = row_passes(rows)
     grid = (blocks(features, LANES), experts * per_expert)                  # x over F
     expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, lists, slots,
                                                                 per_expert, flat_hidden)

@@ -322,7 +322,7 @@ def test_version_3_shape_by_rows():
         return
     assert (gpu.lane_shape(1), gpu.lane_shape(8), gpu.lane_shape(72)) == (gpu.LANE_ONE, gpu.LANE_NARROW,
                                                                           gpu.LANE_WIDE)
-    dense = gpu.lane_shape(1, experts=1), gpu.lane_shape(8, experts=1)
+    dense = gpu.lane_shape(1, dense=True), gpu.lane_shape(8, dense=True)
     assert dense == (gpu.LANE_ONE_DENSE, gpu.LANE_NARROW)
 
 
