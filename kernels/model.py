@@ -31,9 +31,14 @@ tree's verify still agree row for row. Where experts are large (small, Kimi) eve
 version 3 instead (``moe_warps``: other bits, the same in every forward).
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
-Two differences of form: q_proj and kv_a_proj are split at load into their nope / rope (latent /
-rope) row blocks, so each part lands in its own contiguous buffer (the same dot products); and
-the residual additions are their own launches (``add_kernel``).
+Three differences of form, none of them changing a bit:
+
+- q_a_proj is stacked on kv_a_proj_with_mqa at load (both read the normed hidden state): one
+  projection, the same dot products, sliced after;
+- the queries' and the key's rope parts are rotated in one launch (``apply_rope_pair``);
+- each residual addition is done by the RMSNorm after it (``rmsnorm(..., residual=delta)``: h +=
+  delta written back, and the norm of the sum, in one launch): the attention's by the
+  post-attention norm, the MLP's by the next layer's input norm or the final norm.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ from kernels.mla import (
 )
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
-from kernels.rope import apply_rope
+from kernels.rope import apply_rope_pair
 from kernels.sampling import rejection_step, sample
 from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
 
@@ -184,16 +189,7 @@ def candidate_count(depths: int, k: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# the engine's own kernels: the residual addition and the bookkeeping of a step
-
-@cuda.jit
-def add_kernel(out, delta):
-    # one thread per element of out (T, D): out += delta, the residual connection
-    i = cuda.grid(1)
-    rows, width = out.shape
-    if i < rows * width:
-        out[i // width, i % width] += delta[i // width, i % width]
-
+# the engine's own kernels: the bookkeeping of a step
 
 @cuda.jit
 def add_one_kernel(positions, out):
@@ -298,12 +294,10 @@ class DeviceLayer:
     """One layer's weights on the device (the twin of ``ddtree.model.LayerParams``)."""
     input_norm: object            # [D]
     post_attention_norm: object   # [D]
-    q_a_proj: object | None       # [Rq, D]
+    a_proj: object                # [Rq + R + dr, D] q_a_proj's rows, then kv_a_proj_with_mqa's
+                                  # (without q_lora_rank: [R + dr, D], kv_a_proj_with_mqa alone)
     q_a_norm: object | None       # [Rq]
-    q_nope_proj: object           # [H*dn, Rq or D]  q_proj's nope rows
-    q_rope_proj: object           # [H*dr, Rq or D]  q_proj's rope rows
-    kv_latent_proj: object        # [R, D]           kv_a_proj_with_mqa's first R rows
-    kv_rope_proj: object          # [dr, D]          ... and its last dr rows
+    q_proj: object                # [H*(dn+dr), Rq or D]  q_b_proj (or q_proj)
     kv_a_norm: object             # [R]
     w_uk: object                  # [H, dn, R]
     w_uv: object                  # [H, dv, R]
@@ -320,12 +314,23 @@ def _stack(arrays) -> object:
     return out
 
 
+def _rows(arrays) -> object:
+    """Device arrays (N_i, D) one under the other: (sum N_i, D) (device-to-device copies)."""
+    out = cuda.device_array((sum(a.shape[0] for a in arrays), arrays[0].shape[1]), np.float32)
+    first = 0
+    for array in arrays:
+        out[first:first + array.shape[0]].copy_to_device(array)
+        first += array.shape[0]
+    return out
+
+
 def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
     """Gather one layer's weights on the device (the twin of ``ddtree.model.layer_params``).
 
     Host tensors are copied to the device here, once; device tensors (``kernels.weights``) are
     used as they are. Experts are stacked (E, F, D), kv_b_proj split per head into W_UK and
-    W_UV, and q_proj into its nope and rope rows, with device-to-device copies.
+    W_UV, and q_a_proj stacked on kv_a_proj_with_mqa (both read the normed hidden state: one
+    projection), with device-to-device copies.
     """
     prefix = f"model.layers.{layer}."
 
@@ -338,9 +343,6 @@ def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
     c = config
     heads, nope, rank = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
     lora = c.q_lora_rank is not None
-    q_proj = w("self_attn.q_b_proj.weight" if lora else "self_attn.q_proj.weight")
-    width = q_proj.shape[1]                                                         # Rq or D
-    q_proj = q_proj.reshape(heads, c.qk_head_dim, width)                            # [H, dn+dr, Din]
     kv_a = w("self_attn.kv_a_proj_with_mqa.weight")                                 # [R+dr, D]
     kv_b = w("self_attn.kv_b_proj.weight").reshape(heads, nope + c.v_head_dim, rank)  # [H, dn+dv, R]
     dense = moe_params = None
@@ -358,12 +360,9 @@ def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
         dense = tuple(w(f"mlp.{part}.weight") for part in ("gate_proj", "up_proj", "down_proj"))
     return DeviceLayer(
         input_norm=w("input_layernorm.weight"), post_attention_norm=w("post_attention_layernorm.weight"),
-        q_a_proj=w("self_attn.q_a_proj.weight") if lora else None,
+        a_proj=_rows([w("self_attn.q_a_proj.weight"), kv_a]) if lora else kv_a,
         q_a_norm=w("self_attn.q_a_layernorm.weight") if lora else None,
-        q_nope_proj=_stack([q_proj[h, :nope] for h in range(heads)]).reshape(heads * nope, width),
-        q_rope_proj=_stack([q_proj[h, nope:] for h in range(heads)]).reshape(
-            heads * c.qk_rope_head_dim, width),
-        kv_latent_proj=kv_a[:rank], kv_rope_proj=kv_a[rank:],
+        q_proj=w("self_attn.q_b_proj.weight" if lora else "self_attn.q_proj.weight"),
         kv_a_norm=w("self_attn.kv_a_layernorm.weight"),
         w_uk=_stack([kv_b[h, :nope] for h in range(heads)]),
         w_uv=_stack([kv_b[h, nope:] for h in range(heads)]),
@@ -391,13 +390,10 @@ class Buffers:
         self.a = poisoned((t, c.hidden_size))                          # [T, D] normalised
         self.f = poisoned((t, c.hidden_size))                          # [T, D] normalised, MLP input
         self.delta = poisoned((t, c.hidden_size))                      # [T, D] attention or MLP output
-        self.q_a = poisoned((t, c.q_lora_rank or 1))                   # [T, Rq]
+        self.a_proj = poisoned((t, (c.q_lora_rank or 0) + rank + rope))  # [T, Rq + R + dr]
         self.q_a_normed = poisoned((t, c.q_lora_rank or 1))            # [T, Rq]
-        self.q_nope = poisoned((t, heads, c.qk_nope_head_dim))         # [T, H, dn]
-        self.q_pe = poisoned((t, heads, rope))                         # [T, H, dr]
-        self.kv_latent = poisoned((t, rank))                           # [T, R] before its norm
+        self.q = poisoned((t, heads, c.qk_head_dim))                   # [T, H, dn + dr]
         self.latent = poisoned((t, rank))                              # [T, R]
-        self.k_pe = poisoned((t, rope))                                # [T, dr]
         self.q_lat = poisoned((t, heads, rank))                        # [T, H, R]
         self.o_lat = poisoned((t, heads, rank))                        # [T, H, R]
         self.o = poisoned((t, heads, c.v_head_dim))                    # [T, H, dv]
@@ -577,7 +573,8 @@ class Transformer:
               range_error=b.embed_error)                                           # [T, D]
         for index, layer in enumerate(self.layers):
             self.decoder_layer(stream, index, layer, rows)
-        rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream)   # [T, D]
+        rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, residual=b.delta[:rows], out=b.a[:rows],
+                stream=stream)                                         # h += the last mlp(f); [T, D]
         self.project(b.a[:rows], self.lm_head, out=b.logits[:rows], stream=stream)     # [T, V]
         if not outcome:
             return
@@ -599,20 +596,21 @@ class Transformer:
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:
         b, c, s = self.buffers, self.config, stream
         h, a, delta = b.h[:rows], b.a[:rows], b.delta[:rows]                       # [T, D] each
-        rmsnorm(h, layer.input_norm, c.rms_norm_eps, out=a, stream=s)
+        residual = None if index == 0 else delta       # the layer before's mlp(f), not yet in h
+        rmsnorm(h, layer.input_norm, c.rms_norm_eps, residual=residual, out=a, stream=s)  # h += it
+        lora, rank, nope = c.q_lora_rank or 0, c.kv_lora_rank, c.qk_nope_head_dim
+        projected = self.project(a, layer.a_proj, out=b.a_proj[:rows], stream=s)   # [T, Rq + R + dr]
         a_q = a
-        if layer.q_a_proj is not None:
-            self.project(a, layer.q_a_proj, out=b.q_a[:rows], stream=s)            # [T, Rq]
-            a_q = rmsnorm(b.q_a[:rows], layer.q_a_norm, LATENT_NORM_EPS, out=b.q_a_normed[:rows],
+        if lora:
+            a_q = rmsnorm(projected[:, :lora], layer.q_a_norm, LATENT_NORM_EPS, out=b.q_a_normed[:rows],
                           stream=s)                                                # [T, Rq]
-        q_nope, q_pe = b.q_nope[:rows], b.q_pe[:rows]                              # [T, H, dn], [T, H, dr]
-        self.project(a_q, layer.q_nope_proj, out=q_nope.reshape(rows, q_nope.size // rows), stream=s)
-        self.project(a_q, layer.q_rope_proj, out=q_pe.reshape(rows, q_pe.size // rows), stream=s)
-        apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
-        self.project(a, layer.kv_latent_proj, out=b.kv_latent[:rows], stream=s)   # [T, R]
-        latent = rmsnorm(b.kv_latent[:rows], layer.kv_a_norm, LATENT_NORM_EPS, out=b.latent[:rows], stream=s)
-        k_pe = self.project(a, layer.kv_rope_proj, out=b.k_pe[:rows], stream=s)   # [T, dr]
-        apply_rope(k_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=k_pe, stream=s)
+        q = b.q[:rows]                                                             # [T, H, dn+dr]
+        self.project(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
+        q_nope, q_pe = q[:, :, :nope], q[:, :, nope:]                              # [T, H, dn], [T, H, dr]
+        latent = rmsnorm(projected[:, lora:lora + rank], layer.kv_a_norm, LATENT_NORM_EPS,
+                         out=b.latent[:rows], stream=s)                            # [T, R]
+        k_pe = projected[:, lora + rank:]                                          # [T, dr]
+        apply_rope_pair(q_pe, k_pe, b.positions[:rows], self.inv_freq, self.rope_scale, stream=s)
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
         write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
         q_lat = absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)     # [T, H, R]
@@ -635,12 +633,8 @@ class Transformer:
                 version=version)
         else:
             swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows),
-                   version=version)
-        self.add(s, h, delta)                                                      # h += mlp(f)
+                   version=version)                # h += mlp(f): the next norm's residual
     # --8<-- [end:decoder_layer]
-
-    def add(self, stream, out, delta) -> None:
-        add_kernel[blocks(out.size, TPB), TPB, stream](out, delta)
 
     # ------------------------------------------------------------------------------------------
     # the sequences the decoders run, each replayed from its own graph

@@ -6,7 +6,10 @@ One kernel: one thread per (row t, head h, frequency i). It rotates the pair
 (x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
 Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
 assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
-once and written once (``bytes_moved``), so ``out=x`` rotates in place safely.
+once and written once (``bytes_moved``), so ``out=x`` rotates in place safely. A second kernel,
+``rope_pair_kernel`` (``apply_rope_pair``), rotates the queries' rope part and the shared rope key
+of the same rows in one launch, in place, as the engine does in every layer; both kernels rotate a
+pair with the same device function (``rotated``), so their bits are the same.
 
 Angles are float32, exactly as in the numpy reference (``np.outer`` of float32 positions and
 float32 inv_freq): float32(position) * inv_freq[i] is one correctly rounded float32 multiply, so
@@ -41,6 +44,16 @@ F32, I64 = 4, 8
 
 
 # --8<-- [start:rope_kernel]
+@cuda.jit(device=True)
+def rotated(first, second, position, frequency, scale):
+    """The pair (first, second) rotated by the angle position * frequency and scaled: float32
+    throughout, like the numpy reference. Both kernels rotate with it (the same bits)."""
+    angle = float32(position) * frequency
+    cos = math.cos(angle) * float32(scale)
+    sin = math.sin(angle) * float32(scale)
+    return first * cos - second * sin, second * cos + first * sin
+
+
 @cuda.jit
 def rope_kernel(x, positions, inv_freq, scale, out):
     # one thread = one (row t, head h, frequency i): rotates x[t, h, i] with x[t, h, i + dr/2]
@@ -54,25 +67,42 @@ def rope_kernel(x, positions, inv_freq, scale, out):
     t = index // (heads * half)
     h = (index // half) % heads
     i = index % half
-
-    angle = float32(positions[t]) * inv_freq[i]      # float32, like the numpy reference
-    cos = math.cos(angle) * float32(scale)
-    sin = math.sin(angle) * float32(scale)
-    first = x[t, h, i]
-    second = x[t, h, i + half]
-    out[t, h, i] = first * cos - second * sin
-    out[t, h, i + half] = second * cos + first * sin
+    out[t, h, i], out[t, h, i + half] = rotated(x[t, h, i], x[t, h, i + half], positions[t], inv_freq[i],
+                                                scale)
 # --8<-- [end:rope_kernel]
 
 
-def check_rope(x, positions, inv_freq, scale, *, out=None):
+# --8<-- [start:rope_pair_kernel]
+@cuda.jit
+def rope_pair_kernel(q, k, positions, inv_freq, scale):
+    # one thread = one (row t, head h, frequency i) of q (T, H, dr) for h < H, of k (T, dr) for
+    # h = H: the queries' rope part and the shared rope key of the same rows, rotated in place in
+    # one launch (either may be a strided view)
+    rows, heads, width = q.shape
+    half = width // 2
+    index = cuda.grid(1)
+    if index >= rows * (heads + 1) * half:
+        return
+    t = index // ((heads + 1) * half)
+    h = (index // half) % (heads + 1)
+    i = index % half
+    if h < heads:
+        q[t, h, i], q[t, h, i + half] = rotated(q[t, h, i], q[t, h, i + half], positions[t], inv_freq[i],
+                                                scale)
+    else:
+        k[t, i], k[t, i + half] = rotated(k[t, i], k[t, i + half], positions[t], inv_freq[i], scale)
+# --8<-- [end:rope_pair_kernel]
+
+
+def check_rope(x, positions, inv_freq, scale, *, out=None, contiguous=True):
     """The reference's rules, then the launch's: float32 on the device, a C-contiguous device x
-    (viewed as (T, H, dr)), ``out``. Returns x, positions and inv_freq as numpy or device arrays."""
+    (viewed as (T, H, dr); ``contiguous`` False: any view), ``out``. Returns x, positions and
+    inv_freq as numpy or device arrays."""
     x, inv_freq = host_or_device(x, np.float32), host_or_device(inv_freq, np.float32)
     positions = host_or_device(positions)
     reference.check_rope(x, positions, inv_freq, scale)
     check_float32(x=x, inv_freq=inv_freq)
-    if is_device_array(x) and not x.is_c_contiguous():
+    if contiguous and is_device_array(x) and not x.is_c_contiguous():
         raise ValueError("a device x must be C-contiguous (it is viewed as (T, H, dr))")
     check_out(out, x.shape)
     return x, positions, inv_freq
@@ -97,6 +127,26 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=N
             to_device(inv_freq, np.float32), float(scale), d_out.reshape(rows, heads, width))
     return deliver(d_out, out, x, positions, inv_freq)
 # --8<-- [end:apply_rope]
+
+
+# --8<-- [start:apply_rope_pair]
+def apply_rope_pair(q, k, positions, inv_freq, scale: float = 1.0, *, stream=None) -> None:
+    """Rotate q (T, H, dr) and k (T, dr), device arrays, in place, in one launch: the bits of
+    ``apply_rope`` on each. Strided views are fine (the engine's q and k are column slices of its
+    projections' outputs); ``positions`` (T,) and ``inv_freq`` (dr/2,) as ``apply_rope``'s."""
+    for name, x in (("q", q), ("k", k)):
+        if not is_device_array(x):
+            raise ValueError(f"{name} must be a device array (rotated in place), got {type(x).__name__}")
+    if len(q.shape) != 3 or len(k.shape) != 2 or (k.shape[0], k.shape[1]) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"q must be (T, H, dr) and k (T, dr) with q's T and dr, got {q.shape} and {k.shape}")
+    check_rope(k, positions, inv_freq, scale, contiguous=False)
+    check_float32(q=q)
+    rows, heads, width = q.shape
+    count = rows * (heads + 1) * (width // 2)          # (row, head or the key, frequency) triples
+    if count > 0:
+        rope_pair_kernel[blocks(count, TPB), TPB, stream](
+            q, k, to_device(positions), to_device(inv_freq, np.float32), float(scale))
+# --8<-- [end:apply_rope_pair]
 
 
 def bytes_moved(*, T: int, H: int, dr: int) -> int:
