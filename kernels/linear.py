@@ -649,12 +649,15 @@ def lane_dots(rows: int, columns: int, unroll: int):
     """"warps"' dot products for passes of ``rows`` rows (a literal: the sums live in registers):
     acc[c, r] = this lane's share of weight[n0 + c] . x[row_ids[r]] for c < ``columns``, r < rows.
     Lane l sums k = l, l + 32, l + 64, ... in order, so a warp's loads of a W row are 128
-    consecutive bytes; each lane has ``unroll`` loads of each of its ``columns`` rows in flight
-    before the first add ("lanes" here, ``kernels.moe``'s version 3)."""
+    consecutive bytes; each lane has ``unroll`` loads of each of its ``columns`` rows in flight,
+    and its x values of the same k, before the first add ("lanes" here, ``kernels.moe``'s version
+    3). (With each x value loaded inside the add's guard, as in the first version, every add
+    waited for its own x load: on the H200's PTX a load, then its FMA, one after another.)"""
 
     @cuda.jit(device=True)
     def dots(x, row_ids, weight, n0, acc, w):
         """(row_ids: ROWS_PER_PASS rows, the pass's last one repeated after its count.)"""
+        xs = cuda.local.array((rows, unroll), float32)
         lane = index(cuda.threadIdx.x % LANES)
         depth, last = index(x.shape[1]), index(weight.shape[0] - 1)
         for c in range(columns):
@@ -662,15 +665,16 @@ def lane_dots(rows: int, columns: int, unroll: int):
                 acc[c, r] = float32(0.0)
         for k_lane in range(lane, depth, LANES * unroll):
             for c in range(columns):                     # the loads first (a column past the end
-                for u in range(unroll):                  # re-reads the last one, never written)
+                for u in range(unroll):                  # re-reads the last one, never written;
                     w[c, u] = weight[index(min(n0 + c, last)), index(min(k_lane + u * LANES, depth - 1))]
+            for r in range(rows):                        # past Din: the last k again, never added)
+                for u in range(unroll):
+                    xs[r, u] = x[index(row_ids[r]), index(min(k_lane + u * LANES, depth - 1))]
             for u in range(unroll):                      # then the sums, k in order
-                k = index(k_lane + u * LANES)
-                if k < depth:
+                if k_lane + u * LANES < depth:
                     for r in range(rows):
-                        value = x[index(row_ids[r]), k]
                         for c in range(columns):
-                            acc[c, r] += value * w[c, u]
+                            acc[c, r] += xs[r, u] * w[c, u]
 
     return dots
 # --8<-- [end:lane_dots]
