@@ -129,10 +129,11 @@ UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFU
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
-# ... its (heads, output columns) per block (a thread per column) for one row, a few and many (``tail_shape``)
-UNFUSED_TAIL_ONE = (1, 8 if SIMULATOR else 64)
-UNFUSED_TAIL_FEW = (2, 8 if SIMULATOR else 128)
-UNFUSED_TAIL_MANY = (4 if SIMULATOR else 8, 8 if SIMULATOR else 128)
+# ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
+# (``tail_shape``)
+UNFUSED_TAIL_ONE = (1, 8, 2 * UNFUSED_TAIL_BATCH) if SIMULATOR else (1, 64, UNFUSED_TAIL_BATCH)
+UNFUSED_TAIL_FEW = (2, 8 if SIMULATOR else 128, UNFUSED_TAIL_BATCH)
+UNFUSED_TAIL_MANY = (4 if SIMULATOR else 8, 8 if SIMULATOR else 128, UNFUSED_TAIL_BATCH)
 UNFUSED_TAIL_MANY_ROWS = 16                        # ... MANY from this many rows on
 UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512   # the statistics' most threads (a decode row's few blocks)
 UNFUSED_STATS_FEW = 32 if SIMULATOR else 128       # ... and their threads where blocks are many
@@ -161,11 +162,12 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
     Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
     warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive n
     (threadIdx.y = s: slice s, its n in order), for the passes of ROWS_PER_PASS rows y, y +
-    gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK before it adds their products to
-    all of the pass's rows; then the slices' sums meet in shared memory and thread (lane, r) adds
-    row r's in slice order. The slices depend on dn only, so a row's sum does not depend on the
-    rows beside it. W_UK (H dn R floats) is read once per pass of 8 rows; a decode row's 16 heads
-    x 512 r get H R S threads, a load each in flight per batch.
+    gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the pass's
+    rows' queries, before it adds their products to all of the pass's rows (a query loaded inside
+    the add's guard made every add wait for its own load); then the slices' sums meet in shared
+    memory and thread (lane, r) adds row r's in slice order. The slices depend on dn only, so a
+    row's sum does not depend on the rows beside it. W_UK (H dn R floats) is read once per pass of
+    8 rows; a decode row's 16 heads x 512 r get H R S threads, a load each in flight per batch.
     """
     lane, part = cuda.threadIdx.x, cuda.threadIdx.y
     r = cuda.blockIdx.x * ABSORB_LANES + lane
@@ -175,6 +177,7 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
     first, last = min(part * width, depth), min(part * width + width, depth)
     sums = cuda.shared.array(ABSORB_SUMS, float32)                  # [rows, slices, lanes]
     staged = cuda.local.array(ABSORB_BATCH, float32)
+    queries = cuda.local.array((ROWS_PER_PASS, ABSORB_BATCH), float32)
     acc = cuda.local.array(ROWS_PER_PASS, float32)
     column = min(r, rank - 1)                                       # past R: R - 1 again, never written
     for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, rows, cuda.gridDim.z * ROWS_PER_PASS):
@@ -182,12 +185,16 @@ def absorb_query_kernel(q_nope, w_uk, q_lat):
         for i in range(ROWS_PER_PASS):
             acc[i] = float32(0.0)
         for n0 in range(first, last, ABSORB_BATCH):
-            for b in range(ABSORB_BATCH):                           # the loads first
-                staged[b] = w_uk[head, min(n0 + b, last - 1), column]
-            for b in range(min(ABSORB_BATCH, last - n0)):           # then the sums, n in order
-                for i in range(ROWS_PER_PASS):
-                    if i < count:
-                        acc[i] += q_nope[t0 + i, head, n0 + b] * staged[b]
+            for b in range(ABSORB_BATCH):                           # the loads first: W_UK's, and
+                staged[b] = w_uk[head, min(n0 + b, last - 1), column]   # the rows' q (past the
+            for i in range(ROWS_PER_PASS):                          # pass or the slice: the last
+                for b in range(ABSORB_BATCH):                       # again, never added)
+                    queries[i, b] = q_nope[t0 + min(i, count - 1), head, min(n0 + b, last - 1)]
+            for b in range(ABSORB_BATCH):                           # then the sums, n in order
+                if n0 + b < last:
+                    for i in range(ROWS_PER_PASS):
+                        if i < count:
+                            acc[i] += queries[i, b] * staged[b]
         cuda.syncthreads()                                          # the last pass's sums read
         for i in range(ROWS_PER_PASS):
             sums[i, part, lane] = acc[i]
@@ -1234,9 +1241,10 @@ def attention_values_kernel(scores, cache_latent, prefix, partials):
 
 
 @functools.cache
-def tail_kernel(heads_per_block: int):
-    """Version 5's tail kernel for HB = ``heads_per_block`` heads per block (a literal: its staged
-    probabilities and its sums' registers); HB never changes a sum (``tail_shape``)."""
+def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
+    """Version 5's tail kernel for HB = ``heads_per_block`` heads per block and BATCH = ``batch``
+    cache loads in flight per thread (literals: its staged probabilities and its registers); neither
+    changes a sum (``tail_shape``)."""
     probs_shape = heads_per_block * UNFUSED_CHUNK         # the staged exp(s - M), [HB, keys]
 
     @cuda.jit
@@ -1246,7 +1254,7 @@ def tail_kernel(heads_per_block: int):
         its path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
         g HB .. of one row. Per chunk the block stages the keys' slots and the heads' exp(s - M)
         in shared memory, then each thread adds the chunk's keys in position order for its column
-        and heads (its cache loads issued TAIL_BATCH at a time, ahead of their adds): term for
+        and heads (its cache loads issued BATCH at a time, ahead of their adds): term for
         term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at
         its position in the committed chain, bit for bit."""
         tid = cuda.threadIdx.x
@@ -1260,7 +1268,7 @@ def tail_kernel(heads_per_block: int):
         slots = cuda.shared.array(UNFUSED_CHUNK, int32)
         probs = cuda.shared.array(probs_shape, float32)   # [HB, keys]
         acc = cuda.local.array(heads_per_block, float32)
-        values = cuda.local.array(UNFUSED_TAIL_BATCH, float32)
+        values = cuda.local.array(batch, float32)
         for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
             start = chunk * UNFUSED_CHUNK
             count = min(UNFUSED_CHUNK, last + 1 - start)
@@ -1279,10 +1287,10 @@ def tail_kernel(heads_per_block: int):
             for h in range(heads_per_block):
                 acc[h] = float32(0.0)
             if column < rank:
-                for k0 in range(0, count, UNFUSED_TAIL_BATCH):   # BATCH loads, then their adds, k in order
-                    for b in range(UNFUSED_TAIL_BATCH):
+                for k0 in range(0, count, batch):   # BATCH loads, then their adds, k in order
+                    for b in range(batch):
                         values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
-                    for b in range(UNFUSED_TAIL_BATCH):          # a fixed trip count: values stay registers
+                    for b in range(batch):          # a fixed trip count: values stay registers
                         if k0 + b < count:
                             for h in range(heads_per_block):
                                 acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
@@ -1293,8 +1301,8 @@ def tail_kernel(heads_per_block: int):
     return attention_tail_kernel
 
 
-def tail_shape(rows: int) -> tuple[int, int]:
-    """The tail kernel's (HB heads, threads) per block for T = ``rows`` rows, the fastest measured
+def tail_shape(rows: int) -> tuple[int, int, int]:
+    """The tail kernel's (HB heads, threads per block, BATCH) for T = ``rows`` rows, the fastest measured
     on the H200 at small's 16 heads (``docs/results/unfused-shapes-h200-2026-12-02.txt``): one head
     for a decode row (its tail is its whole context while that is short: more blocks, fewer sums
     per thread), two for a few rows, eight from TAIL_MANY_ROWS on (each cache load then feeds
@@ -1442,9 +1450,9 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
         scores, prefix, depths, paths, partials)
     attention_values_kernel[(blocks(rank, UNFUSED_TILE), queries, chunks), UNFUSED_THREADS, stream](
         scores, cache_latent, prefix, partials)
-    tail_heads, tail_threads = tail_shape(rows)
+    tail_heads, tail_threads, tail_batch = tail_shape(rows)
     tail_grid = (blocks(rank, tail_threads), blocks(heads, tail_heads), rows)
-    tail_kernel(tail_heads)[tail_grid, tail_threads, stream](
+    tail_kernel(tail_heads, tail_batch)[tail_grid, tail_threads, stream](
         scores, cache_latent, prefix, depths, paths, partials)
     attention_merge_kernel[(heads, rows), merge_threads(rank), stream](
         partials, prefix, depths, UNFUSED_CHUNK, d_out)
