@@ -176,7 +176,6 @@ F32, I64 = 4, 8
 # the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
 listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
-slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
 # (small's and Kimi's experts) NARROW was the faster at 8 rows, WIDE at 24 and 72 (Kimi: 16); WIDE
@@ -361,30 +360,38 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
 # --- the router, version 2: sliced logits, top-k by rank ----------------------------------------
 
 # --8<-- [start:logit_slices_kernel]
-@cuda.jit
-def logit_slices_kernel(x, gate, parts):
-    # parts[t, s, e] = x[t, d0:d1] . gate[e, d0:d1] for depth slice s (d0 = s * LOGIT_SLICE): one
-    # block = experts e0 .. e0 + 31 (blockIdx.x; lane = e) of slice blockIdx.y, for the passes of
-    # ROWS_PER_PASS rows blockIdx.z, blockIdx.z + gridDim.z, ...; the block's warps split the slice
-    # (kernels.linear's tile_dots over the slice: the "tiles" sums, with S times the blocks). S
-    # and every slice's sums depend on D only: batch-invariant
-    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
-    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    acc = cuda.local.array(ROWS_PER_PASS, float32)
-    consecutive = cuda.local.array(1, int32)     # slice_dots' row list, unused: rows t0 .. t0 + count - 1
-    s = cuda.blockIdx.y
-    d0 = s * LOGIT_SLICE
-    d1 = min(d0 + LOGIT_SLICE, x.shape[1])
-    e0 = cuda.blockIdx.x * LANES
-    e = e0 + cuda.threadIdx.x
-    for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, x.shape[0], cuda.gridDim.z * ROWS_PER_PASS):
-        count = min(ROWS_PER_PASS, x.shape[0] - t0)
-        slice_dots(x, t0, count, consecutive, gate, e0, d0, d1, acc, w_tile, x_tile, partial)
-        if cuda.threadIdx.x < LANES and e < gate.shape[0]:
-            for r in range(ROWS_PER_PASS):
-                if r < count:
-                    parts[t0 + r, s, e] = acc[r]
+@functools.cache
+def logit_slices_kernel(per_pass: int = ROWS_PER_PASS):
+    """The router's logits kernel for passes of R = ``per_pass`` rows (``pass_rows``: one for a
+    decode row, whose kernel then sums one row instead of eight; each row's sums are the same)."""
+    slice_dots = tile_dots(per_pass, sliced=True)          # a pass of rows, one depth slice
+
+    @cuda.jit
+    def kernel(x, gate, parts):
+        # parts[t, s, e] = x[t, d0:d1] . gate[e, d0:d1] for depth slice s (d0 = s * LOGIT_SLICE): one
+        # block = experts e0 .. e0 + 31 (blockIdx.x; lane = e) of slice blockIdx.y, for the passes of
+        # R rows blockIdx.z, blockIdx.z + gridDim.z, ...; the block's warps split the slice
+        # (kernels.linear's tile_dots over the slice: the "tiles" sums, with S times the blocks). S
+        # and every slice's sums depend on D only: batch-invariant
+        w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+        x_tile = cuda.shared.array((MAX_SLICES, per_pass, LANES), float32)
+        partial = cuda.shared.array((MAX_SLICES, per_pass, LANES), float32)
+        acc = cuda.local.array(per_pass, float32)
+        consecutive = cuda.local.array(1, int32)     # slice_dots' row list, unused: rows t0 .. t0 + count - 1
+        s = cuda.blockIdx.y
+        d0 = s * LOGIT_SLICE
+        d1 = min(d0 + LOGIT_SLICE, x.shape[1])
+        e0 = cuda.blockIdx.x * LANES
+        e = e0 + cuda.threadIdx.x
+        for t0 in range(cuda.blockIdx.z * per_pass, x.shape[0], cuda.gridDim.z * per_pass):
+            count = min(per_pass, x.shape[0] - t0)
+            slice_dots(x, t0, count, consecutive, gate, e0, d0, d1, acc, w_tile, x_tile, partial)
+            if cuda.threadIdx.x < LANES and e < gate.shape[0]:
+                for r in range(per_pass):
+                    if r < count:
+                        parts[t0 + r, s, e] = acc[r]
+
+    return kernel
 # --8<-- [end:logit_slices_kernel]
 
 
@@ -636,23 +643,49 @@ def expert_lists_kernel(ids, lists):
 # --8<-- [start:listed_dots]
 @functools.cache
 def listed_rows(per_pass: int):
-    """The device function rows_of(lists, expert, first, per_row, rows) for passes of R =
-    ``per_pass`` pairs: rows[r] = the row (pair // per_row) of the pair lists[first + r, expert],
-    for the up to R pairs of one pass (lists[first, expert] is one); the rows after its last pair
-    repeat it (staged, never written). Returns the pass's pair count."""
+    """The device function rows_of(lists, expert, first, per_row, rows, pairs) for passes of R =
+    ``per_pass`` pairs: pairs[r] = lists[first + r, expert] and rows[r] = its row (pair //
+    per_row), for the up to R pairs of one pass (lists[first, expert] is one); the entries after
+    its last pair repeat it (staged, never written). Returns the pass's pair count."""
     @cuda.jit(device=True)
-    def rows_of(lists, expert, first, per_row, rows):
+    def rows_of(lists, expert, first, per_row, rows, pairs):
         count = 0
         for r in range(per_pass):
             if first + r < lists.shape[0] and lists[first + r, expert] >= 0:
                 count = r + 1
-            rows[r] = lists[first + count - 1, expert] // per_row
+            pairs[r] = lists[first + count - 1, expert]
+            rows[r] = pairs[r] // per_row
         return count
 
     return rows_of
 
 
 _pass_rows = listed_rows(ROWS_PER_PASS)
+
+
+@functools.cache
+def block_pairs(per_pass: int, by_slot: bool):
+    """The device function pass_of(lists, first, per_expert, per_row, rows, pairs) -> (expert,
+    count) of version 3's block y = blockIdx.y: its expert and its pass from ``first`` on
+    (``listed_rows``; count 0: the expert's pairs are done). ``by_slot`` (one token): ``lists``
+    holds the token's ids (1, k) instead, and block y serves its slot y alone, pair y, the expert
+    ids[0, y]: k blocks along y, where the lists need E (all but k of them idle)."""
+    rows_of = listed_rows(per_pass)
+
+    @cuda.jit(device=True)
+    def pass_of(lists, first, per_expert, per_row, rows, pairs):
+        y = cuda.blockIdx.y
+        if by_slot:
+            for r in range(per_pass):
+                pairs[r] = y
+                rows[r] = y // per_row
+            return lists[0, y], 1
+        expert = y // per_expert
+        if lists[first, expert] < 0:
+            return expert, 0
+        return expert, rows_of(lists, expert, first, per_row, rows, pairs)
+
+    return pass_of
 
 
 @cuda.jit(device=True)
@@ -681,18 +714,19 @@ def expert_hidden_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden
     gate = cuda.local.array(ROWS_PER_PASS, float32)
     up = cuda.local.array(ROWS_PER_PASS, float32)
     rows = cuda.local.array(ROWS_PER_PASS, int32)
+    pairs = cuda.local.array(ROWS_PER_PASS, int32)
     expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
     f0 = cuda.blockIdx.x * LANES
     f = f0 + cuda.threadIdx.x
     for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
         if lists[first, expert] < 0:
             return                                       # the expert's pairs are done
-        count = _pass_rows(lists, expert, first, slots, rows)      # x rows: the pairs' tokens
+        count = _pass_rows(lists, expert, first, slots, rows, pairs)   # x rows: the pairs' tokens
         _dots(x, rows, count, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
         _dots(x, rows, count, up_proj[expert], f0, up, w_tile, x_tile, partial)
         if cuda.threadIdx.x < LANES and f < hidden.shape[1]:
             for r in range(count):
-                hidden[lists[first + r, expert], f] = silu_times(gate[r], up[r])
+                hidden[pairs[r], f] = silu_times(gate[r], up[r])
 # --8<-- [end:expert_hidden_kernel]
 
 
@@ -706,13 +740,14 @@ def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
     partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
     dots = cuda.local.array(ROWS_PER_PASS, float32)
     rows = cuda.local.array(ROWS_PER_PASS, int32)
+    pairs = cuda.local.array(ROWS_PER_PASS, int32)
     expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
     d0 = cuda.blockIdx.x * LANES
     d = d0 + cuda.threadIdx.x
     for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
         if lists[first, expert] < 0:
             return
-        count = _pass_rows(lists, expert, first, 1, rows)          # hidden rows: the pairs
+        count = _pass_rows(lists, expert, first, 1, rows, pairs)   # hidden rows: the pairs
         _dots(hidden, rows, count, down_proj[expert], d0, dots, w_tile, x_tile, partial)
         if cuda.threadIdx.x < LANES and d < down.shape[1]:
             for r in range(count):
@@ -734,16 +769,18 @@ def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
 
 # --8<-- [start:expert_lanes_kernels]
 @functools.cache
-def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
+def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS,
+                         by_slot: bool = False):
     """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
     warp, ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs
-    (literals: shared and local array sizes). None of them changes a sum: every output is added
-    in "warps"' order."""
+    (literals: shared and local array sizes); with ``by_slot``, for one token, a block per slot
+    given the token's ids where the lists would be (``block_pairs``). None of them changes a sum:
+    every output is added in "warps"' order."""
     outputs = columns * per_pass                         # a warp's (output, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
     warp_dots = pass_dots(columns, unroll, per_pass)
     share, total, written = lane_sums(warps, columns, per_pass)
-    rows_of = listed_rows(per_pass)
+    pass_of = block_pairs(per_pass, by_slot)
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
@@ -757,13 +794,14 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
         gate_totals = cuda.local.array(per_lane, float32)
         w = cuda.local.array((columns, unroll), float32)
         rows = cuda.local.array(per_pass, int32)
+        pairs = cuda.local.array(per_pass, int32)
         lane = cuda.threadIdx.x % LANES
-        expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
+        own = cuda.blockIdx.y % per_expert
         f0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
         for first in range(own * per_pass, lists.shape[0], per_expert * per_pass):
-            if lists[first, expert] < 0:
+            expert, count = pass_of(lists, first, per_expert, slots, rows, pairs)
+            if count == 0:
                 return
-            count = rows_of(lists, expert, first, slots, rows)
             warp_dots(x, rows, count, gate_proj[expert], f0, gate, w)
             warp_dots(x, rows, count, up_proj[expert], f0, up, w)
             share(sums, gate)
@@ -775,7 +813,7 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
                 output = lane + i * LANES
                 if written(f0, output, count, hidden.shape[1]):
                     f, r = f0 + output // per_pass, output % per_pass
-                    hidden[lists[first + r, expert], f] = silu_times(gate_totals[i], total(sums, output))
+                    hidden[pairs[r], f] = silu_times(gate_totals[i], total(sums, output))
 
     @cuda.jit
     def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
@@ -784,13 +822,14 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
         dots = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
         rows = cuda.local.array(per_pass, int32)
+        pairs = cuda.local.array(per_pass, int32)
         lane = cuda.threadIdx.x % LANES
-        expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert
+        own = cuda.blockIdx.y % per_expert
         d0 = (cuda.blockIdx.x * warps + cuda.threadIdx.x // LANES) * columns
         for first in range(own * per_pass, lists.shape[0], per_expert * per_pass):
-            if lists[first, expert] < 0:
+            expert, count = pass_of(lists, first, per_expert, 1, rows, pairs)
+            if count == 0:
                 return
-            count = rows_of(lists, expert, first, 1, rows)
             warp_dots(hidden, rows, count, down_proj[expert], d0, dots, w)
             share(sums, dots)
             for i in range(per_lane):
@@ -883,8 +922,9 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
         linear(x, gate, version="tiles", out=logits, stream=stream)
         route_kernel[rows, threads or pow2_threads(experts), stream](logits, bias, *flags, ids, weights)
         return
-    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
-    logit_slices_kernel[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
+    per_pass = pass_rows(rows)
+    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows, per_pass))   # x: E, y: S, z: T
+    logit_slices_kernel(per_pass)[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
     route_ranks_kernel[rows, threads, stream](
         logits, bias, *flags, ids, weights)
@@ -905,21 +945,30 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> N
                                                                        weights, accumulate, out)
 
 
-def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2) -> None:
+def by_slot(rows: int, experts: int, version: int) -> bool:
+    """Whether version 3 runs a block per slot (``block_pairs``): for one token among several
+    experts (a decode row's routed experts; not a dense SwiGLU's one)."""
+    return version == 3 and rows == 1 and experts > 1
+
+
+def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False) -> None:
     """Version 2's (or 3's) two grouped expert kernels on device arrays: x (T, D), stacks as
-    ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows."""
+    ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows.
+    ``slotted`` (``by_slot``): ``lists`` is the token's ids (1, k) instead, and the kernels run a
+    block per slot along y."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
     # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
     # per pass of ROWS_PER_PASS of them (version 3 at one row: of one; blocks past the expert's
-    # last pair return), in the simulator one block per expert walks all its passes
+    # last pair return), in the simulator one block per expert walks all its passes; by slot, one
+    # per slot
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if version == 3:
-        warps, columns, unroll = lane_shape(rows, dense=experts == 1)
+        warps, columns, unroll = lane_shape(rows, dense=experts == 1 and not slotted)
         per_pass = pass_rows(rows)                          # a decode row's kernels: passes of one
         per_expert = row_passes(rows, per_pass)
-        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass)
+        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass, slotted)
         grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
         hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert,
                                                    flat_hidden)
@@ -944,8 +993,11 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream)
         return
     experts = scratch.lists.shape[1]
-    expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
-    _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream, version)
+    if by_slot(x.shape[0], experts, version):                 # no lists: a block per slot
+        _launch_grouped(x, stacks, scratch.ids, scratch.hidden, scratch.down, stream, version, slotted=True)
+    else:
+        expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
+        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream, version)
     combine_kernel[blocks(out.size, TPB), TPB, stream](
         scratch.down, scratch.weights, accumulate, out)
 
