@@ -233,7 +233,9 @@ def test_a_draw_moves_only_at_a_boundary():
     difference d of each other, which for Gumbel-max happens with probability <= e^d - 1 (the
     exponential race: the gap exceeds log(1 + Y / E1), Y ~ Exp(rest), E1 ~ Exp(total)): with d
     about 1e-14, about 2e-11 such draws are expected here. So: the logs differ, no draw sits
-    within d of a tie, and no draw moved."""
+    within d of a tie, and no draw moved. (numpy's own float64 log is an AVX-512 one; on a CPU
+    without AVX-512 numpy calls libm's log too, the scores are equal, and the test skips once it
+    has checked that no draw moved.)"""
     rows, vocab, temperature = 2000, 512, 1.0
     logits = _logits(rows, vocab, seed=9).astype(np.float64)
     u = reference.uniforms(np.arange(rows), np.arange(vocab), 7, reference.SAMPLE)     # [T, V]
@@ -244,7 +246,10 @@ def test_a_draw_moves_only_at_a_boundary():
     top2 = np.sort(numpy_scores, axis=-1)[:, -2:]
     close_calls = int(np.count_nonzero(top2[:, 1] - top2[:, 0] <= 2 * d))
     moved = int(np.count_nonzero(np.argmax(numpy_scores, -1) != np.argmax(libm_scores, -1)))
-    assert differing > 0 and d < 1e-13                                  # the logs disagree, by an ulp or two
+    if differing == 0:                   # numpy without its AVX-512 log calls libm's: nothing can move
+        assert moved == 0
+        pytest.skip("numpy's log and libm's agree on every number here (this CPU's numpy uses libm's log)")
+    assert d < 1e-13                                                    # the logs disagree, by an ulp or two
     assert moved <= close_calls
     assert close_calls <= rows * math.expm1(2 * d) + 0.5                # i.e. none: the bound rounds to 0
 
