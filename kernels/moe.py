@@ -176,6 +176,7 @@ F32, I64 = 4, 8
 # the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
 listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
+slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
 # (small's and Kimi's experts) NARROW was the faster at 8 rows, WIDE at 24 and 72 (Kimi: 16); WIDE
@@ -360,38 +361,30 @@ def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids
 # --- the router, version 2: sliced logits, top-k by rank ----------------------------------------
 
 # --8<-- [start:logit_slices_kernel]
-@functools.cache
-def logit_slices_kernel(per_pass: int = ROWS_PER_PASS):
-    """The router's logits kernel for passes of R = ``per_pass`` rows (``pass_rows``: one for a
-    decode row, whose kernel then sums one row instead of eight; each row's sums are the same)."""
-    slice_dots = tile_dots(per_pass, sliced=True)          # a pass of rows, one depth slice
-
-    @cuda.jit
-    def kernel(x, gate, parts):
-        # parts[t, s, e] = x[t, d0:d1] . gate[e, d0:d1] for depth slice s (d0 = s * LOGIT_SLICE): one
-        # block = experts e0 .. e0 + 31 (blockIdx.x; lane = e) of slice blockIdx.y, for the passes of
-        # R rows blockIdx.z, blockIdx.z + gridDim.z, ...; the block's warps split the slice
-        # (kernels.linear's tile_dots over the slice: the "tiles" sums, with S times the blocks). S
-        # and every slice's sums depend on D only: batch-invariant
-        w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
-        x_tile = cuda.shared.array((MAX_SLICES, per_pass, LANES), float32)
-        partial = cuda.shared.array((MAX_SLICES, per_pass, LANES), float32)
-        acc = cuda.local.array(per_pass, float32)
-        consecutive = cuda.local.array(1, int32)     # slice_dots' row list, unused: rows t0 .. t0 + count - 1
-        s = cuda.blockIdx.y
-        d0 = s * LOGIT_SLICE
-        d1 = min(d0 + LOGIT_SLICE, x.shape[1])
-        e0 = cuda.blockIdx.x * LANES
-        e = e0 + cuda.threadIdx.x
-        for t0 in range(cuda.blockIdx.z * per_pass, x.shape[0], cuda.gridDim.z * per_pass):
-            count = min(per_pass, x.shape[0] - t0)
-            slice_dots(x, t0, count, consecutive, gate, e0, d0, d1, acc, w_tile, x_tile, partial)
-            if cuda.threadIdx.x < LANES and e < gate.shape[0]:
-                for r in range(per_pass):
-                    if r < count:
-                        parts[t0 + r, s, e] = acc[r]
-
-    return kernel
+@cuda.jit
+def logit_slices_kernel(x, gate, parts):
+    # parts[t, s, e] = x[t, d0:d1] . gate[e, d0:d1] for depth slice s (d0 = s * LOGIT_SLICE): one
+    # block = experts e0 .. e0 + 31 (blockIdx.x; lane = e) of slice blockIdx.y, for the passes of
+    # ROWS_PER_PASS rows blockIdx.z, blockIdx.z + gridDim.z, ...; the block's warps split the slice
+    # (kernels.linear's tile_dots over the slice: the "tiles" sums, with S times the blocks). S
+    # and every slice's sums depend on D only: batch-invariant
+    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
+    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
+    acc = cuda.local.array(ROWS_PER_PASS, float32)
+    consecutive = cuda.local.array(1, int32)     # slice_dots' row list, unused: rows t0 .. t0 + count - 1
+    s = cuda.blockIdx.y
+    d0 = s * LOGIT_SLICE
+    d1 = min(d0 + LOGIT_SLICE, x.shape[1])
+    e0 = cuda.blockIdx.x * LANES
+    e = e0 + cuda.threadIdx.x
+    for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, x.shape[0], cuda.gridDim.z * ROWS_PER_PASS):
+        count = min(ROWS_PER_PASS, x.shape[0] - t0)
+        slice_dots(x, t0, count, consecutive, gate, e0, d0, d1, acc, w_tile, x_tile, partial)
+        if cuda.threadIdx.x < LANES and e < gate.shape[0]:
+            for r in range(ROWS_PER_PASS):
+                if r < count:
+                    parts[t0 + r, s, e] = acc[r]
 # --8<-- [end:logit_slices_kernel]
 
 
@@ -922,9 +915,8 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
         linear(x, gate, version="tiles", out=logits, stream=stream)
         route_kernel[rows, threads or pow2_threads(experts), stream](logits, bias, *flags, ids, weights)
         return
-    per_pass = pass_rows(rows)
-    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows, per_pass))   # x: E, y: S, z: T
-    logit_slices_kernel(per_pass)[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
+    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
+    logit_slices_kernel[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
     route_ranks_kernel[rows, threads, stream](
         logits, bias, *flags, ids, weights)
