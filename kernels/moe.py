@@ -87,14 +87,17 @@ LANE_WIDE_FROM_ROWS rows on; a decode token's kernels keep one row's sums in reg
 version 2 on the H200 (``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's
 MoE layer 201 against 396 µs at one token, 1879 against 2648 at 72 (the first draft, without
 ``kernels.linear.index`` on its indices, was slower than version 2 from 72 rows on); 169 µs at
-one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``).
+one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``). At one token
+version 3 runs a block per slot from the router's ids (``block_pairs``, ``by_slot``): k blocks
+along y instead of E, and no lists (one launch fewer); each pair's sums are the lists' ones.
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
 "expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1
 reads ids = 0 and weights = 1 from the scratch; versions 2 and 3 list every row (lists[t, 0] = t,
 made with the scratch) and the down projection is the output, no combine. ``moe`` runs the shared
 expert first, then adds the routed experts in place: five launches (version 1) or seven
-(versions 2 and 3) plus the router's logits, nothing leaves the device.
+(versions 2 and 3; six for version 3 at one token) plus the router's logits, nothing leaves the
+device.
 
 Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
 device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
