@@ -802,7 +802,7 @@ def lanes_shape(rows: int, outputs: int) -> tuple[int, int, int]:
         return LANES_SIMULATED
     wide = outputs >= LANES_WIDE_OUTPUTS
     if rows == 1:
-        return (4, 4, 4) if wide else (4, 1, 8)
+        return (4, 4, 4) if wide else (4, 2, 16)
     if rows < 16:
         return (4, 8, 2) if wide else (4, 2, 8)
     if rows < 48:

@@ -127,6 +127,10 @@ UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's
 # a decode row's few (``scores_shape``)
 UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
+ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
+ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT heads at once
+ROW_BLOCKS = 528                              # ... its grid at most: 4 blocks on each of the H200's 132 SMs
+ROW_UNROLL = 8                                # ... a score's loads issued before their adds
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
 # ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
@@ -1127,6 +1131,93 @@ def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
     return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
 
 
+@cuda.jit(device=True)
+def _row_dot(acc, query, tile, first, count):
+    """acc plus query[c] * tile[first + c] for c = 0 .. ``count`` - 1, added in order: runs of
+    ROW_UNROLL columns with their loads issued before their adds, then the last columns one by one.
+    (Each run's offsets are constants from one index, which the compiler then folds into the loads.)"""
+    queries = cuda.local.array(ROW_UNROLL, float32)
+    keys = cuda.local.array(ROW_UNROLL, float32)
+    whole = count // ROW_UNROLL * ROW_UNROLL
+    for c0 in range(0, whole, ROW_UNROLL):
+        at = index(c0)
+        key_at = index(first + c0)
+        for u in range(ROW_UNROLL):
+            queries[u] = query[at + u]
+            keys[u] = tile[key_at + u]
+        for u in range(ROW_UNROLL):
+            acc += queries[u] * keys[u]
+    for column in range(whole, count):
+        acc += query[index(column)] * tile[index(first + column)]
+    return acc
+
+
+@functools.cache
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int):
+    """Version 5, step 1 of 4, for a single query row (a decode step), tiles of KT = ``key_tile``
+    keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads (literals: the
+    staged tile's and the loads' sizes). A score's terms are added as ``scores_kernel`` adds them."""
+    width = rank + rope_dim
+    stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
+    staged = key_tile * stride                        # the tile in shared memory
+    latent_loads = -(-rank // threads)                # a thread's columns of each key's latent
+    rope_loads = -(-key_tile * rope_dim // threads)   # ... and its share of the tile's rope columns
+    head_lanes = threads // key_tile
+
+    @cuda.jit
+    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+        """scores[head, s] = scale * (q_lat | q_pe)[0, head] . (cache_latent | cache_rope)[s] for
+        every head and slot s < P + 1: ``attention_scores_kernel``'s scores of one row.
+
+        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane, lane +
+        THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
+        before the first store (one memory round trip per tile, where the GEMM takes one per STEP
+        columns: 18 of them for small's 576, on a tile of a decode row's three quarters empty),
+        then each thread adds its score's R + dr terms one at a time in column order (``_row_dot``),
+        the query's values read from global memory (every thread of the grid reads the same row:
+        L1 and L2 hold it). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on
+        the device): one launch shape serves every step, and a grid of a few blocks per SM spends
+        no time on the cache's empty capacity. The same bits as the GEMM, whatever the tile."""
+        tid = index(cuda.threadIdx.x)
+        heads = q_lat.shape[1]
+        keys = prefix[0] + 1
+        tile = cuda.shared.array(staged, float32)
+        latent = cuda.local.array((key_tile, latent_loads), float32)
+        rope = cuda.local.array(rope_loads, float32)
+        key, lane = tid % key_tile, tid // key_tile
+        for s0 in range(cuda.blockIdx.x * key_tile, keys, cuda.gridDim.x * key_tile):
+            for k in range(key_tile):                 # the loads first (past the last key: the last
+                slot = index(min(s0 + k, keys - 1))   # key again, never written)
+                for j in range(latent_loads):
+                    latent[k, j] = cache_latent[slot, min(tid + j * threads, rank - 1)]
+            for p in range(rope_loads):
+                at = tid + p * threads
+                rope[p] = cache_rope[index(min(s0 + at // rope_dim, keys - 1)), at % rope_dim]
+            cuda.syncthreads()                        # the last tile's readers are done with it
+            for k in range(key_tile):
+                for j in range(latent_loads):
+                    if tid + j * threads < rank:
+                        tile[k * stride + tid + j * threads] = latent[k, j]
+            for p in range(rope_loads):
+                at = tid + p * threads
+                if at < key_tile * rope_dim:
+                    tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
+            cuda.syncthreads()
+            for head in range(lane, heads, head_lanes):
+                acc = _row_dot(float32(0.0), q_lat[0, head], tile, key * stride, rank)
+                acc = _row_dot(acc, q_pe[0, head], tile, key * stride + rank, rope_dim)
+                if s0 + key < keys:
+                    scores[head, s0 + key] = acc * scale
+
+    return attention_row_scores_kernel
+
+
+def row_scores(rows: int, width: int) -> bool:
+    """Whether version 5 takes ``row_scores_kernel`` for its scores: for a single row (T = 1)
+    whose tile of ROW_KEYS keys of ``width`` = R + dr columns fits SHARED_BUDGET."""
+    return rows == 1 and ROW_KEYS * (width + 1) * 4 <= SHARED_BUDGET
+
+
 @cuda.jit
 def attention_stats_kernel(scores, prefix, depths, paths, partials):
     """Version 5, step 2 of 4: block (head, row) finds M, the largest score of the row's keys
@@ -1439,12 +1530,18 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     check_out(partials, (rows, heads, chunks, rank + 2), name="partials")
     scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
-    shape = scores_shape(rows * heads)
-    query_tile, key_tile, thread_queries, thread_keys, _ = shape
-    scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
-    scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
-    scores_kernel(*shape)[scores_grid, scores_threads, stream](
-        q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
+    width = rank + q_pe.shape[2]
+    if row_scores(rows, width):
+        row_grid = min(blocks(capacity, ROW_KEYS), ROW_BLOCKS)
+        row_scores_kernel(ROW_KEYS, rank, q_pe.shape[2], ROW_THREADS)[row_grid, ROW_THREADS, stream](
+            q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
+    else:
+        shape = scores_shape(rows * heads)
+        query_tile, key_tile, thread_queries, thread_keys, _ = shape
+        scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
+        scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
+        scores_kernel(*shape)[scores_grid, scores_threads, stream](
+            q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)
     queries = blocks(rows * heads, UNFUSED_TILE)
     attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](
         scores, prefix, depths, paths, partials)

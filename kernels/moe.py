@@ -186,8 +186,8 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass
 # needs 255 registers (NARROW 168). A decode row's kernels keep one row's sums (``pass_rows``), and
 # ONE was the fastest of nine shapes for them (docs/results/pass-rows-h200-2026-12-02.txt). The
 # simulator runs linear's "lanes" shape (one warp per block: each thread is a Python thread).
-LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 4, 8)
-LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 8)   # ... a dense SwiGLU's (shared experts)
+LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)
+LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)

@@ -7,11 +7,12 @@ same way), TPB threads per block.
 
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
 ``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
-block has up to ROW_THREADS = 1024 threads, and each thread loads its elements ROW_BATCH at a time
+block has up to ROW_THREADS = 512 threads, and each thread loads its elements ROW_BATCH at a time
 into registers before adding them: in a plain loop each iteration's load waits for the one
 before, so a row costs (D / TPB) memory latencies: with 1024 threads and such a loop the H200
 ran a (64, 7168) norm in 8.1 µs of device time (docs/results/bench-h200-2026-12-01b.md). A row
-of at most TPB x ROW_BATCH elements is read once: the scale pass uses the registers. Bytes
+of at most TPB x ROW_BATCH elements is read once: the scale pass uses the registers, and its
+weights are loaded with the row, so that no load waits after the sum. Bytes
 (``bytes_moved``): each row is read twice (sum of squares, then scale; the second read usually
 hits L1/L2) and written once, plus the weight vector: the kernel is memory-bound.
 
@@ -42,7 +43,10 @@ from kernels.device import (
 )
 
 F32 = 4            # bytes per float32
-ROW_THREADS = 1024  # the default block on a GPU: up to one thread per element of the row
+# the default block on a GPU: up to one thread per element of the row, at most 512 (a row of 2048,
+# one block alone, took 4.13 µs with 512 threads against 5.23 with 1024: a shorter reduction tree;
+# docs/results/decode-shapes-h200-2026-12-02.txt)
+ROW_THREADS = 512
 ROW_BATCH = 8       # a thread's row elements loaded together (registers)
 
 
@@ -55,20 +59,25 @@ def rmsnorm_kernel(threads: int, residual: bool = False):
     @cuda.jit
     def kernel(x, delta, weight, eps, out):
         # one block = one row of x (T, D); one thread = columns tid, tid + TPB, tid + 2 TPB, ...
-        # read ROW_BATCH at a time into registers (their loads overlap), squares summed in column
-        # order; shared memory: TPB float32 partial sums of squares, reduced to partial[0]. With
-        # ``residual`` a value is x + delta, and its thread writes it back to x (delta unused else)
+        # read ROW_BATCH at a time into registers (their loads overlap; a row of one batch loads
+        # its weights with them), squares summed in column order; shared memory: TPB float32
+        # partial sums of squares, reduced to partial[0]. With ``residual`` a value is x + delta,
+        # and its thread writes it back to x (delta unused else)
         partial = cuda.shared.array(threads, float32)
         values = cuda.local.array(ROW_BATCH, float32)
+        scales = cuda.local.array(ROW_BATCH, float32)      # a one-batch row's weights, loaded with x
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         width = x.shape[1]
+        one_batch = width <= threads * ROW_BATCH
 
         acc = float32(0.0)
         for base in range(tid, width, threads * ROW_BATCH):
             for b in range(ROW_BATCH):
                 d = min(base + b * threads, width - 1)      # past the row: re-read its last column
                 values[b] = x[row, d] + delta[row, d] if residual else x[row, d]
+                if one_batch:                               # in flight with x: no wait after the sum
+                    scales[b] = weight[d]
             for b in range(ROW_BATCH):
                 if base + b * threads < width:
                     acc += values[b] * values[b]
@@ -80,11 +89,11 @@ def rmsnorm_kernel(threads: int, residual: bool = False):
         # every thread reads the total; the same float32 operations, in the same order, as numpy
         mean_square = partial[0] / float32(width)
         inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-        if width <= threads * ROW_BATCH:                    # one batch: the row is in registers
+        if one_batch:                                       # the row and its weights are in registers
             for b in range(ROW_BATCH):
                 d = tid + b * threads
                 if d < width:
-                    out[row, d] = values[b] * inv_rms * weight[d]
+                    out[row, d] = values[b] * inv_rms * scales[b]
         else:                                               # x holds the sums: the thread wrote them
             for d in range(tid, width, threads):
                 out[row, d] = x[row, d] * inv_rms * weight[d]

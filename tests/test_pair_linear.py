@@ -554,7 +554,7 @@ def test_lanes_shape_by_rows_and_outputs():
     if device.SIMULATOR:
         assert {kernel.lanes_shape(r, n) for r in (1, 8, 72) for n in (64, 32000)} == {kernel.LANES_SIMULATED}
         return
-    assert kernel.lanes_shape(1, 2048) == (4, 1, 8) and kernel.lanes_shape(1, 32000) == (4, 4, 4)
+    assert kernel.lanes_shape(1, 2048) == (4, 2, 16) and kernel.lanes_shape(1, 32000) == (4, 4, 4)
     assert kernel.lanes_shape(8, 2048) == (4, 2, 8) and kernel.lanes_shape(24, 2048) == (4, 4, 4)
     assert {kernel.lanes_shape(r, 32000) for r in (2, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
 
@@ -579,8 +579,8 @@ def test_lanes_equals_warps_at_real_sizes():
     """"lanes" at every shape ``lanes_shape`` picks and at those timed (lanes-h200-2026-12-02.txt)
     equals "warps" bit for bit for 1, 2, 8, 16, 24 and 72 rows at small's projection sizes and an
     odd one (Din 511 -> 33), the H200's fused multiply-adds included; every output written."""
-    shapes = {(4, 1, 16), (4, 2, 8), (4, 4, 4), (8, 1, 8), (8, 2, 8), (2, 2, 8), (4, 1, 8), (8, 1, 16),
-              (4, 8, 2), (8, 4, 4), (2, 8, 2), (4, 8, 4), None}
+    shapes = {(4, 1, 16), (4, 2, 16), (4, 2, 8), (4, 4, 4), (8, 1, 8), (8, 2, 8), (2, 2, 8), (4, 1, 8),
+              (8, 1, 16), (4, 8, 2), (8, 4, 4), (2, 8, 2), (4, 8, 4), None}
     for depth, outputs in ((2048, 1536), (1536, 1024), (2048, 64), (2048, 32000), (511, 33)):
         x, weight = _inputs(72, depth, outputs, seed=14)
         d_weight = cuda.to_device(weight)

@@ -340,9 +340,10 @@ def test_attention_absorb_kimi_dims(rows):
 # ------------------------------------------------------------------------- attention over paths
 
 def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
-              heads_per_block=1, gemm=False, partials_out=None, unfused=False):
+              heads_per_block=1, gemm=False, partials_out=None, unfused=False, scores_out=None):
     """attention_paths on device copies, its outputs (partials, version 5's scores) poisoned with
-    NaN first; ``partials_out`` (a list), when given, receives the partials as the kernel left them."""
+    NaN first; ``partials_out`` and ``scores_out`` (lists), when given, receive the partials and
+    version 5's scores as the kernels left them."""
     rows, heads, rank = q_lat.shape
     partials = scores = None
     if unfused:
@@ -358,6 +359,8 @@ def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scal
                               out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
     if partials_out is not None:
         partials_out.append(partials.copy_to_host())
+    if scores_out is not None:
+        scores_out.append(scores.copy_to_host())
     return out.copy_to_host()
 
 
@@ -748,6 +751,31 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
         assert_exact(out.view(np.uint32), first_out.view(np.uint32), name=f"o_lat with the shapes {shapes}")
         assert_exact(partials.view(np.uint32), first_partials.view(np.uint32),       # unused chunks: NaN
                      name=f"partials with the shapes {shapes}")
+
+
+@pytest.mark.parametrize("heads, prefix, rank, rope", [(5, 21, 9, 5), (3, 38, 12, 3)])
+def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, prefix, rank, rope):
+    """A decode row's scores by ``row_scores_kernel`` (its usual grid, and a single block walking
+    every tile: ROW_BLOCKS = 1) and by the GEMM (``row_scores`` off): the same scores, partials and
+    output, bit for bit, and no slot past P + 1 written (every buffer poisoned with NaN first)."""
+    depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+    case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=heads)
+    assert gpu.row_scores(1, rank + rope) and not gpu.row_scores(2, rank + rope)
+    results = {}
+    for name, row, grid in (("row", True, gpu.ROW_BLOCKS), ("one block", True, 1), ("gemm", False, 1)):
+        monkeypatch.setattr(gpu, "row_scores", lambda rows, width, row=row: row)
+        monkeypatch.setattr(gpu, "ROW_BLOCKS", grid)
+        partials, scores = [], []
+        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True,
+                        partials_out=partials, scores_out=scores)
+        assert np.isfinite(scores[0][:, :prefix + 1]).all(), f"{name}: a score was not written"
+        assert np.isnan(scores[0][:, prefix + 1:]).all(), f"{name}: a slot past P + 1 was written"
+        results[name] = (out, partials[0], scores[0])
+    for name, arrays in results.items():
+        for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
+                                         strict=True):
+            assert_exact(array.view(np.uint32), expected.view(np.uint32), name=f"{what}, {name} scores")
 
 
 @pytest.mark.parametrize("options, message", [
