@@ -1131,32 +1131,40 @@ def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
     return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
 
 
-@cuda.jit(device=True)
-def _row_dot(acc, query, tile, first, count):
-    """acc plus query[c] * tile[first + c] for c = 0 .. ``count`` - 1, added in order: runs of
-    ROW_UNROLL columns with their loads issued before their adds, then the last columns one by one.
-    (Each run's offsets are constants from one index, which the compiler then folds into the loads.)"""
-    queries = cuda.local.array(ROW_UNROLL, float32)
-    keys = cuda.local.array(ROW_UNROLL, float32)
-    whole = count // ROW_UNROLL * ROW_UNROLL
-    for c0 in range(0, whole, ROW_UNROLL):
-        at = index(c0)
-        key_at = index(first + c0)
-        for u in range(ROW_UNROLL):
-            queries[u] = query[at + u]
-            keys[u] = tile[key_at + u]
-        for u in range(ROW_UNROLL):
-            acc += queries[u] * keys[u]
-    for column in range(whole, count):
-        acc += query[index(column)] * tile[index(first + column)]
-    return acc
+@functools.cache
+def row_dot(unroll: int):
+    """The device function dot(acc, query, tile, first, count) = acc plus query[c] * tile[first + c]
+    for c = 0 .. ``count`` - 1, added in order: runs of ``unroll`` columns (a literal: registers)
+    with their loads issued before their adds, then the last columns one by one. (Each run's
+    offsets are constants from one index, which the compiler then folds into the loads.)"""
+
+    @cuda.jit(device=True)
+    def dot(acc, query, tile, first, count):
+        queries = cuda.local.array(unroll, float32)
+        keys = cuda.local.array(unroll, float32)
+        whole = count // unroll * unroll
+        for c0 in range(0, whole, unroll):
+            at = index(c0)
+            key_at = index(first + c0)
+            for u in range(unroll):
+                queries[u] = query[at + u]
+                keys[u] = tile[key_at + u]
+            for u in range(unroll):
+                acc += queries[u] * keys[u]
+        for column in range(whole, count):
+            acc += query[index(column)] * tile[index(first + column)]
+        return acc
+
+    return dot
 
 
 @functools.cache
-def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int):
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL):
     """Version 5, step 1 of 4, for a single query row (a decode step), tiles of KT = ``key_tile``
-    keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads (literals: the
-    staged tile's and the loads' sizes). A score's terms are added as ``scores_kernel`` adds them."""
+    keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
+    ``unroll`` at a time (literals: the staged tile's, the loads' and the registers' sizes). A
+    score's terms are added as ``scores_kernel`` adds them, whatever the shape."""
+    dot = row_dot(unroll)
     width = rank + rope_dim
     stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
     staged = key_tile * stride                        # the tile in shared memory
@@ -1173,7 +1181,7 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int):
         THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP
         columns: 18 of them for small's 576, on a tile of a decode row's three quarters empty),
-        then each thread adds its score's R + dr terms one at a time in column order (``_row_dot``),
+        then each thread adds its score's R + dr terms one at a time in column order (``row_dot``),
         the query's values read from global memory (every thread of the grid reads the same row:
         L1 and L2 hold it). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on
         the device): one launch shape serves every step, and a grid of a few blocks per SM spends
@@ -1204,8 +1212,8 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int):
                     tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
             cuda.syncthreads()
             for head in range(lane, heads, head_lanes):
-                acc = _row_dot(float32(0.0), q_lat[0, head], tile, key * stride, rank)
-                acc = _row_dot(acc, q_pe[0, head], tile, key * stride + rank, rope_dim)
+                acc = dot(float32(0.0), q_lat[0, head], tile, key * stride, rank)
+                acc = dot(acc, q_pe[0, head], tile, key * stride + rank, rope_dim)
                 if s0 + key < keys:
                     scores[head, s0 + key] = acc * scale
 
