@@ -129,8 +129,11 @@ UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFU
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT heads at once
-ROW_BLOCKS = 528                              # ... its grid at most: 4 blocks on each of the H200's 132 SMs
-ROW_UNROLL = 8                                # ... a score's loads issued before their adds
+# ... its grid at most (2 blocks on each of the H200's 132 SMs) and a score's loads issued before
+# their adds: of the shapes timed on the H200 (decode-shapes-h200-2026-12-02.txt) the fastest or
+# within 3% of it from 136 to 16k keys (at 32k, 528 blocks were 2.5% faster; at 4k, 264 28%)
+ROW_BLOCKS = 264
+ROW_UNROLL = 32
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
 # ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
