@@ -794,10 +794,11 @@ def lanes_launch(x, weight, out, *, groups: int = 1, shape: tuple[int, int, int]
 def lanes_shape(rows: int, outputs: int) -> tuple[int, int, int]:
     """"lanes"' launch shape (warps per block, C columns per warp, U loads in flight per column and
     lane) for T = ``rows`` rows and Dout = ``outputs``; the same bits whatever the shape. The
-    fastest of those timed on the H200 at small's projections (lanes-h200-2026-12-02.txt): few
-    columns per warp and many loads while the rows are few (more warps, each with a long run of
-    one W row in flight), more columns per warp as the rows grow (each x value loaded feeds C
-    multiply-adds), and C = 8 for a wide lm_head from a few rows on."""
+    fastest of those timed on the H200 at small's projections (lanes-h200-2026-12-02.txt; for one
+    row, after x came to be loaded with W, decode-shapes-h200-2026-12-02.txt): few columns per
+    warp and many loads while the rows are few (more warps, each with a long run of W in flight),
+    more columns per warp as the rows grow (each x value loaded feeds C multiply-adds), and C = 8
+    for a wide lm_head from a few rows on."""
     if SIMULATOR:
         return LANES_SIMULATED
     wide = outputs >= LANES_WIDE_OUTPUTS

@@ -21,7 +21,9 @@ Kernels:
 - ``attention_scores_kernel``, ``attention_stats_kernel``, ``attention_values_kernel``,
   ``attention_tail_kernel`` (+ the merge): version 5, unfused (``unfused=True``): every row's
   scores as one GEMM, the softmax's statistics, P V as a second GEMM over the prefix's whole
-  chunks of keys and a gathering kernel for the chunks that hold the tree's paths.
+  chunks of keys and a gathering kernel for the chunks that hold the tree's paths. A decode row's
+  scores come from ``attention_row_scores_kernel`` instead: the GEMM's bits, a whole key tile
+  staged at once.
 - ``absorb_output``: o = W_UV o_lat, a linear per head: ``kernels.linear``'s "lanes" kernel with
   a group per head (a warp per few outputs (h, v), lane l summing r = l, l + 32, ...).
 
@@ -131,7 +133,8 @@ ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT heads at once
 # ... its grid at most (2 blocks on each of the H200's 132 SMs) and a score's loads issued before
 # their adds: of the shapes timed on the H200 (decode-shapes-h200-2026-12-02.txt) the fastest or
-# within 3% of it from 136 to 16k keys (at 32k, 528 blocks were 2.5% faster; at 4k, 264 28%)
+# within 3% of it from 136 to 16k keys (at 4k, 264 blocks took 27% less time than 528; at 32k,
+# 2.6% more)
 ROW_BLOCKS = 264
 ROW_UNROLL = 32
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
@@ -1127,10 +1130,10 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
 
 def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
     """The scores kernel's (QT, KT, TQ, TK, STEP) for ``queries`` = T H query rows: NARROW while
-    they fit one of its query tiles (a decode row of small's 16 heads: WIDE's 64-query tile would
-    be three quarters empty), else WIDE; the faster of the shapes timed on the H200 at 136 and at
-    16k keys (``docs/results/unfused-shapes-h200-2026-12-02.txt``). Every shape gives the same
-    bits."""
+    they fit one of its query tiles (a few rows of small's 16 heads: WIDE's 64-query tile would be
+    mostly empty), else WIDE; the faster of the shapes timed on the H200 at 136 and at 16k keys
+    (``docs/results/unfused-shapes-h200-2026-12-02.txt``). Every shape gives the same bits. (A
+    decode row takes ``row_scores_kernel`` where its tile fits: ``row_scores``.)"""
     return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
 
 

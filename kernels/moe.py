@@ -183,9 +183,11 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
 # (small's and Kimi's experts) NARROW was the faster at 8 rows, WIDE at 24 and 72 (Kimi: 16); WIDE
-# needs 255 registers (NARROW 168). A decode row's kernels keep one row's sums (``pass_rows``), and
-# ONE was the fastest of nine shapes for them (docs/results/pass-rows-h200-2026-12-02.txt). The
-# simulator runs linear's "lanes" shape (one warp per block: each thread is a Python thread).
+# needs 255 registers (NARROW 168). A decode row's kernels keep one row's sums (``pass_rows``); for
+# them ONE = ONE_DENSE = (4, 2, 16) was the fastest of eight pairs timed on a whole MoE layer of one
+# token (116.9 µs against 120.0 for the earlier (4, 4, 8) and (4, 2, 8)) and within 1% of the
+# fastest dense SwiGLU shape (docs/results/decode-shapes-h200-2026-12-02.txt). The simulator runs
+# linear's "lanes" shape (one warp per block: each thread is a Python thread).
 LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)
 LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
