@@ -12,11 +12,12 @@ records under docs/results/ (nothing is measured on this machine):
   record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-02f.json: ``small``'s AR step against its floor, and the verify time
+* engine-small-h200-2026-12-02g.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3,
   linear's "lanes", attention version 5's statistics a warp per chunk, the decode-row launch
   shapes (version 5's scores and tail, one-row passes) and the fusions (residual adds inside the
-  RMSNorms, q_a and kv_a in one projection, one RoPE launch, x loaded with W);
+  RMSNorms, q_a and kv_a in one projection, one RoPE launch, x loaded with W) and a decode row's
+  own scores kernel (row_scores_kernel);
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
   with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
@@ -25,7 +26,7 @@ records under docs/results/ (nothing is measured on this machine):
   with version 5 and the MoE kernels' version 3; sweep-small-h200-2026-12-02b.json: the same with
   linear's "lanes" too, all three the engine's defaults for small now; sweep-small-h200-2026-12-02c
   .json: the same with the decode-row launch shapes; sweep-small-h200-2026-12-02d.json: and the
-  fusions.
+  fusions; sweep-small-h200-2026-12-02e.json: and a decode row's own scores kernel.
 
 Run: python walkthrough/16_performance.py
 
@@ -48,7 +49,7 @@ BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-02f.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-02g.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
@@ -57,6 +58,7 @@ SWEEP_MOE = RESULTS / "sweep-small-h200-2026-12-02.json"       # ... and the MoE
 SWEEP_LANES = RESULTS / "sweep-small-h200-2026-12-02b.json"     # ... and linear's "lanes"
 SWEEP_SHAPES = RESULTS / "sweep-small-h200-2026-12-02c.json"    # ... and the decode-row launch shapes
 SWEEP_FUSED = RESULTS / "sweep-small-h200-2026-12-02d.json"     # ... and the fusions
+SWEEP_ROW = RESULTS / "sweep-small-h200-2026-12-02e.json"       # ... and a decode row's own scores
 ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long",
                    "paths_v5_tree_few", "paths_v5_tree_many", "paths_v5_tree_many_rank_long")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
@@ -253,19 +255,19 @@ def sweep_report(records: dict[str, dict]) -> dict[str, list[dict]]:
     """Each sweep's rows by attention version (the records' ``result.rows``)."""
     sweeps = {version: record["result"]["rows"] for version, record in records.items()}
     with chapter.section("sweep"):
-        print(f"{'attention':<26} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
+        print(f"{'attention':<44} {'context':>8} {'AR tok/s':>9} {'oracle':>8} {'noisy':>8} "
               f"{'att. share':>10}")
         for version, rows in sweeps.items():
             for r in rows:
                 oracle = r["ddtree_oracle"]["tokens_per_second"]
                 noisy = r["ddtree_noisy"]["tokens_per_second"]
-                print(f"{version:<26} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
+                print(f"{version:<44} {r['context']:>8} {r['ar_tokens_per_second']:>9.1f} {oracle:>8.1f} "
                       f"{noisy:>8.1f} {100 * r['attention_share']:>9.0f}%")
     return sweeps
 
 
 def plot_small(result, sweeps) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 6.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 7.2))
     sizes = result["tree_sizes"]
     left.plot([s["nodes"] for s in sizes], [s["verify_us"] / 1e3 for s in sizes], "o-", label="verify")
     left.axhline(result["floor"]["ar_step_us"] / 1e3, color="gray", ls="--", label="AR step")
@@ -275,7 +277,7 @@ def plot_small(result, sweeps) -> None:
     left.set_title("small: verify time against tree size")
     left.legend()
     lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 0.8), ("-", 1.6), ("-", 2.6),   # (style, width)
-             ("-", 3.6), ("-", 5.0))
+             ("-", 3.6), ("-", 5.0), ("-", 6.4))
     for (version, rows), (style, width) in zip(sweeps.items(), lines, strict=True):
         contexts = [r["context"] for r in rows]
         right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], marker="o", ls=style, lw=width,
@@ -288,7 +290,7 @@ def plot_small(result, sweeps) -> None:
     right.set_ylabel("tokens/s")
     right.set_title("small: tokens/s against context")
     fig.legend(*right.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize="x-small")  # below
-    fig.tight_layout(rect=(0, 0.27, 1, 1))
+    fig.tight_layout(rect=(0, 0.29, 1, 1))
     chapter.save_figure(fig, STEM, "small")
 
 
@@ -306,7 +308,9 @@ def main() -> None:
                                                  ("v5", SWEEP_UNFUSED), ("v5, MoE v3", SWEEP_MOE),
                                                  ("v5, MoE v3, lanes", SWEEP_LANES),
                                                  ("v5, MoE v3, lanes, shapes", SWEEP_SHAPES),
-                                                 ("v5, MoE v3, lanes, shapes, fused", SWEEP_FUSED))})
+                                                 ("v5, MoE v3, lanes, shapes, fused", SWEEP_FUSED),
+                                                 ("v5, MoE v3, lanes, shapes, fused, row scores",
+                                                  SWEEP_ROW))})
     plot_small(result, sweeps)
 
 
