@@ -1226,10 +1226,11 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
     return attention_row_scores_kernel
 
 
-def row_scores(rows: int, width: int) -> bool:
+def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
     """Whether version 5 takes ``row_scores_kernel`` for its scores: for a single row (T = 1)
-    whose tile of ROW_KEYS keys of ``width`` = R + dr columns fits SHARED_BUDGET."""
-    return rows == 1 and ROW_KEYS * (width + 1) * 4 <= SHARED_BUDGET
+    with rope columns (dr >= 1: the kernel stages them apart), whose tile of ROW_KEYS keys of R =
+    ``rank`` + dr = ``rope_dim`` columns fits SHARED_BUDGET."""
+    return rows == 1 and rope_dim >= 1 and ROW_KEYS * (rank + rope_dim + 1) * 4 <= SHARED_BUDGET
 
 
 @cuda.jit
@@ -1544,8 +1545,7 @@ def _attention_unfused(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, pa
     check_out(partials, (rows, heads, chunks, rank + 2), name="partials")
     scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
-    width = rank + q_pe.shape[2]
-    if row_scores(rows, width):
+    if row_scores(rows, rank, q_pe.shape[2]):
         row_grid = min(blocks(capacity, ROW_KEYS), ROW_BLOCKS)
         row_scores_kernel(ROW_KEYS, rank, q_pe.shape[2], ROW_THREADS)[row_grid, ROW_THREADS, stream](
             q_lat, q_pe, cache_latent, cache_rope, prefix, np.float32(scale), scores)

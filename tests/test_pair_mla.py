@@ -761,10 +761,11 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, pre
     depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=heads)
-    assert gpu.row_scores(1, rank + rope) and not gpu.row_scores(2, rank + rope)
+    assert gpu.row_scores(1, rank, rope) and not gpu.row_scores(2, rank, rope)
+    assert not gpu.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     results = {}
     for name, row, grid in (("row", True, gpu.ROW_BLOCKS), ("one block", True, 1), ("gemm", False, 1)):
-        monkeypatch.setattr(gpu, "row_scores", lambda rows, width, row=row: row)
+        monkeypatch.setattr(gpu, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(gpu, "ROW_BLOCKS", grid)
         partials, scores = [], []
         out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True,
@@ -776,6 +777,17 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, pre
         for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
                                          strict=True):
             assert_exact(array.view(np.uint32), expected.view(np.uint32), name=f"{what}, {name} scores")
+
+
+def test_attention_unfused_decode_row_without_rope_columns():
+    """dr = 0 (no rope columns, which ``row_scores_kernel`` stages apart): a decode row's scores
+    come from the GEMM, and its output matches numpy."""
+    case = Case("no rope", rows=1, prefix=20, mask="causal", heads=2, rank=9, rope=0)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale = make_inputs(case, seed=1)
+    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, np.zeros(1, np.int64),
+                    np.zeros((1, 1), np.int64), scale, unfused=True)
+    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale)
+    assert_close(out, expected, rtol=RTOL, atol=ATOL, name="o_lat, dr = 0")
 
 
 @pytest.mark.parametrize("options, message", [
