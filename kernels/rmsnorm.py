@@ -44,8 +44,8 @@ from kernels.device import (
 
 F32 = 4            # bytes per float32
 # the default block on a GPU: up to one thread per element of the row, at most 512 (a row of 2048,
-# one block alone, took 4.13 µs with 512 threads against 5.23 with 1024: a shorter reduction tree;
-# docs/results/decode-shapes-h200-2026-12-02.txt)
+# one block alone, took 4.13 µs with 512 threads against 5.23 with 1024, whose reduction tree is
+# one barrier step deeper; docs/results/decode-shapes-h200-2026-12-02.txt)
 ROW_THREADS = 512
 ROW_BATCH = 8       # a thread's row elements loaded together (registers)
 
