@@ -1189,9 +1189,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         columns: 18 of them for small's 576, on a query tile that a decode row's 16 heads fill
         half), then each thread adds its score's R + dr terms one at a time in column order
         (``row_dot``), the query's values read from global memory (every block reads the same
-        row: H (R + dr) floats, 36 KB for small). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on
-        the device): one launch shape serves every step, and a grid of a few blocks per SM spends
-        no time on the cache's empty capacity. The same bits as the GEMM, whatever the tile."""
+        row: H (R + dr) floats, 36 KB for small). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ...
+        below P + 1 (P read on the device): one launch shape serves every step, and a grid of a
+        few blocks per SM spends no time on the cache's empty capacity. The same bits as the GEMM,
+        whatever the tile."""
         tid = index(cuda.threadIdx.x)
         heads = q_lat.shape[1]
         keys = prefix[0] + 1
