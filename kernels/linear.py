@@ -123,6 +123,7 @@ GEMV_MAX_ROWS = 4   # version=None uses GEMV up to this many rows, the tiled GEM
 # took 66 µs with 128 threads and 15 with 1024 on the H200, a graph of 10 launches; the simulator's
 # threads are Python threads)
 ARGMAX_MAX_THREADS = MAX_TPB if SIMULATOR else 1024
+ARGMAX_BATCH = 8    # argmax: the logits a thread loads before it compares them
 VERSIONS = ("gemm", "gemv", "rows", "tiles", "tiles_gemm", "warps", "stream", "lanes")
 ROWS_PER_PASS = 8   # "rows": rows whose partial sums a thread keeps in registers at once
 # "rows": output columns per block: one on a GPU (parallelism); several in the simulator, where
@@ -1078,19 +1079,26 @@ def argmax_kernel(threads: int):
     @cuda.jit
     def kernel(logits, out):
         # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping
-        # its first (value, index) in np.argmax's order; shared memory: TPB values and TPB
-        # indices, reduced by block_argmax
+        # its first (value, index) in np.argmax's order, its loads ARGMAX_BATCH at a time (in
+        # flight together, not one wait per entry); shared memory: TPB values and TPB indices,
+        # reduced by block_argmax
         values = cuda.shared.array(threads, float32)
         indices = cuda.shared.array(threads, int32)
+        batch = cuda.local.array(ARGMAX_BATCH, float32)
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        vocab = logits.shape[1]
 
         best_value = float32(0.0)
         best_index = -1                      # nothing seen yet: comes after every entry
-        for v in range(tid, logits.shape[1], threads):
-            if comes_first(logits[row, v], v, best_value, best_index):
-                best_value = logits[row, v]
-                best_index = v
+        for base in range(tid, vocab, threads * ARGMAX_BATCH):
+            for b in range(ARGMAX_BATCH):    # past the row: its last entry again, never compared
+                batch[b] = logits[row, min(base + b * threads, vocab - 1)]
+            for b in range(ARGMAX_BATCH):
+                v = base + b * threads
+                if v < vocab and comes_first(batch[b], v, best_value, best_index):
+                    best_value = batch[b]
+                    best_index = v
         values[tid] = best_value
         indices[tid] = best_index
         block_argmax(values, indices)

@@ -311,7 +311,7 @@ def _tie_rows(vocab):
     return np.stack(rows).astype(np.float32)
 
 
-@pytest.mark.parametrize("vocab, threads", [(77, 32), (130, 64)])
+@pytest.mark.parametrize("vocab, threads", [(77, 32), (130, 64), (600, 32)])   # 600: three batches
 def test_argmax_ties_and_specials_match_numpy(vocab, threads):
     logits = _tie_rows(vocab)
     expected = reference.argmax(logits)
@@ -319,6 +319,15 @@ def test_argmax_ties_and_specials_match_numpy(vocab, threads):
     actual = kernel.argmax(logits, threads=threads)
     assert actual.dtype == np.int64
     assert_exact(actual, expected)
+
+
+def test_argmax_ties_across_a_threads_batches():
+    """32 threads load 8 logits each per batch: entries 7 and 263 (thread 7's first and second
+    batch) tie for the maximum, and a NaN at 519 (its third) beats both: the first of each wins."""
+    logits = np.zeros((2, 600), np.float32)
+    logits[:, [7, 263]] = 5.0
+    logits[1, 519] = np.nan
+    assert_exact(kernel.argmax(logits, threads=32), [7, 519])
 
 
 def test_argmax_vocab_smaller_than_block():
