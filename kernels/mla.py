@@ -73,7 +73,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
-from kernels.linear import ROWS_PER_PASS, index, lanes_launch, row_passes
+from kernels.linear import ROWS_PER_PASS, index, lanes_launch, pass_rows, row_passes
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
 # enough loads in flight (with 32 threads, each thread's serial loads left the H200 idle)
@@ -155,7 +155,6 @@ UNFUSED_FROM_RANK = 512       # the engine takes version 5 from this R on (``pat
 ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
 ABSORB_LANES = 8 if SIMULATOR else 32   # ... latent columns r per block (a thread each)
 ABSORB_SLICES = 2 if SIMULATOR else 8   # ... and dn's slices of consecutive n (a thread each)
-ABSORB_SUMS = (ROWS_PER_PASS, ABSORB_SLICES, ABSORB_LANES)   # the slices' sums of a pass's rows
 F32 = 4
 
 
@@ -165,56 +164,66 @@ non_negative = index
 
 
 # --8<-- [start:absorb_query_kernel]
-@cuda.jit
-def absorb_query_kernel(q_nope, w_uk, q_lat):
-    """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
+@functools.cache
+def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
+    """The absorb_query kernel for passes of ``per_pass`` rows (a literal: the pass's sums and
+    queries live in registers). A decode row's launch takes passes of one (``pass_rows``): a pass
+    of 8 would load its one query 8 times and add 8 rows' products. Each row's sums are the same."""
+    sums_shape = (per_pass, ABSORB_SLICES, ABSORB_LANES)            # the slices' sums of a pass's rows
 
-    Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
-    warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive n
-    (threadIdx.y = s: slice s, its n in order), for the passes of ROWS_PER_PASS rows y, y +
-    gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the pass's
-    rows' queries, before it adds their products to all of the pass's rows (a query loaded inside
-    the add's guard made every add wait for its own load); then the slices' sums meet in shared
-    memory and thread (lane, r) adds row r's in slice order. The slices depend on dn only, so a
-    row's sum does not depend on the rows beside it. W_UK (H dn R floats) is read once per pass of
-    8 rows; a decode row's 16 heads x 512 r get H R S threads, a load each in flight per batch.
-    """
-    lane, part = cuda.threadIdx.x, cuda.threadIdx.y
-    r = cuda.blockIdx.x * ABSORB_LANES + lane
-    head = cuda.blockIdx.y
-    rows, depth, rank = q_nope.shape[0], q_nope.shape[2], q_lat.shape[2]
-    width = (depth + ABSORB_SLICES - 1) // ABSORB_SLICES           # n per slice
-    first, last = min(part * width, depth), min(part * width + width, depth)
-    sums = cuda.shared.array(ABSORB_SUMS, float32)                  # [rows, slices, lanes]
-    staged = cuda.local.array(ABSORB_BATCH, float32)
-    queries = cuda.local.array((ROWS_PER_PASS, ABSORB_BATCH), float32)
-    acc = cuda.local.array(ROWS_PER_PASS, float32)
-    column = min(r, rank - 1)                                       # past R: R - 1 again, never written
-    for t0 in range(cuda.blockIdx.z * ROWS_PER_PASS, rows, cuda.gridDim.z * ROWS_PER_PASS):
-        count = min(ROWS_PER_PASS, rows - t0)
-        for i in range(ROWS_PER_PASS):
-            acc[i] = float32(0.0)
-        for n0 in range(first, last, ABSORB_BATCH):
-            for b in range(ABSORB_BATCH):                           # the loads first: W_UK's, and
-                staged[b] = w_uk[head, min(n0 + b, last - 1), column]   # the rows' q (past the
-            for i in range(ROWS_PER_PASS):                          # pass or the slice: the last
-                for b in range(ABSORB_BATCH):                       # again, never added)
-                    queries[i, b] = q_nope[t0 + min(i, count - 1), head, min(n0 + b, last - 1)]
-            for b in range(ABSORB_BATCH):                           # then the sums, n in order
-                if n0 + b < last:
-                    for i in range(ROWS_PER_PASS):
-                        if i < count:
-                            acc[i] += queries[i, b] * staged[b]
-        cuda.syncthreads()                                          # the last pass's sums read
-        for i in range(ROWS_PER_PASS):
-            sums[i, part, lane] = acc[i]
-        cuda.syncthreads()
-        if r < rank:                                       # thread (lane, part): rows part, part + S, ...
-            for i in range(part, count, ABSORB_SLICES):
-                total = sums[i, 0, lane]
-                for other in range(1, ABSORB_SLICES):
-                    total += sums[i, other, lane]
-                q_lat[t0 + i, head, r] = total
+    @cuda.jit
+    def absorb_query_kernel(q_nope, w_uk, q_lat):
+        """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
+
+        Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
+        warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive
+        n (threadIdx.y = s: slice s, its n in order), for the passes of PASS rows y, y +
+        gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the
+        pass's rows' queries, before it adds their products to all of the pass's rows (a query
+        loaded inside the add's guard made every add wait for its own load); then the slices' sums
+        meet in shared memory and thread (lane, r) adds row r's in slice order. The slices depend
+        on dn only, so a row's sum does not depend on the rows beside it. W_UK (H dn R floats) is
+        read once per pass; a decode row's 16 heads x 512 r get H R S threads, a load each in
+        flight per batch.
+        """
+        lane, part = cuda.threadIdx.x, cuda.threadIdx.y
+        r = cuda.blockIdx.x * ABSORB_LANES + lane
+        head = cuda.blockIdx.y
+        rows, depth, rank = q_nope.shape[0], q_nope.shape[2], q_lat.shape[2]
+        width = (depth + ABSORB_SLICES - 1) // ABSORB_SLICES           # n per slice
+        first, last = min(part * width, depth), min(part * width + width, depth)
+        sums = cuda.shared.array(sums_shape, float32)                   # [rows, slices, lanes]
+        staged = cuda.local.array(ABSORB_BATCH, float32)
+        queries = cuda.local.array((per_pass, ABSORB_BATCH), float32)
+        acc = cuda.local.array(per_pass, float32)
+        column = min(r, rank - 1)                                       # past R: R - 1 again, never written
+        for t0 in range(cuda.blockIdx.z * per_pass, rows, cuda.gridDim.z * per_pass):
+            count = min(per_pass, rows - t0)
+            for i in range(per_pass):
+                acc[i] = float32(0.0)
+            for n0 in range(first, last, ABSORB_BATCH):
+                for b in range(ABSORB_BATCH):                           # the loads first: W_UK's, and
+                    staged[b] = w_uk[head, min(n0 + b, last - 1), column]   # the rows' q (past the
+                for i in range(per_pass):                               # pass or the slice: the last
+                    for b in range(ABSORB_BATCH):                       # again, never added)
+                        queries[i, b] = q_nope[t0 + min(i, count - 1), head, min(n0 + b, last - 1)]
+                for b in range(ABSORB_BATCH):                           # then the sums, n in order
+                    if n0 + b < last:
+                        for i in range(per_pass):
+                            if i < count:
+                                acc[i] += queries[i, b] * staged[b]
+            cuda.syncthreads()                                          # the last pass's sums read
+            for i in range(per_pass):
+                sums[i, part, lane] = acc[i]
+            cuda.syncthreads()
+            if r < rank:                                   # thread (lane, part): rows part, part + S, ...
+                for i in range(part, count, ABSORB_SLICES):
+                    total = sums[i, 0, lane]
+                    for other in range(1, ABSORB_SLICES):
+                        total += sums[i, other, lane]
+                    q_lat[t0 + i, head, r] = total
+
+    return absorb_query_kernel
 # --8<-- [end:absorb_query_kernel]
 
 
@@ -337,8 +346,9 @@ def absorb_query(q_nope, w_uk, *, out=None, stream=None):
     (rows, heads, _), rank = q_nope.shape, w_uk.shape[2]
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     if rows * heads * rank:
-        grid = (blocks(rank, ABSORB_LANES), heads, row_passes(rows))
-        absorb_query_kernel[grid, (ABSORB_LANES, ABSORB_SLICES), stream](
+        per_pass = pass_rows(rows)
+        grid = (blocks(rank, ABSORB_LANES), heads, row_passes(rows, per_pass))
+        absorb_query_kernel(per_pass)[grid, (ABSORB_LANES, ABSORB_SLICES), stream](
             to_device(q_nope, np.float32), to_device(w_uk, np.float32), d_out)
     return deliver(d_out, out, q_nope, w_uk)
 # --8<-- [end:absorb_query]
