@@ -175,6 +175,15 @@ ROUTE_TPB = 512         # router version 2's largest default block (a thread per
 # 64 threads, 23.7 with 512: more threads share each ranking's comparisons); the simulator: a thread per
 # expert (each thread is a Python thread)
 ROUTE_RANKS_THREADS = 32 if SIMULATOR else ROUTE_TPB
+ROUTE_ONE_EXPERTS = 8          # route_one_kernel: experts per block (EB), a slice of their weights staged
+ROUTE_ONE_CHUNKS = LOGIT_SLICE // LANES    # ... a slice's chunks of LANES columns
+ROUTE_ONE_BATCH = 8            # ... weights a thread loads before it stores them (512 threads: all)
+# ... used for one token when its grid has at most this many blocks: on the H200 small's router (E = 64,
+# D = 2048: 32 blocks) took 16.1 µs against 19.3 for the two kernels, Kimi's (E = 384, D = 7168: 672
+# blocks) 57.9 against 26.5 (docs/results/decode-kernels-h200-2026-12-03.txt); between them: not measured
+ROUTE_ONE_MAX_BLOCKS = 132
+ROUTE_ONE_STAGED = ROUTE_ONE_CHUNKS * ROUTE_ONE_EXPERTS * LANES_PADDED   # ... its staged weights
+ROUTE_ONE_X = ROUTE_ONE_CHUNKS * LANES_PADDED                            # ... and x's slice
 F32, I64 = 4, 8
 # the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
 # pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
@@ -497,9 +506,9 @@ def _candidates(choice, experts, top_k, best_value, best_index, column_rank, can
     return min(top_k, columns) * per_column
 
 
-@cuda.jit
-def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
-    """One block routes one token from its sliced router logits (T, S, E): ids[t, :] (k) and
+@cuda.jit(device=True)
+def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
+    """The block routes token ``token`` from its sliced router logits (T, S, E): ids[t, :] (k) and
     weights[t, :] (k), as ``route_kernel`` but without its k sequential argmax rounds.
 
     1. ``_summed_scores``. 2. With G > 1 groups, ``_mask_groups``. 3. ``_candidates``: the k best
@@ -511,7 +520,7 @@ def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling
     each), the picks (k). Cost: two rankings (columns, candidates; a third for groups) of a few
     comparisons per thread each, six barriers (nine with groups), none of them per pick.
     """
-    token, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    tid = cuda.threadIdx.x
     experts, top_k = parts.shape[2], ids.shape[1]
     score = cuda.shared.array(MAX_EXPERTS, dtype=float32)               # [E] sigmoid(gate x)
     choice = cuda.shared.array(MAX_EXPERTS, dtype=float32)              # [E] score + bias, or -inf
@@ -540,7 +549,83 @@ def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling
         total = _picked_total(score, picked, top_k)
         ids[token, j] = picked[j]
         weights[token, j] = _weight(score, picked[j], total, norm_topk_prob, scaling)
+
+
+@cuda.jit
+def route_ranks_kernel(parts, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
+    """One block routes one token (blockIdx.x) from its sliced router logits (``_route_parts``)."""
+    _route_parts(parts, bias, cuda.blockIdx.x, n_group, topk_group, norm_topk_prob, scaling, ids, weights)
 # --8<-- [end:route_ranks_kernel]
+
+
+# --8<-- [start:route_one_kernel]
+@cuda.jit(device=True)
+def _staged_at(chunk, expert, column):
+    """Where ``route_one_kernel`` stages weight (expert, chunk * LANES + column) of its slice: rows
+    of LANES + 1 floats, so that a warp's 32 sums (8 experts x 4 parts) read 32 distinct banks."""
+    return (chunk * ROUTE_ONE_EXPERTS + expert) * LANES_PADDED + column
+
+
+@cuda.jit
+def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, slice_parts, parts,
+                     arrivals, ids, weights):
+    """Router version 2 for one token (T = 1) in one launch: ``logit_slices_kernel``'s sums, then
+    the block that finishes last routes the token (``_route_parts``).
+
+    Block (x, y) = experts e0 = x EB .. e0 + EB - 1 of depth slice y. Its threads stage the EB
+    experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's slice; thread
+    (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums chunks p,
+    p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does; thread e
+    adds its W sums in part order into parts[0, y, e]: logit_slices_kernel's bits. Then the block
+    counts itself in arrivals[0], after a fence (its parts are visible to the other blocks first).
+    The block that arrives last sees every slice: it routes the token as route_ranks_kernel does,
+    then sets arrivals[0] back to 0 for the next launch. One launch instead of two, and EB = 8
+    experts per block where logit_slices_kernel has 32: four times the blocks reading the gate."""
+    w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
+    x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
+    partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
+    last = cuda.shared.array(1, int32)                                      # 1: this block came last
+    staged = cuda.local.array(ROUTE_ONE_BATCH, float32)
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    experts, s = gate.shape[0], cuda.blockIdx.y
+    d0 = s * LOGIT_SLICE
+    depth = min(LOGIT_SLICE, x.shape[1] - d0)
+    e0 = cuda.blockIdx.x * ROUTE_ONE_EXPERTS
+    for base in range(tid, ROUTE_ONE_EXPERTS * LOGIT_SLICE, threads * ROUTE_ONE_BATCH):
+        for b in range(ROUTE_ONE_BATCH):    # all loads, then their stores; element i: expert i // SLICE,
+            i = base + b * threads          # column i % SLICE (a constant divisor: shifts, not divisions)
+            staged[b] = gate[min(e0 + i // LOGIT_SLICE, experts - 1), d0 + min(i % LOGIT_SLICE, depth - 1)]
+        for b in range(ROUTE_ONE_BATCH):    # past the slice or the block's experts: loaded, not stored
+            i = base + b * threads
+            k = i % LOGIT_SLICE
+            if i < ROUTE_ONE_EXPERTS * LOGIT_SLICE and k < depth:
+                w_tile[_staged_at(k // LANES, i // LOGIT_SLICE, k % LANES)] = staged[b]
+    for k in range(tid, depth, threads):
+        x_tile[k // LANES * LANES_PADDED + k % LANES] = x[0, d0 + k]
+    cuda.syncthreads()
+    if tid < ROUTE_ONE_EXPERTS * slice_parts:
+        e, p = tid % ROUTE_ONE_EXPERTS, tid // ROUTE_ONE_EXPERTS
+        acc = float32(0.0)
+        for c in range(p, (depth + LANES - 1) // LANES, slice_parts):
+            for kk in range(min(LANES, depth - c * LANES)):
+                acc += x_tile[c * LANES_PADDED + kk] * w_tile[_staged_at(c, e, kk)]
+        partial[p, e] = acc
+    cuda.syncthreads()
+    if tid < ROUTE_ONE_EXPERTS and e0 + tid < experts:
+        total = partial[0, tid]
+        for other in range(1, slice_parts):
+            total += partial[other, tid]
+        parts[0, s, e0 + tid] = total
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        last[0] = cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x * cuda.gridDim.y - 1
+    cuda.syncthreads()
+    if last[0]:
+        _route_parts(parts, bias, 0, n_group, topk_group, norm_topk_prob, scaling, ids, weights)
+        if tid == 0:
+            arrivals[0] = 0
+# --8<-- [end:route_one_kernel]
 
 
 # --- version 1: per (token, slot) pair ---------------------------------------------------------
@@ -869,6 +954,7 @@ class MoEScratch(typing.NamedTuple):
     """Device buffers of one MoE layer over T tokens, for either version (version 1 leaves lists
     and down alone)."""
     logits: object                  # [T, S, E] float32 router logits in S depth slices (router version 2)
+    arrivals: object                # [T] int32 zeros: route_one_kernel's count of its finished blocks
     ids: object                     # [T, k] int64 routed experts
     weights: object                 # [T, k] float32 their weights
     hidden: object                  # [T, k, F] float32
@@ -890,6 +976,7 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
     top_k, features, width = config.num_experts_per_tok, params.gate_proj.shape[1], params.gate.shape[1]
     shared = params.shared_gate_proj
     return MoEScratch(logits=poisoned(logits_shape(rows, config.n_routed_experts, width), stream=stream),
+                      arrivals=filled((rows,), 0, np.int32, stream),
                       ids=poisoned((rows, top_k), np.int64, stream),
                       weights=poisoned((rows, top_k), stream=stream),
                       hidden=poisoned((rows, top_k, features), stream=stream),
@@ -909,10 +996,12 @@ def logits_shape(rows: int, experts: int, depth: int, version: int = 2) -> tuple
     return (rows, experts) if version == 1 else (rows, logit_slices(depth), experts)
 
 
-def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weights, stream,
+def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals, ids, weights, stream,
                   version: int) -> None:
     """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (version 1:
-    (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k)."""
+    (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k).
+    Version 2 at one token, on at most ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, counting
+    its blocks in ``arrivals`` (int32, 0 before the launch and after it)."""
     rows, depth = x.shape
     experts = config.n_routed_experts
     flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
@@ -920,11 +1009,16 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, ids, weig
         linear(x, gate, version="tiles", out=logits, stream=stream)
         route_kernel[rows, threads or pow2_threads(experts), stream](logits, bias, *flags, ids, weights)
         return
-    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
-    logit_slices_kernel[grid, LANES * k_slices(min(depth, LOGIT_SLICE)), stream](x, gate, logits)
+    slice_parts = k_slices(min(depth, LOGIT_SLICE))                      # W, the warps of a slice's sums
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
-    route_ranks_kernel[rows, threads, stream](
-        logits, bias, *flags, ids, weights)
+    one_grid = (blocks(experts, ROUTE_ONE_EXPERTS), logits.shape[1])     # x over E, y over S
+    if rows == 1 and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
+        route_one_kernel[one_grid, threads, stream](x, gate, bias, *flags, slice_parts, logits, arrivals, ids,
+                                                     weights)
+        return
+    grid = (blocks(experts, LANES), logits.shape[1], row_passes(rows))     # x over E, y over S, z over T
+    logit_slices_kernel[grid, LANES * slice_parts, stream](x, gate, logits)
+    route_ranks_kernel[rows, threads, stream](logits, bias, *flags, ids, weights)
 
 
 def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> None:
@@ -1037,7 +1131,8 @@ def _check_dense_scratch(scratch, name: str, rows: int, features: int) -> None:
                    hidden=((rows, 1, features), np.float32), lists=((rows, 1), np.int32))
 
 
-def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, logits=None, version=2):
+def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, logits=None, arrivals=None,
+                version=2):
     """``version`` in ROUTE_VERSIONS, the reference's shapes, the router kernel's limits and block
     size, float32 on the device, ``out`` = (ids (T, k) int64, weights (T, k) float32), ``logits``
     the version's (``router_logits``). Returns x, gate, bias."""
@@ -1051,12 +1146,16 @@ def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, l
         check_out(out[0], shape, np.int64, "out[0] (ids)")
         check_out(out[1], shape, np.float32, "out[1] (weights)")
     check_out(logits, logits_shape(x.shape[0], *gate.shape, version), name="logits")
+    if arrivals is not None and not is_device_array(arrivals):
+        raise ValueError(f"arrivals must be a device array (the kernel counts its blocks there), got "
+                         f"{type(arrivals).__name__}")
+    check_out(arrivals, (1,), np.int32, "arrivals")
     return x, gate, bias
 
 
 # --8<-- [start:route]
 def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None,
-          logits=None, version: int = 2):
+          logits=None, arrivals=None, version: int = 2):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32).
 
     ``version``: 2 (the default, what ``moe`` runs) sliced logits and top-k by rank, 1 "tiles"
@@ -1065,17 +1164,21 @@ def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out
     from 32 (version 1: to 128, version 2: to 1024); by default the smallest that covers E, at most
     128 (version 1) or 512 (version 2). ``out``: a pair (ids, weights) to write into; ``logits``: a
     device float32 buffer for the router logits, of shape ``logits_shape(T, E, D, version)`` (new
-    by default); ``stream``: where the kernels are launched (None: the default stream).
+    by default); ``arrivals``: a device int32 (1,) of zeros, the block count of version 2's one-token
+    launch (``route_one_kernel``; new by default, zeros again after the launch); ``stream``: where
+    the kernels are launched (None: the default stream).
     """
     x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out, logits=logits,
-                                version=version)
+                                arrivals=arrivals, version=version)
     out_ids, out_weights = out or (None, None)
     shape = (x.shape[0], config.num_experts_per_tok)
     ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
     if x.shape[0]:
         logits = output(logits, logits_shape(x.shape[0], *gate.shape, version), stream=stream)
+        if arrivals is None and x.shape[0] == 1 and version == 2:          # route_one_kernel's count
+            arrivals = filled((1,), 0, np.int32, stream)
         _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
-                      config, threads, logits, ids, weights, stream, version)
+                      config, threads, logits, arrivals, ids, weights, stream, version)
     return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)
 # --8<-- [end:route]
 
@@ -1148,6 +1251,7 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
         (rows, width), top_k, features = x.shape, config.num_experts_per_tok, params.gate_proj.shape[1]
         experts = config.n_routed_experts
         _check_scratch(scratch, "scratch", logits=(logits_shape(rows, experts, width), np.float32),
+                       arrivals=((rows,), np.int32),
                        ids=((rows, top_k), np.int64), weights=((rows, top_k), np.float32),
                        hidden=((rows, top_k, features), np.float32), lists=((rows, experts), np.int32),
                        down=((rows, top_k, width), np.float32))
@@ -1176,8 +1280,8 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     if rows and width:
         weights, d_x = device_params(params), to_device(x, np.float32)
         scratch = scratch or moe_scratch(rows, weights, config, stream)
-        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.ids,
-                      scratch.weights, stream, version=2)       # the router's faster version
+        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.arrivals,
+                      scratch.ids, scratch.weights, stream, version=2)       # the router's faster version
         shared = weights.shared_gate_proj is not None
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,

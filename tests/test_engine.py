@@ -93,8 +93,8 @@ def assert_same_round(actual, expected, where=""):
 
 def test_bucket_views_of_a_scratch_without_a_shared_expert():
     """A layer's scratch is viewed per bucket field by field; a missing shared expert stays None."""
-    arrays = [np.arange(8 * (i + 1)).reshape(8, i + 1) for i in range(6)]
-    scratch = MoEScratch(*arrays[:4], shared=None, lists=arrays[4], down=arrays[5])
+    arrays = [np.arange(8 * (i + 1)).reshape(8, i + 1) for i in range(7)]
+    scratch = MoEScratch(*arrays[:5], shared=None, lists=arrays[5], down=arrays[6])
     view = rows_of(scratch, 3)
     assert view.shared is None
     assert all(field.shape[0] == 3 for name, field in view._asdict().items() if name != "shared")

@@ -230,6 +230,58 @@ def test_route_sums_depth_slices_in_order():
     assert_exact(alone[1].view(np.uint32), weights[1:].view(np.uint32), name="token 1 alone: weight bits")
 
 
+@pytest.mark.parametrize("change, width, threads", [
+    (dict(), gpu.LOGIT_SLICE + 8, None),                             # 4 groups; a full and an 8-wide slice
+    (dict(n_routed_experts=20, n_group=1, topk_group=1, num_experts_per_tok=4), 70, 32),   # a part block
+], ids=["groups-two-slices", "20-experts-32-threads"])
+def test_route_one_token_gives_its_batch_rows_bits(change, width, threads):
+    """One token runs ``route_one_kernel`` (the slices' sums, then the last block to arrive routes);
+    a batch runs logit_slices_kernel and route_ranks_kernel. Each batch row alone: the same logit
+    slices, ids and weights, bit for bit; the block count is back at zero, so a second launch with
+    the same ``arrivals`` routes again."""
+    config = config_with(**change)
+    rows = 3
+    x, gate, bias = random_router(config, rows=rows, width=width, seed=width)
+    shape = gpu.logits_shape(rows, config.n_routed_experts, width)
+    batch_logits = to_device(np.full(shape, np.nan, np.float32))
+    ids, weights = gpu.route(x, gate, bias, config, threads=threads, logits=batch_logits)
+    arrivals = to_device(np.zeros(1, np.int32))
+    for t in range(rows):
+        for launch in range(2):
+            logits = to_device(np.full((1,) + shape[1:], np.nan, np.float32))
+            out = (to_device(np.full((1, ids.shape[1]), -1, np.int64)),
+                   to_device(np.full((1, ids.shape[1]), np.nan, np.float32)))
+            gpu.route(x[t:t + 1], gate, bias, config, threads=threads, logits=logits, arrivals=arrivals,
+                      out=out)
+            where = f"token {t}, launch {launch}: "
+            assert_exact(logits.copy_to_host()[0].view(np.uint32),
+                         batch_logits.copy_to_host()[t].view(np.uint32), name=where + "logit slice bits")
+            assert_exact(out[0].copy_to_host()[0], ids[t], name=where + "ids")
+            assert_exact(out[1].copy_to_host()[0].view(np.uint32), weights[t].view(np.uint32),
+                         name=where + "weight bits")
+            assert arrivals.copy_to_host()[0] == 0, where + "the block count was not reset"
+
+
+def test_route_one_token_on_a_large_grid_takes_the_two_kernels(monkeypatch):
+    """Past ROUTE_ONE_MAX_BLOCKS (here 0) one token runs logit_slices_kernel and route_ranks_kernel:
+    arrivals is left as it is (7, which would stop route_one_kernel's last block from routing)."""
+    monkeypatch.setattr(gpu, "ROUTE_ONE_MAX_BLOCKS", 0)
+    config = config_with()
+    x, gate, bias = random_router(config, rows=1, width=40, seed=40)
+    arrivals = to_device(np.array([7], np.int32))
+    route_both(x, gate, bias, config, arrivals=arrivals)
+    assert arrivals.copy_to_host()[0] == 7
+
+
+def test_route_arrivals_are_checked():
+    config = config_with()
+    x, gate, bias = random_router(config, rows=1, width=9, seed=9)
+    with pytest.raises(ValueError, match="arrivals must be a device array"):
+        gpu.route(x, gate, bias, config, arrivals=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match=r"arrivals must be int32 of shape \(1,\)"):
+        gpu.route(x, gate, bias, config, arrivals=to_device(np.zeros(2, np.int32)))
+
+
 # --- SwiGLU and the MoE layer --------------------------------------------------------------------
 
 def random_params(config: ModelConfig, width: int, seed: int, shared: bool = True) -> ref.MoEParams:
