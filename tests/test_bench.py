@@ -231,3 +231,12 @@ def test_gc_pauses_times_the_collector_and_unhooks_itself():
         gc.collect()
     assert pauses.collections >= 1 and pauses.seconds > 0
     assert pauses._callback not in gc.callbacks
+
+
+def test_engine_bench_options_leave_out_columns_by_name():
+    """--engine-only drops every peer column, --no-numpy only the CPU reference's."""
+    from kernels.bench.engine import parse_args
+
+    plain, no_numpy = parse_args([]), parse_args(["--no-numpy", "--presets", "tiny"])
+    assert (plain.no_numpy, plain.engine_only) == (False, False)
+    assert (no_numpy.no_numpy, no_numpy.engine_only, no_numpy.presets) == (True, False, "tiny")

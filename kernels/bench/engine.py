@@ -551,6 +551,9 @@ def parse_args(argv):
     parser.add_argument("--engine-only", action="store_true",
                         help="only the engine with graphs (AR, DDTree, launches, the round split): no "
                              "graphs-off, numpy or transformers columns")
+    parser.add_argument("--no-numpy", action="store_true",
+                        help="leave out the numpy reference on the CPU (its speed does not depend on the "
+                             "GPU's kernels; its ngram runs take minutes): every other column stays")
     parser.add_argument("--out", type=pathlib.Path,
                         help="write the markdown report here (and a .json beside it)")
     return parser.parse_args(argv)
@@ -570,8 +573,8 @@ def main(argv=None) -> int:
     if args.floor_only:
         print(write_record(args.out, [floor_only(n, log) for n in names], versions(), command))
         return 0
-    numpy_results = {} if args.engine_only else numpy_runs([n for n in names if n in HOST_PRESETS],
-                                                            args.repeats, log)
+    on_host = [] if args.engine_only or args.no_numpy else [n for n in names if n in HOST_PRESETS]
+    numpy_results = numpy_runs(on_host, args.repeats, log) if on_host else {}
     peers, missing = (None, "") if args.engine_only else load_transformers()
     if missing:
         log(f"note: {missing}")
