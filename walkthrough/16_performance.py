@@ -12,12 +12,13 @@ records under docs/results/ (nothing is measured on this machine):
   record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-02g.json: ``small``'s AR step against its floor, and the verify time
+* engine-small-h200-2026-12-03.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3,
   linear's "lanes", attention version 5's statistics a warp per chunk, the decode-row launch
   shapes (version 5's scores and tail, one-row passes) and the fusions (residual adds inside the
   RMSNorms, q_a and kv_a in one projection, one RoPE launch, x loaded with W) and a decode row's
-  own scores kernel (row_scores_kernel);
+  own scores kernel (row_scores_kernel), and its router in one launch (route_one_kernel), its
+  absorbed query in passes of one row and the batched argmax;
 * sweep-small-h200-2026-11-30.json: ``small`` against context length (``python -m kernels.bench
   sweep``), with attention's version 1; sweep-small-h200-2026-12-01.json: the same at two contexts
   with attention's version 2 (split over the keys); sweep-small-h200-2026-12-01b.json: at four
@@ -26,7 +27,8 @@ records under docs/results/ (nothing is measured on this machine):
   with version 5 and the MoE kernels' version 3; sweep-small-h200-2026-12-02b.json: the same with
   linear's "lanes" too, all three the engine's defaults for small now; sweep-small-h200-2026-12-02c
   .json: the same with the decode-row launch shapes; sweep-small-h200-2026-12-02d.json: and the
-  fusions; sweep-small-h200-2026-12-02e.json: and a decode row's own scores kernel.
+  fusions; sweep-small-h200-2026-12-02e.json: and a decode row's own scores kernel;
+  sweep-small-h200-2026-12-03.json: and its router, argmax and absorbed-query launches.
 
 Run: python walkthrough/16_performance.py
 
@@ -49,7 +51,7 @@ BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-02g.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-03.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
@@ -59,6 +61,7 @@ SWEEP_LANES = RESULTS / "sweep-small-h200-2026-12-02b.json"     # ... and linear
 SWEEP_SHAPES = RESULTS / "sweep-small-h200-2026-12-02c.json"    # ... and the decode-row launch shapes
 SWEEP_FUSED = RESULTS / "sweep-small-h200-2026-12-02d.json"     # ... and the fusions
 SWEEP_ROW = RESULTS / "sweep-small-h200-2026-12-02e.json"       # ... and a decode row's own scores
+SWEEP_DECODE = RESULTS / "sweep-small-h200-2026-12-03.json"    # ... and its router, argmax, absorbed query
 ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long",
                    "paths_v5_tree_few", "paths_v5_tree_many", "paths_v5_tree_many_rank_long")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
@@ -277,7 +280,7 @@ def plot_small(result, sweeps) -> None:
     left.set_title("small: verify time against tree size")
     left.legend()
     lines = ((":", 1.5), ("-.", 1.5), ("--", 1.5), ("-", 0.8), ("-", 1.6), ("-", 2.6),   # (style, width)
-             ("-", 3.6), ("-", 5.0), ("-", 6.4))
+             ("-", 3.6), ("-", 5.0), ("-", 6.4), ("-", 7.8))
     for (version, rows), (style, width) in zip(sweeps.items(), lines, strict=True):
         contexts = [r["context"] for r in rows]
         right.plot(contexts, [r["ar_tokens_per_second"] for r in rows], marker="o", ls=style, lw=width,
@@ -310,7 +313,8 @@ def main() -> None:
                                                  ("v5, MoE v3, lanes, shapes", SWEEP_SHAPES),
                                                  ("v5, MoE v3, lanes, shapes, fused", SWEEP_FUSED),
                                                  ("v5, MoE v3, lanes, shapes, fused, row scores",
-                                                  SWEEP_ROW))})
+                                                  SWEEP_ROW),
+                                                 ("v5, ..., row scores, decode kernels", SWEEP_DECODE))})
     plot_small(result, sweeps)
 
 
