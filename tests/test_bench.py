@@ -240,3 +240,31 @@ def test_engine_bench_options_leave_out_columns_by_name():
     plain, no_numpy = parse_args([]), parse_args(["--no-numpy", "--presets", "tiny"])
     assert (plain.no_numpy, plain.engine_only) == (False, False)
     assert (no_numpy.no_numpy, no_numpy.engine_only, no_numpy.presets) == (True, False, "tiny")
+
+
+NCU_CSV = '''==PROF== Connected to process 1
+"ID","Kernel Name","Grid Size","Block Size","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","rmsnorm::kernel[abc](Array<float>)","(1, 1, 1)","(512, 1, 1)","SOL","Duration","ns","4,000"
+"0","rmsnorm::kernel[abc](Array<float>)","(1, 1, 1)","(512, 1, 1)","SOL","DRAM Throughput","%","0.19"
+"0","rmsnorm::kernel[abc](Array<float>)","(1, 1, 1)","(512, 1, 1)","Launch","Registers Per Thread","","40"
+"1","mla::attention_stats_kernel[x](Array<float>)","(16, 1, 1)","(512, 1, 1)","SOL","Duration","us","5.5"
+"2","rmsnorm::kernel[abc](Array<float>)","(1, 1, 1)","(512, 1, 1)","SOL","Duration","ns","5,000"
+'''
+
+
+def test_ncu_table_sums_launches_by_kernel_and_shape():
+    """kernels.bench.ncu: a launch per ID, its duration in any of ncu's units, closures named by
+    their factory or module, the largest total first."""
+    from kernels.bench.ncu import kernel_name, launches, table
+
+    assert kernel_name("lanes_kernel::kernel[v1](Array<float>)") == "lanes_kernel"
+    assert kernel_name("mla::absorb_query_kernel[v2]") == "absorb_query_kernel"
+    lines = table(launches(NCU_CSV.splitlines()))
+    assert lines[0] == "total 14.5 µs of kernel duration, 3 launches"
+    assert lines[1].split() == ["9.0", "2", "4.50", "reg", "40", "dram%", "0.19", "rmsnorm", "(1,", "1,",
+                                "1)x(512,", "1,", "1)"]
+    assert lines[2].split()[:3] == ["5.5", "1", "5.50"] and "attention_stats_kernel (16, 1, 1)" in lines[2]
+    with pytest.raises(ValueError, match="Duration in 'cycle'"):
+        launches(NCU_CSV.replace('"us","5.5"', '"cycle","5.5"').splitlines())
+    with pytest.raises(ValueError, match="no CSV header"):
+        launches(["==PROF== nothing"])

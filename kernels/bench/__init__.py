@@ -6,6 +6,7 @@ Usage:
     python -m kernels.bench --cases 'attention*,rmsnorm'   # names or shell patterns, comma-separated
     python -m kernels.bench --quick              # tiny shapes, one repeat (the simulator smoke test)
     python -m kernels.bench engine --out r.md    # the whole engine, tok/s side by side (engine.py)
+    python -m kernels.bench ncu ncu.csv          # Nsight Compute's CSV summed by kernel (ncu.py)
 
 The package:
     case.py         ``Case`` (one timed call), the sizes, random device inputs, and ``make_cases``,
@@ -17,6 +18,7 @@ The package:
     report.py       the markdown report
     hardware.py     the H200 figures recorded in docs/results (read from the file, not retyped)
     engine.py       the device engine against numpy and transformers (``engine`` subcommand)
+    ncu.py          Nsight Compute's per-launch CSV summed by kernel and shape (``ncu``)
     cli.py          the command line
 
 What is timed: two things per case, side by side.

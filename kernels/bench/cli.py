@@ -41,6 +41,10 @@ def main(argv=None) -> int:
         from kernels.bench import sweep
 
         return sweep.main(argv[1:])
+    if argv[:1] == ["ncu"]:                             # Nsight Compute's CSV, summed per kernel
+        from kernels.bench import ncu
+
+        return ncu.main(argv[1:])
     if argv[:1] == ["digest"]:                          # fingerprints of every result, run to run
         from kernels.bench import digest
 
