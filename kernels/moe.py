@@ -580,8 +580,9 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does; thread e
     adds its W sums in part order into parts[0, y, e]: logit_slices_kernel's bits. Then the block
     counts itself in arrivals[0], after a fence (its parts are visible to the other blocks first).
-    The block that arrives last sees every slice: it routes the token as route_ranks_kernel does,
-    then sets arrivals[0] back to 0 for the next launch. One launch instead of two, and EB = 8
+    The block that arrives last sees every slice (a fence after its count orders its reads after
+    the others' writes): it routes the token as route_ranks_kernel does, then sets arrivals[0]
+    back to 0 for the next launch. One launch instead of two, and EB = 8
     experts per block where logit_slices_kernel has 32: four times the blocks reading the gate."""
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
@@ -624,6 +625,7 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
         last[0] = cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x * cuda.gridDim.y - 1
     cuda.syncthreads()
     if last[0]:
+        cuda.threadfence()                  # the acquire side: the other blocks' parts, then the reads
         _route_parts(parts, bias, 0, n_group, topk_group, norm_topk_prob, scaling, ids, weights)
         if tid == 0:
             arrivals[0] = 0
