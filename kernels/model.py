@@ -85,7 +85,7 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
-MOE_GROUPED_FROM_ROWS = 40      # forwards of this many rows or more run MoE version 2 (moe_version)
+MOE_GROUPED_FROM_ROWS = 72      # forwards of this many rows or more run MoE version 2 (moe_version)
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
 GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm" ...
 GEMM_MIN_WEIGHTS = 1 << 20      # ... where the weight has this many elements (projection_version)
@@ -115,10 +115,11 @@ def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS, warps
     ``grouped_from_rows`` rows on, and 1, per (token, slot) pair, below.
 
     Version 1 makes two launches fewer per MoE layer, version 2 reads an expert's weights once per
-    pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (preset tiny, graph
-    replay, ``docs/results/profile-h200-2026-12-01b.md``), T = 1 / 24 / 40 / 72 rows: version 1
-    531 / 619 / 779 / 1020 µs, version 2 556 / 687 / 748 / 843 µs: version 2 is faster from 40
-    rows on. Both versions give the same bits, so the
+    pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (graph replay,
+    ``docs/results/moe-crossover-h200-2026-12-03.md``), T = 40 / 48 / 64 / 72 rows: tiny version 1
+    499 / 520 / 552 / 626 µs, version 2 564 / 588 / 599 / 605 µs; tiny-b version 1 407 / 463 /
+    526 / 572, version 2 459 / 477 / 528 / 563: version 2 is faster from 72 rows on. Both versions
+    give the same bits, so the
     choice cannot break DDTree == AR: an AR step (one row, version 1) and the same row in a large
     tree's verify (version 2) get bit-identical logits.
     """
@@ -171,8 +172,8 @@ def moe_grouped_from(config: ModelConfig) -> int:
     with ``large_experts``, else MOE_GROUPED_FROM_ROWS. On the H200
     (``docs/results/profile-h200-2026-12-01b.md``), small's experts ran faster grouped at every T,
     one row included (its expert kernels 2.8 ms against 3.4, the two extra launches counted);
-    tiny's, below 40 rows, did not. (With ``large_experts`` the engine's default is version 3
-    anyway: ``moe_warps``.)"""
+    tiny's and tiny-b's, below 72 rows, did not (``moe-crossover-h200-2026-12-03.md``). (With
+    ``large_experts`` the engine's default is version 3 anyway: ``moe_warps``.)"""
     return 1 if large_experts(config) else MOE_GROUPED_FROM_ROWS
 # --8<-- [end:moe_version]
 

@@ -109,9 +109,9 @@ def test_buckets_and_candidate_counts():
 
 def test_moe_version_per_bucket():
     """Version 1 (per pair) below MOE_GROUPED_FROM_ROWS rows, version 2 (grouped) from there on."""
-    assert MOE_GROUPED_FROM_ROWS == 40
-    assert [moe_version(rows) for rows in (1, 8, 32, 40, 48, 128)] == [1, 1, 1, 2, 2, 2]
-    assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [40] * 3
+    assert MOE_GROUPED_FROM_ROWS == 72
+    assert [moe_version(rows) for rows in (1, 8, 40, 64, 72, 80, 128)] == [1, 1, 1, 1, 2, 2, 2]
+    assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [72] * 3
     assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
     assert [large_experts(preset(name)) for name in ("micro", "tiny", "tiny-b", "small", "kimi-k2.6")] \
         == [False, False, False, True, True]                  # the engine's default moe_warps
