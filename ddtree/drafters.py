@@ -56,9 +56,49 @@ def check_block(context_tokens, block_size: int, vocab_size: int) -> tuple[np.nd
     return context, check_positive("block_size", block_size) - 1
 
 
-def _position_rng(seed: int, position: int) -> np.random.Generator:
-    """A generator that depends only on (seed, absolute position): proposals never depend on history."""
-    return np.random.default_rng([seed, position])
+# --8<-- [start:keyed]
+MASK64 = (1 << 64) - 1
+# the words that keep a position's numbers apart by use (the key's last word before the index)
+TOKENS, TOP1, KEEP, RANK = range(4)
+
+
+def mix(state: int, word: int) -> int:
+    """One step of a keyed hash: ``word`` (a non-negative integer) folded into the 64-bit
+    ``state`` by splitmix64's finaliser. Pure Python: a round needs a few dozen numbers, and a
+    numpy generator per position cost more than the whole rest of the oracle's round."""
+    state = ((state ^ (word & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
+    state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state ^ (state >> 31)
+
+
+def keyed_state(*key: int) -> int:
+    """The hash state of a key (seed, position, depth, use): numbers that depend only on it, so
+    proposals never depend on history."""
+    state = 0
+    for word in key:
+        state = mix(state, word)
+    return state
+
+
+def keyed_uniform(*key: int) -> float:
+    """A uniform in [0, 1) that depends only on ``key``: the hash's top 53 bits."""
+    return (keyed_state(*key) >> 11) * 2.0 ** -53
+
+
+def keyed_tokens(count: int, vocab_size: int, exclude: int | None, *key: int) -> list[int]:
+    """min(count, the tokens available) distinct tokens in [0, vocab_size) other than ``exclude``:
+    mix(key's state, i) mod vocab_size for i = 0, 1, ..., repeats skipped (a random subset in a
+    random order: the same as a permutation's first entries, but only a few hashes)."""
+    count = min(count, vocab_size - (exclude is not None))
+    state, chosen, index = keyed_state(*key), [], 0
+    while len(chosen) < count:
+        token = mix(state, index) % vocab_size
+        if token != exclude and token not in chosen:
+            chosen.append(token)
+        index += 1
+    return chosen
+# --8<-- [end:keyed]
 
 
 class OracleDrafter:
@@ -97,9 +137,8 @@ class OracleDrafter:
 
     def draw_ranking(self, position: int) -> list[int]:
         truth = self.true_token(position)
-        rng = _position_rng(self.seed, position)
-        others = [int(t) for t in rng.permutation(self.vocab_size)[: self.distractors + 1] if t != truth]
-        return ([truth] if truth is not None else []) + others[: self.distractors]
+        others = keyed_tokens(self.distractors, self.vocab_size, truth, self.seed, position, 0, TOKENS)
+        return ([truth] if truth is not None else []) + others
 
     def probabilities(self, count: int) -> list[float]:
         """Probabilities of a ranking of ``count`` tokens, best first (they depend on the count only)."""
@@ -167,15 +206,14 @@ class NoisyOracleDrafter(OracleDrafter):
     # --8<-- [start:noisy_ranking]
     def noisy_ranking(self, position: int, depth: int) -> list[int]:
         truth = self.true_token(position)
-        rng = _position_rng(self.seed + 1, position * 64 + depth)
-        others = [int(t) for t in rng.permutation(self.vocab_size)[: self.runners_up + 2] if t != truth]
-        ranked = others[: self.runners_up + 1]
+        key = (self.seed, position, depth)                  # depth >= 1: apart from the oracle's keys
+        ranked = keyed_tokens(self.runners_up + 1, self.vocab_size, truth, *key, TOKENS)
         if truth is None:
             return ranked
-        if rng.random() < self.top1_rate * self.decay ** (depth - 1):
+        if keyed_uniform(*key, TOP1) < self.top1_rate * self.decay ** (depth - 1):
             return [truth] + ranked[: self.runners_up]
-        if self.runners_up and rng.random() < self.keep_rate:
-            ranked.insert(int(rng.integers(1, self.runners_up + 1)), truth)
+        if self.runners_up and keyed_uniform(*key, KEEP) < self.keep_rate:
+            ranked.insert(1 + int(keyed_uniform(*key, RANK) * self.runners_up), truth)   # rank 1..runners_up
         return ranked[: self.runners_up + 1]
     # --8<-- [end:noisy_ranking]
 

@@ -1,7 +1,19 @@
 import numpy as np
 import pytest
 
-from ddtree.drafters import NGramDrafter, NoisyOracleDrafter, OracleDrafter
+from ddtree.drafters import (
+    KEEP,
+    RANK,
+    TOKENS,
+    TOP1,
+    NGramDrafter,
+    NoisyOracleDrafter,
+    OracleDrafter,
+    keyed_state,
+    keyed_tokens,
+    keyed_uniform,
+    mix,
+)
 
 
 def test_oracle_ranks_the_true_continuation_first():
@@ -27,6 +39,27 @@ def test_noisy_oracle_is_seeded_and_leaves_the_chain():
 def test_noisy_oracle_validates():
     with pytest.raises(ValueError, match="top1_rate"):
         NoisyOracleDrafter([1, 2], 8, top1_rate=1.5)
+
+
+def test_mix_is_splitmix64():
+    """mix(0, 0) and mix(golden, 0) are splitmix64's first two outputs from seed 0."""
+    assert mix(0, 0) == 0xE220A8397B1DCDAF
+    assert mix(0x9E3779B97F4A7C15, 0) == 0x6E789E6AA1B965F4
+
+
+def test_keyed_tokens_are_distinct_uniform_and_capped():
+    for vocab, exclude in ((8, 3), (8, None), (3, 1), (2, 0), (1, None)):
+        for position in range(50):
+            tokens = keyed_tokens(5, vocab, exclude, 7, position, 0, TOKENS)
+            assert len(tokens) == min(5, vocab - (exclude is not None))       # capped by what is left
+            assert len(set(tokens)) == len(tokens) and exclude not in tokens
+            assert all(0 <= t < vocab for t in tokens)
+            assert tokens == keyed_tokens(5, vocab, exclude, 7, position, 0, TOKENS)   # a pure function
+    firsts = np.bincount([keyed_tokens(1, 8, None, 1, p, 0, TOKENS)[0] for p in range(16000)], minlength=8)
+    assert np.abs(firsts / 2000 - 1).max() < 0.08                          # each of 8 tokens ~1/8
+    u = np.array([keyed_uniform(2, p, 1, TOP1) for p in range(20000)])
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    assert abs(np.mean(u < 0.3) - 0.3) < 0.015
 
 
 def test_ngram_votes_for_what_followed_the_suffix():
@@ -61,14 +94,27 @@ def test_make_drafter_takes_a_known_continuation():
     assert np.array_equal(given.propose(context, 4), learned.propose(context, 4))
 
 
-# The straightforward implementations, as ddtree/drafters.py had them before it cached proposals
-# and vectorized the n-gram votes: the fast ones must return the same bytes.
+# The straightforward implementations (as ddtree/drafters.py had them before it cached proposals
+# and vectorized the n-gram votes; the oracles' keyed draws by their definition): the fast ones
+# must return the same bytes.
+
+def slow_keyed_tokens(count, vocab_size, exclude, *key):
+    """keyed_tokens by its definition: the hashes mod V of indices 0, 1, ..., repeats and
+    ``exclude`` dropped, the first ``count`` kept (enough indices for these small vocabularies)."""
+    state = keyed_state(*key)
+    seen = []
+    for index in range(64 * vocab_size + 256):
+        token = mix(state, index) % vocab_size
+        if token != exclude and token not in seen:
+            seen.append(token)
+    return seen[:count]
+
 
 def slow_oracle_ranking(drafter, position):
     truth = int(drafter.sequence[position]) if position < drafter.sequence.size else None
-    rng = np.random.default_rng([drafter.seed, position])
-    others = [int(t) for t in rng.permutation(drafter.vocab_size)[: drafter.distractors + 1] if t != truth]
-    return ([truth] if truth is not None else []) + others[: drafter.distractors]
+    others = slow_keyed_tokens(drafter.distractors, drafter.vocab_size, truth, drafter.seed, position, 0,
+                               TOKENS)
+    return ([truth] if truth is not None else []) + others
 
 
 def slow_oracle_probabilities(drafter, ranked):
@@ -78,15 +124,14 @@ def slow_oracle_probabilities(drafter, ranked):
 
 def slow_noisy_ranking(drafter, position, depth):
     truth = int(drafter.sequence[position]) if position < drafter.sequence.size else None
-    rng = np.random.default_rng([drafter.seed + 1, position * 64 + depth])
-    others = [int(t) for t in rng.permutation(drafter.vocab_size)[: drafter.runners_up + 2] if t != truth]
-    ranked = others[: drafter.runners_up + 1]
+    key = (drafter.seed, position, depth)
+    ranked = slow_keyed_tokens(drafter.runners_up + 1, drafter.vocab_size, truth, *key, TOKENS)
     if truth is None:
         return ranked
-    if rng.random() < drafter.top1_rate * drafter.decay ** (depth - 1):
+    if keyed_uniform(*key, TOP1) < drafter.top1_rate * drafter.decay ** (depth - 1):
         return [truth] + ranked[: drafter.runners_up]
-    if drafter.runners_up and rng.random() < drafter.keep_rate:
-        ranked.insert(int(rng.integers(1, drafter.runners_up + 1)), truth)
+    if drafter.runners_up and keyed_uniform(*key, KEEP) < drafter.keep_rate:
+        ranked.insert(1 + int(keyed_uniform(*key, RANK) * drafter.runners_up), truth)
     return ranked[: drafter.runners_up + 1]
 
 
