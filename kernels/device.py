@@ -150,15 +150,19 @@ def poisoned(shape, dtype=np.float32, stream=None):
     return filled(shape, np.nan if np.issubdtype(dtype, np.floating) else -1, dtype, stream)
 
 
-def check_out(out, shape, dtype=np.float32, name: str = "out") -> None:
-    """A caller's output buffer (host or device), when given: ``shape``, ``dtype``, C-contiguous."""
+def check_out(out, shape, dtype=np.float32, name: str = "out", strided: bool = False) -> None:
+    """A caller's output buffer (host or device), when given: ``shape``, ``dtype``, C-contiguous
+    (with ``strided``, a device buffer may be any view: its kernel indexes it as it is)."""
     if out is None:
         return
     shape, dtype = tuple(shape), np.dtype(dtype)
     if tuple(out.shape) != shape or out.dtype != dtype:
         raise ValueError(f"{name} must be {dtype} of shape {shape}, "
                          f"got {out.dtype} of shape {tuple(out.shape)}")
-    if not (out.is_c_contiguous() if is_device_array(out) else out.flags.c_contiguous):
+    if is_device_array(out):
+        if not (strided or out.is_c_contiguous()):
+            raise ValueError(f"{name} must be C-contiguous")
+    elif not out.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
 
 

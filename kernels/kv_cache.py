@@ -36,7 +36,10 @@ Kernels:
   grid may cover more rows than m (blocks past m return): the engine captures it in a CUDA graph
   sized for its bucket. Bytes: 2 launches x moved rows x Ly layers x (R + dr) x 4 bytes.
 - ``write_rows_kernel``: a forward's new rows into one layer's cache at slots P .. P + T - 1, P
-  read from a device array (the twin of ``LatentKVCache.write``; the engine's graphs hold it).
+  read from a device array (the twin of ``LatentKVCache.write``).
+- ``new_rows_kernel`` (``write_new_rows``, what the engine runs): the same write fused with what
+  comes before it, one block per row: the query latent's and the key-value latent's RMSNorms
+  (``rmsnorm_kernel``'s bits), the rope key's rotation (``rotated``), and the cache write.
 
 ``compact`` decides the new length on the host: it takes a ``stream`` but no ``out`` (the cache
 is compacted in place).
@@ -44,12 +47,17 @@ is compacted in place).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 from numba import cuda, float32
 
 from ddtree.kv_cache import LatentKVCache, check_accepted
-from kernels.blocks import row_threads
-from kernels.device import SIMULATOR, check_version, is_device_array, poisoned, to_device
+from kernels.blocks import block_sums, row_threads
+from kernels.device import SIMULATOR, check_version, is_device_array, poisoned, reduction_threads, to_device
+from kernels.rmsnorm import ROW_THREADS
+from kernels.rope import rotated
 
 TPB = 128
 F32, I64 = 4, 8
@@ -165,6 +173,118 @@ def write_rows(latent, rope, cache_latent, cache_rope, start, *, stream=None) ->
     if rows:
         threads = row_threads(max(latent.shape[1], rope.shape[1]), WRITE_ROWS_MAX_THREADS)
         write_rows_kernel[rows, threads, stream](latent, rope, cache_latent, cache_rope, start)
+
+
+# --8<-- [start:new_rows_kernel]
+@functools.cache
+def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
+    """The kernel of ``write_new_rows`` for blocks of ``threads`` threads, the query latent's norm
+    summed as ``rmsnorm_kernel(q_threads)`` sums it and the key-value latent's as
+    ``rmsnorm_kernel(kv_threads)`` (powers of two <= ``threads``; q_threads 0: no query latent)."""
+
+    @cuda.jit
+    def kernel(projected, q_rank, q_weight, kv_weight, eps, positions, inv_freq, scale,
+               cache_latent, cache_rope, start, q_normed):
+        # one block = one row t of projected (T, Rq + R + dr): columns [0, Rq) the query latent,
+        # [Rq, Rq + R) the key-value latent, [Rq + R, Rq + R + dr) the rope key. Thread tid sums
+        # the squares of the query latent's columns tid, tid + q_threads, ... and of the kv
+        # latent's tid, tid + kv_threads, ...: rmsnorm_kernel's partial sums for each width. One
+        # tree (block_sums) over `threads` reduces both; the slots past a norm's own threads hold
+        # zeros, which its first stages add exactly, so each total has rmsnorm_kernel's bits.
+        # shared memory: 2 x TPB float32 partial sums
+        sums = cuda.shared.array((2, threads), float32)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        rank = cache_latent.shape[1]
+        half = cache_rope.shape[1] // 2
+        slot = start[0] + t
+
+        q_acc = float32(0.0)
+        if tid < q_threads:
+            for d in range(tid, q_rank, q_threads):
+                q_acc += projected[t, d] * projected[t, d]
+        kv_acc = float32(0.0)
+        if tid < kv_threads:
+            for d in range(q_rank + tid, q_rank + rank, kv_threads):
+                kv_acc += projected[t, d] * projected[t, d]
+        sums[0, tid] = q_acc
+        sums[1, tid] = kv_acc
+        for i in range(tid, half, threads):     # the rope key needs no sum: rotated meanwhile
+            first = projected[t, q_rank + rank + i]
+            second = projected[t, q_rank + rank + i + half]
+            cache_rope[slot, i], cache_rope[slot, i + half] = rotated(first, second, positions[t],
+                                                                      inv_freq[i], scale)
+        block_sums(sums)
+
+        # rmsnorm_kernel's float32 operations, in its order
+        if q_rank > 0:
+            mean_square = sums[0, 0] / float32(q_rank)
+            inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
+            for d in range(tid, q_rank, threads):
+                q_normed[t, d] = projected[t, d] * inv_rms * q_weight[d]
+        mean_square = sums[1, 0] / float32(rank)
+        inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
+        for d in range(tid, rank, threads):
+            cache_latent[slot, d] = projected[t, q_rank + d] * inv_rms * kv_weight[d]
+
+    return kernel
+# --8<-- [end:new_rows_kernel]
+
+
+def check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, cache_latent, cache_rope,
+                   start, q_normed):
+    """Device float32 arrays of matching shapes (the engine's buffers and weights)."""
+    arrays = dict(projected=projected, kv_weight=kv_weight, positions=positions, inv_freq=inv_freq,
+                  cache_latent=cache_latent, cache_rope=cache_rope, start=start)
+    if q_rank:
+        arrays.update(q_weight=q_weight, q_normed=q_normed)
+    for name, array in arrays.items():
+        if not is_device_array(array):
+            raise ValueError(f"{name} must be a device array, got {type(array).__name__}")
+    if isinstance(q_rank, bool) or not isinstance(q_rank, int) or q_rank < 0:
+        raise ValueError(f"q_rank must be an integer >= 0, got {q_rank!r}")
+    rows = projected.shape[0]
+    rank, rope_dim = cache_latent.shape[1], cache_rope.shape[1]
+    expected = {"projected": (rows, q_rank + rank + rope_dim), "kv_weight": (rank,), "positions": (rows,),
+                "inv_freq": (rope_dim // 2,), "cache_rope": (cache_latent.shape[0], rope_dim), "start": (1,)}
+    if q_rank:
+        expected.update(q_weight=(q_rank,), q_normed=(rows, q_rank))
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (projected (T, Rq + R + dr) with Rq = q_rank, "
+                             f"R and dr from the cache), got {tuple(arrays[name].shape)}")
+    floats = [name for name in ("projected", "kv_weight", "inv_freq", "cache_latent", "cache_rope",
+                                "q_weight", "q_normed") if name in arrays]
+    for name in floats:
+        if arrays[name].dtype != np.float32:
+            raise ValueError(f"{name} must be float32, got {arrays[name].dtype}")
+
+
+# --8<-- [start:write_new_rows]
+def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, positions, inv_freq,
+                   scale: float, cache_latent, cache_rope, start, *, q_normed=None, stream=None) -> None:
+    """A forward's new attention rows in one launch, from the stacked projection ``projected``
+    (T, Rq + R + dr) of its rows (device arrays throughout):
+
+    * q_normed (T, Rq) <- rmsnorm(projected[:, :Rq], q_weight, eps) (Rq = ``q_rank``; 0: none),
+    * cache_latent slot P + t <- rmsnorm(projected[t, Rq:Rq + R], kv_weight, eps),
+    * cache_rope slot P + t <- projected[t, Rq + R:] rotated at positions[t] (``rotated``),
+
+    with P = start[0]: the bits of ``rmsnorm``, ``apply_rope`` and ``write_rows`` in turn, in one
+    launch instead of four (a decode row's norms, rotation and copy are each a few µs of latency,
+    not of bytes). The caller keeps the slots inside the cache.
+    """
+    check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, cache_latent, cache_rope,
+                   start, q_normed)
+    rank = cache_latent.shape[1]
+    q_threads = reduction_threads(q_rank, ROW_THREADS) if q_rank else 0       # rmsnorm's defaults
+    kv_threads = reduction_threads(rank, ROW_THREADS)
+    threads = max(q_threads, kv_threads)
+    if projected.shape[0]:
+        new_rows_kernel(threads, q_threads, kv_threads)[projected.shape[0], threads, stream](
+            projected, q_rank, q_weight if q_rank else kv_weight, kv_weight, float(eps), positions, inv_freq,
+            float(scale), cache_latent, cache_rope, start, q_normed if q_rank else projected)
+# --8<-- [end:write_new_rows]
 
 
 def check_compact(cache: LatentKVCache, start: int, accepted):

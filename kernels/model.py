@@ -35,7 +35,9 @@ Three differences of form, none of them changing a bit:
 
 - q_a_proj is stacked on kv_a_proj_with_mqa at load (both read the normed hidden state): one
   projection, the same dot products, sliced after;
-- the queries' and the key's rope parts are rotated in one launch (``apply_rope_pair``);
+- the two latent norms, the rope key's rotation and the cache write are one launch
+  (``kernels.kv_cache.write_new_rows``: rmsnorm's and apply_rope's bits, straight into the cache
+  slots); the queries' rope parts are rotated in place after q_proj (``apply_rope``, out=q_pe);
 - each residual addition is done by the RMSNorm after it (``rmsnorm(..., residual=delta)``: h +=
   delta written back, and the norm of the sum, in one launch): the attention's by the
   post-attention norm, the MLP's by the next layer's input norm or the final norm.
@@ -61,7 +63,7 @@ from kernels.accept import accept_batch
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.graphs import Graphs
-from kernels.kv_cache import launch_compact_columns, write_rows
+from kernels.kv_cache import launch_compact_columns, write_new_rows
 from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
 from kernels.mla import (
     absorb_output,
@@ -79,7 +81,7 @@ from kernels.mla import (
 )
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
-from kernels.rope import apply_rope_pair
+from kernels.rope import apply_rope
 from kernels.sampling import rejection_step, sample
 from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
 
@@ -394,7 +396,6 @@ class Buffers:
         self.a_proj = poisoned((t, (c.q_lora_rank or 0) + rank + rope))  # [T, Rq + R + dr]
         self.q_a_normed = poisoned((t, c.q_lora_rank or 1))            # [T, Rq]
         self.q = poisoned((t, heads, c.qk_head_dim))                   # [T, H, dn + dr]
-        self.latent = poisoned((t, rank))                              # [T, R]
         self.q_lat = poisoned((t, heads, rank))                        # [T, H, R]
         self.o_lat = poisoned((t, heads, rank))                        # [T, H, R]
         self.o = poisoned((t, heads, c.v_head_dim))                    # [T, H, dv]
@@ -599,21 +600,18 @@ class Transformer:
         h, a, delta = b.h[:rows], b.a[:rows], b.delta[:rows]                       # [T, D] each
         residual = None if index == 0 else delta       # the layer before's mlp(f), not yet in h
         rmsnorm(h, layer.input_norm, c.rms_norm_eps, residual=residual, out=a, stream=s)  # h += it
-        lora, rank, nope = c.q_lora_rank or 0, c.kv_lora_rank, c.qk_nope_head_dim
+        lora, nope = c.q_lora_rank or 0, c.qk_nope_head_dim
         projected = self.project(a, layer.a_proj, out=b.a_proj[:rows], stream=s)   # [T, Rq + R + dr]
-        a_q = a
-        if lora:
-            a_q = rmsnorm(projected[:, :lora], layer.q_a_norm, LATENT_NORM_EPS, out=b.q_a_normed[:rows],
-                          stream=s)                                                # [T, Rq]
+        cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
+        a_q = b.q_a_normed[:rows] if lora else a                                   # [T, Rq] or [T, D]
+        # q_a_norm, kv_a_norm and the rope key, the latent and the key into slots P .. P+T-1
+        write_new_rows(projected, lora, layer.q_a_norm, layer.kv_a_norm, LATENT_NORM_EPS, b.positions[:rows],
+                       self.inv_freq, self.rope_scale, cache_latent, cache_rope, b.prefix,
+                       q_normed=a_q if lora else None, stream=s)
         q = b.q[:rows]                                                             # [T, H, dn+dr]
         self.project(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
         q_nope, q_pe = q[:, :, :nope], q[:, :, nope:]                              # [T, H, dn], [T, H, dr]
-        latent = rmsnorm(projected[:, lora:lora + rank], layer.kv_a_norm, LATENT_NORM_EPS,
-                         out=b.latent[:rows], stream=s)                            # [T, R]
-        k_pe = projected[:, lora + rank:]                                          # [T, dr]
-        apply_rope_pair(q_pe, k_pe, b.positions[:rows], self.inv_freq, self.rope_scale, stream=s)
-        cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
-        write_rows(latent, k_pe, cache_latent, cache_rope, b.prefix, stream=s)     # slots P .. P+T-1
+        apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
         q_lat = absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)     # [T, H, R]
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         scores = None if self.attention_scores is None \

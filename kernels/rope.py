@@ -6,10 +6,10 @@ One kernel: one thread per (row t, head h, frequency i). It rotates the pair
 (x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
 Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
 assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
-once and written once (``bytes_moved``), so ``out=x`` rotates in place safely. A second kernel,
-``rope_pair_kernel`` (``apply_rope_pair``), rotates the queries' rope part and the shared rope key
-of the same rows in one launch, in place, as the engine does in every layer; both kernels rotate a
-pair with the same device function (``rotated``), so their bits are the same.
+once and written once (``bytes_moved``), so ``out=x`` rotates in place safely: the engine rotates
+the queries' rope parts in place, a strided (T, H, dr) view of its q buffer. The rope key is
+rotated inside ``kernels.kv_cache.write_new_rows``, on its way into the cache; both rotate a pair
+with the same device function (``rotated``), so their bits are the same.
 
 Angles are float32, exactly as in the numpy reference (``np.outer`` of float32 positions and
 float32 inv_freq): float32(position) * inv_freq[i] is one correctly rounded float32 multiply, so
@@ -72,40 +72,25 @@ def rope_kernel(x, positions, inv_freq, scale, out):
 # --8<-- [end:rope_kernel]
 
 
-# --8<-- [start:rope_pair_kernel]
-@cuda.jit
-def rope_pair_kernel(q, k, positions, inv_freq, scale):
-    # one thread = one (row t, head h, frequency i) of q (T, H, dr) for h < H, of k (T, dr) for
-    # h = H: the queries' rope part and the shared rope key of the same rows, rotated in place in
-    # one launch (either may be a strided view)
-    rows, heads, width = q.shape
-    half = width // 2
-    index = cuda.grid(1)
-    if index >= rows * (heads + 1) * half:
-        return
-    t = index // ((heads + 1) * half)
-    h = (index // half) % (heads + 1)
-    i = index % half
-    if h < heads:
-        q[t, h, i], q[t, h, i + half] = rotated(q[t, h, i], q[t, h, i + half], positions[t], inv_freq[i],
-                                                scale)
-    else:
-        k[t, i], k[t, i + half] = rotated(k[t, i], k[t, i + half], positions[t], inv_freq[i], scale)
-# --8<-- [end:rope_pair_kernel]
-
-
-def check_rope(x, positions, inv_freq, scale, *, out=None, contiguous=True):
-    """The reference's rules, then the launch's: float32 on the device, a C-contiguous device x
-    (viewed as (T, H, dr); ``contiguous`` False: any view), ``out``. Returns x, positions and
-    inv_freq as numpy or device arrays."""
+def check_rope(x, positions, inv_freq, scale, *, out=None):
+    """The reference's rules, then the launch's: float32 on the device, ``out``, and device arrays
+    of other than 3 dimensions C-contiguous (they are viewed as (T, H, dr); a (T, H, dr) view,
+    such as the engine's queries, may have any strides). Returns x, positions and inv_freq as
+    numpy or device arrays."""
     x, inv_freq = host_or_device(x, np.float32), host_or_device(inv_freq, np.float32)
     positions = host_or_device(positions)
     reference.check_rope(x, positions, inv_freq, scale)
     check_float32(x=x, inv_freq=inv_freq)
-    if contiguous and is_device_array(x) and not x.is_c_contiguous():
-        raise ValueError("a device x must be C-contiguous (it is viewed as (T, H, dr))")
-    check_out(out, x.shape)
+    check_out(out, x.shape, strided=len(x.shape) == 3)
+    if is_device_array(x) and len(x.shape) != 3 and not x.is_c_contiguous():
+        raise ValueError(f"a device x of shape {tuple(x.shape)} must be C-contiguous (it is viewed as "
+                         f"(T, H, dr); a (T, H, dr) view may have any strides)")
     return x, positions, inv_freq
+
+
+def as_triples(array, rows: int, heads: int, width: int):
+    """``array`` as (T, H, dr): a 3-D array as it is (any strides), else a reshaped view."""
+    return array if len(array.shape) == 3 else array.reshape(rows, heads, width)
 
 
 # --8<-- [start:apply_rope]
@@ -113,40 +98,21 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=N
     """Rotate ``x`` (T, dr) or (T, H, dr) NeoX-style; row t uses ``positions[t]``.
 
     Returns a new array, or writes into ``out`` (x's shape, float32; may be x itself for an
-    in-place rotation) and returns it. numpy in -> numpy out; device arrays stay on the device.
-    ``stream``: where the kernel is launched (None: the default stream).
+    in-place rotation, also of a strided (T, H, dr) device view) and returns it. numpy in ->
+    numpy out; device arrays stay on the device. ``stream``: where the kernel is launched (None:
+    the default stream).
     """
     x, positions, inv_freq = check_rope(x, positions, inv_freq, scale, out=out)
-    rows, width = x.shape[0], x.shape[x.ndim - 1]
-    heads = math.prod(x.shape[1:x.ndim - 1])                      # (T, dr) is (T, 1, dr)
+    rows, width = x.shape[0], x.shape[len(x.shape) - 1]
+    heads = math.prod(x.shape[1:len(x.shape) - 1])                      # (T, dr) is (T, 1, dr)
     d_out = output(out, x.shape, stream=stream)                   # NaN until written
     count = rows * heads * (width // 2)                           # (row, head, frequency) triples
     if count > 0:
         rope_kernel[blocks(count, TPB), TPB, stream](
-            to_device(x, np.float32).reshape(rows, heads, width), to_device(positions),
-            to_device(inv_freq, np.float32), float(scale), d_out.reshape(rows, heads, width))
+            as_triples(to_device(x, np.float32), rows, heads, width), to_device(positions),
+            to_device(inv_freq, np.float32), float(scale), as_triples(d_out, rows, heads, width))
     return deliver(d_out, out, x, positions, inv_freq)
 # --8<-- [end:apply_rope]
-
-
-# --8<-- [start:apply_rope_pair]
-def apply_rope_pair(q, k, positions, inv_freq, scale: float = 1.0, *, stream=None) -> None:
-    """Rotate q (T, H, dr) and k (T, dr), device arrays, in place, in one launch: the bits of
-    ``apply_rope`` on each. Strided views are fine (the engine's q and k are column slices of its
-    projections' outputs); ``positions`` (T,) and ``inv_freq`` (dr/2,) as ``apply_rope``'s."""
-    for name, x in (("q", q), ("k", k)):
-        if not is_device_array(x):
-            raise ValueError(f"{name} must be a device array (rotated in place), got {type(x).__name__}")
-    if len(q.shape) != 3 or len(k.shape) != 2 or (k.shape[0], k.shape[1]) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"q must be (T, H, dr) and k (T, dr) with q's T and dr, got {q.shape} and {k.shape}")
-    check_rope(k, positions, inv_freq, scale, contiguous=False)
-    check_float32(q=q)
-    rows, heads, width = q.shape
-    count = rows * (heads + 1) * (width // 2)          # (row, head or the key, frequency) triples
-    if count > 0:
-        rope_pair_kernel[blocks(count, TPB), TPB, stream](
-            q, k, to_device(positions), to_device(inv_freq, np.float32), float(scale))
-# --8<-- [end:apply_rope_pair]
 
 
 def bytes_moved(*, T: int, H: int, dr: int) -> int:

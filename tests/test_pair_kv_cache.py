@@ -14,7 +14,7 @@ from ddtree import kv_cache as reference
 from ddtree.kv_cache import LatentKVCache
 from kernels import kv_cache as kernel
 from kernels.device import is_device_array
-from tests.helpers import assert_exact
+from tests.helpers import assert_close, assert_exact
 
 
 def filled_cache(layers, capacity, latent_dim, rope_dim, length, seed=0):
@@ -148,3 +148,117 @@ def test_compact_kimi_dims(on_device, version):
         cache.latent, cache.rope = cuda.to_device(cache.latent), cuda.to_device(cache.rope)
     kernel.compact(cache, start, accepted, version=version)
     assert_same_cache(cache, expected)
+
+
+# ---- write_new_rows: the latent norms, the rope key and the cache write in one launch
+
+def new_rows_inputs(rows, q_rank, rank, rope_dim, seed=0):
+    """projected (T, Rq + R + dr), the norms' weights, tree-like positions (siblings share one),
+    inv_freq, and a NaN cache of 4 + T + 3 slots."""
+    rng = np.random.default_rng(seed)
+    projected = rng.standard_normal((rows, q_rank + rank + rope_dim)).astype(np.float32)
+    q_weight = (1 + 0.1 * rng.standard_normal(max(q_rank, 1))).astype(np.float32)[:q_rank]
+    kv_weight = (1 + 0.1 * rng.standard_normal(rank)).astype(np.float32)
+    positions = rng.integers(0, 3000, rows)
+    positions[1::2] = positions[0]
+    inv_freq = (10000.0 ** -(np.arange(rope_dim // 2) * 2 / rope_dim)).astype(np.float32)
+    capacity = 4 + rows + 3
+    return projected, q_weight, kv_weight, positions, inv_freq, capacity
+
+
+def bits(array):
+    return np.asarray(array).view(np.uint32)
+
+
+@pytest.mark.parametrize("rows, q_rank, rank, rope_dim", [
+    (3, 96, 64, 16),        # tiny
+    (5, 0, 48, 8),          # no query latent (tiny-b: q_proj reads the hidden state)
+    (2, 37, 70, 12),        # irregular widths
+    (1, 1536, 512, 64),     # small's and Kimi's
+])
+def test_new_rows_have_the_bits_of_their_parts(rows, q_rank, rank, rope_dim):
+    """q_normed, the cache's latent and rope rows: bit for bit rmsnorm's and apply_rope's device
+    results, within tolerance of numpy's; every other cache slot still NaN."""
+    from ddtree import rmsnorm as reference_norm
+    from ddtree import rope as reference_rope
+    from kernels.rmsnorm import rmsnorm
+    from kernels.rope import apply_rope
+
+    projected, q_weight, kv_weight, positions, inv_freq, capacity = new_rows_inputs(rows, q_rank, rank,
+                                                                                    rope_dim)
+    eps, scale, start = 1e-6, 0.75, 4
+    cache_latent = cuda.to_device(np.full((capacity, rank), np.nan, np.float32))
+    cache_rope = cuda.to_device(np.full((capacity, rope_dim), np.nan, np.float32))
+    q_normed = cuda.to_device(np.full((rows, q_rank), np.nan, np.float32)) if q_rank else None
+    kernel.write_new_rows(cuda.to_device(projected), q_rank, cuda.to_device(q_weight) if q_rank else None,
+                          cuda.to_device(kv_weight), eps, cuda.to_device(positions),
+                          cuda.to_device(inv_freq), scale, cache_latent, cache_rope,
+                          cuda.to_device(np.array([start])), q_normed=q_normed)
+    latent_part, rope_part = projected[:, q_rank:q_rank + rank], projected[:, q_rank + rank:]
+    expected_latent = rmsnorm(np.ascontiguousarray(latent_part), kv_weight, eps)
+    expected_rope = apply_rope(np.ascontiguousarray(rope_part), positions, inv_freq, scale)
+    latent, rope = cache_latent.copy_to_host(), cache_rope.copy_to_host()
+    assert np.isnan(np.delete(latent, np.s_[start:start + rows], 0)).all()
+    assert np.isnan(np.delete(rope, np.s_[start:start + rows], 0)).all()
+    assert_exact(bits(latent[start:start + rows]), bits(expected_latent), "latent")
+    assert_exact(bits(rope[start:start + rows]), bits(expected_rope), "rope")
+    assert_close(latent[start:start + rows], reference_norm.rmsnorm(latent_part, kv_weight, eps), rtol=1e-5)
+    assert_close(rope[start:start + rows], reference_rope.apply_rope(rope_part, positions, inv_freq, scale),
+                 rtol=1e-5, atol=1e-6)
+    if q_rank:
+        expected_q = rmsnorm(np.ascontiguousarray(projected[:, :q_rank]), q_weight, eps)
+        assert_exact(bits(q_normed.copy_to_host()), bits(expected_q), "q_normed")
+
+
+@pytest.mark.parametrize("threads, q_threads, kv_threads", [(64, 32, 32), (64, 64, 32), (64, 32, 64)])
+def test_a_larger_block_keeps_each_norms_bits(threads, q_threads, kv_threads):
+    """A norm summed by fewer threads than the block's (the GPU's tiny: 128 for Rq = 96, 64 for
+    R = 64) has the bits of rmsnorm with its own thread count: the tree's extra slots are zeros."""
+    from kernels.rmsnorm import rmsnorm
+
+    rows, q_rank, rank, rope_dim = 3, 96, 64, 16
+    projected, q_weight, kv_weight, positions, inv_freq, capacity = new_rows_inputs(rows, q_rank, rank,
+                                                                                    rope_dim, seed=1)
+    cache_latent = cuda.to_device(np.full((capacity, rank), np.nan, np.float32))
+    cache_rope = cuda.to_device(np.full((capacity, rope_dim), np.nan, np.float32))
+    q_normed = cuda.to_device(np.full((rows, q_rank), np.nan, np.float32))
+    kernel.new_rows_kernel(threads, q_threads, kv_threads)[rows, threads](
+        cuda.to_device(projected), q_rank, cuda.to_device(q_weight), cuda.to_device(kv_weight), 1e-6,
+        cuda.to_device(positions), cuda.to_device(inv_freq), 1.0, cache_latent, cache_rope,
+        cuda.to_device(np.array([0])), q_normed)
+    expected_q = rmsnorm(np.ascontiguousarray(projected[:, :q_rank]), q_weight, 1e-6, threads=q_threads)
+    expected_latent = rmsnorm(np.ascontiguousarray(projected[:, q_rank:q_rank + rank]), kv_weight, 1e-6,
+                              threads=kv_threads)
+    assert_exact(bits(q_normed.copy_to_host()), bits(expected_q), "q_normed")
+    assert_exact(bits(cache_latent.copy_to_host()[:rows]), bits(expected_latent), "latent")
+
+
+def new_rows_arguments(**changes):
+    projected, q_weight, kv_weight, positions, inv_freq, capacity = new_rows_inputs(2, 6, 8, 4)
+    arguments = dict(projected=cuda.to_device(projected), q_rank=6, q_weight=cuda.to_device(q_weight),
+                     kv_weight=cuda.to_device(kv_weight), eps=1e-6, positions=cuda.to_device(positions),
+                     inv_freq=cuda.to_device(inv_freq), scale=1.0,
+                     cache_latent=cuda.to_device(np.full((capacity, 8), np.nan, np.float32)),
+                     cache_rope=cuda.to_device(np.full((capacity, 4), np.nan, np.float32)),
+                     start=cuda.to_device(np.array([0])),
+                     q_normed=cuda.to_device(np.zeros((2, 6), np.float32)))
+    arguments.update(changes)
+    return arguments
+
+
+@pytest.mark.parametrize("changes, message", [
+    (lambda: dict(projected=np.zeros((2, 18), np.float32)), "projected must be a device array"),
+    (lambda: dict(q_normed=None), "q_normed must be a device array"),
+    (lambda: dict(q_rank=-1), r"q_rank must be an integer >= 0, got -1"),
+    (lambda: dict(q_rank=True), r"q_rank must be an integer >= 0, got True"),
+    (lambda: dict(q_rank=5), r"projected must have shape \(2, 17\)"),
+    (lambda: dict(inv_freq=cuda.to_device(np.zeros(3, np.float32))), r"inv_freq must have shape \(2,\)"),
+    (lambda: dict(start=cuda.to_device(np.array([0, 1]))), r"start must have shape \(1,\)"),
+    (lambda: dict(kv_weight=cuda.to_device(np.zeros(8, np.float64))), "kv_weight must be float32"),
+])
+def test_new_rows_bad_inputs_are_refused_by_name(changes, message):
+    arguments = new_rows_arguments(**changes())
+    latent_before = arguments["cache_latent"].copy_to_host()
+    with pytest.raises(ValueError, match=message):
+        kernel.write_new_rows(**arguments)
+    assert np.isnan(arguments["cache_latent"].copy_to_host()).all() and np.isnan(latent_before).all()

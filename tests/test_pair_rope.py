@@ -186,49 +186,40 @@ def test_bad_inputs(call, message):
         call(x, positions, freqs)
 
 
-def _projected(rows, heads, nope, width, rank, seed):
-    """The engine's layout: q (T, H, dn + dr) and a projection (T, Rq + R + dr) whose last dr
-    columns are the key's rope part; NaN outside the parts the pair kernel rotates."""
+def _queries(rows, heads, nope, width, seed):
+    """The engine's layout: q (T, H, dn + dr), whose last dr columns of each head are rotated."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((rows, heads, nope + width)).astype(np.float32)
-    kv = np.full((rows, rank + width), np.nan, np.float32)
-    kv[:, rank:] = rng.standard_normal((rows, width))
-    return q, kv
+    return rng.standard_normal((rows, heads, nope + width)).astype(np.float32)
 
 
 @pytest.mark.parametrize("name, heads", [("tiny", 4), ("tiny-b", 3), ("tiny", 1)])
-def test_pair_equals_apply_rope_on_each(name, heads):
-    """apply_rope_pair on strided views of the engine's buffers gives apply_rope's bits on each
-    part, and leaves every other element as it was (bit for bit, NaN included)."""
+def test_in_place_on_a_strided_view(name, heads):
+    """apply_rope with out=x on a strided (T, H, dr) view of a device buffer (the engine's
+    queries' rope parts) gives the bits of a contiguous copy's rotation, and leaves every other
+    element as it was (bit for bit, NaN included)."""
     freqs, scale = _frequencies(name)
-    width, nope, rank = 2 * len(freqs), 5, 7
-    q, kv = _projected(6, heads, nope, width, rank, seed=5)
+    width, nope = 2 * len(freqs), 5
+    q = _queries(6, heads, nope, width, seed=5)
     _, positions = _inputs((6, width), seed=6)
-    expected_q, expected_kv = q.copy(), kv.copy()
-    expected_q[:, :, nope:] = kernel.apply_rope(np.ascontiguousarray(q[:, :, nope:]), positions, freqs, scale)
-    expected_kv[:, rank:] = kernel.apply_rope(np.ascontiguousarray(kv[:, rank:]), positions, freqs, scale)
-    d_q, d_kv = cuda.to_device(q), cuda.to_device(kv)
-    kernel.apply_rope_pair(d_q[:, :, nope:], d_kv[:, rank:], cuda.to_device(positions), cuda.to_device(freqs),
-                           scale)
-    assert np.array_equal(d_q.copy_to_host().view(np.uint32), expected_q.view(np.uint32))
-    assert np.array_equal(d_kv.copy_to_host().view(np.uint32), expected_kv.view(np.uint32))
+    expected = q.copy()
+    expected[:, :, nope:] = kernel.apply_rope(np.ascontiguousarray(q[:, :, nope:]), positions, freqs, scale)
+    d_q = cuda.to_device(q)
+    view = d_q[:, :, nope:]
+    assert kernel.apply_rope(view, cuda.to_device(positions), cuda.to_device(freqs), scale, out=view) is view
+    assert np.array_equal(d_q.copy_to_host().view(np.uint32), expected.view(np.uint32))
     reference_q = reference.apply_rope(q[:, :, nope:], positions, freqs, scale)
     assert_close(d_q.copy_to_host()[:, :, nope:], reference_q, rtol=RTOL, atol=_atol(q, scale))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda q, k, p, f: kernel.apply_rope_pair(q.copy_to_host(), k, p, f), "q must be a device array"),
-    (lambda q, k, p, f: kernel.apply_rope_pair(q, k.copy_to_host(), p, f), "k must be a device array"),
-    (lambda q, k, p, f: kernel.apply_rope_pair(q[0], k, p, f), r"q must be \(T, H, dr\)"),
-    (lambda q, k, p, f: kernel.apply_rope_pair(q, k[:2], p, f), r"k \(T, dr\) with q's T and dr"),
-    (lambda q, k, p, f: kernel.apply_rope_pair(q, k, p[:2], f), r"positions must be integers of shape"),
-    (lambda q, k, p, f: kernel.apply_rope_pair(q, k, p, f[:-1]), r"inv_freq must have shape \(8,\)"),
-])
-def test_pair_bad_inputs(call, message):
+def test_a_strided_two_dimensional_view_is_refused():
+    """A (T, dr) view is reshaped to (T, 1, dr): it must be contiguous, x and out alike."""
     freqs, _ = _frequencies("tiny")
-    q, positions = _inputs((3, 2, 16))
-    with pytest.raises(ValueError, match=message):
-        call(cuda.to_device(q), cuda.to_device(np.ascontiguousarray(q[:, 0])), positions, freqs)
+    x, positions = _inputs((3, 2 * 16))
+    d_x = cuda.to_device(x)
+    with pytest.raises(ValueError, match=r"a device x of shape \(3, 16\) must be C-contiguous"):
+        kernel.apply_rope(d_x[:, 16:], positions, freqs)
+    with pytest.raises(ValueError, match=r"out must be C-contiguous"):
+        kernel.apply_rope(cuda.to_device(np.ascontiguousarray(x[:, 16:])), positions, freqs, out=d_x[:, :16])
 
 
 @pytest.mark.gpu
