@@ -120,6 +120,27 @@ class Graphs:
     # --8<-- [end:copies]
 
 
+# --8<-- [start:branches]
+def fork(stream):
+    """Two launch queues whose work may overlap: while a graph is captured, two branches of it
+    (``GraphBuilder.split``: the second waits for what the first had captured so far); otherwise
+    (launches from Python, the simulator) the same stream twice, so the same launches run in the
+    order they are issued. Either way every launch reads and writes the same buffers: the branches
+    must not touch each other's outputs until ``join``."""
+    if hasattr(stream, "split"):                  # cuda.core's GraphBuilder, capturing
+        return stream.split(2)
+    return stream, stream
+
+
+def join(first, second):
+    """The queue after both branches of ``fork``: ``first`` (the stream or builder forked), now
+    waiting for ``second`` too."""
+    if second is first:
+        return first
+    return type(first).join(first, second)        # returns the builder that was split
+# --8<-- [end:branches]
+
+
 def _check(result) -> None:
     if result[0] != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"CUDA driver call failed: {result[0]!r}")

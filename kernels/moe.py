@@ -147,6 +147,7 @@ from kernels.device import (
     poisoned,
     to_device,
 )
+from kernels.graphs import fork, join
 from kernels.linear import (
     LANES,
     LANES_PADDED,
@@ -1025,9 +1026,10 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals,
     route_ranks_kernel[rows, threads, stream](logits, bias, *flags, ids, weights)
 
 
-def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> None:
+def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_queue=None) -> None:
     """Version 1's two kernels on device arrays: x (T, D), stacks = (gate, up (E, F, D), down
-    (E, D, F)), ids and weights (T, k), hidden (T, k, F) -> out (T, D), added to with ``accumulate``."""
+    (E, D, F)), ids and weights (T, k), hidden (T, k, F) -> out (T, D), added to with ``accumulate``.
+    ``out_queue``: as ``_launch_experts``'."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
     flat_hidden = hidden.reshape(rows * slots, features)
@@ -1035,9 +1037,10 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream) -> N
     grid = (blocks(features, LANES), spread or rows * slots)                 # x over F, y over pairs
     expert_hidden_pairs_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, ids,
                                                                       flat_hidden)
+    out_stream = stream if out_queue is None else out_queue()
     grid = (blocks(width, LANES), spread or rows)                            # x over D, y over tokens
-    expert_down_pairs_kernel[grid, LANES * k_slices(features), stream](flat_hidden, down_proj, ids,
-                                                                       weights, accumulate, out)
+    expert_down_pairs_kernel[grid, LANES * k_slices(features), out_stream](flat_hidden, down_proj, ids,
+                                                                           weights, accumulate, out)
 
 
 def by_slot(rows: int, experts: int, version: int) -> bool:
@@ -1079,13 +1082,17 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, sl
                                                                  per_expert, flat_down)
 
 
-def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, version, stream) -> None:
+def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, version, stream,
+                    out_queue=None) -> None:
     """The routed experts on device arrays, after the router, into out (T, D) (added to it with
     ``accumulate``). Version 1: the pair kernels; version 2: lists from ids, the grouped kernels,
-    then each token's k slots weighed and added (the combine)."""
+    then each token's k slots weighed and added (the combine). ``out_queue``: None, or a function
+    called once every other kernel is launched, returning where to launch the one that writes
+    ``out`` (``moe`` joins the shared expert's branch there)."""
     stacks = params.gate_proj, params.up_proj, params.down_proj
     if version == 1:
-        _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream)
+        _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream,
+                      out_queue)
         return
     experts = scratch.lists.shape[1]
     if by_slot(x.shape[0], experts, version):                 # no lists: a block per slot
@@ -1093,7 +1100,8 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
     else:
         expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
         _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream, version)
-    combine_kernel[blocks(out.size, TPB), TPB, stream](
+    out_stream = stream if out_queue is None else out_queue()
+    combine_kernel[blocks(out.size, TPB), TPB, out_stream](
         scratch.down, scratch.weights, accumulate, out)
 
 
@@ -1272,7 +1280,10 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
-    experts in slot order. Host ``params`` are copied to the device on each call; pass
+    experts in slot order. While a graph is captured, the shared expert is a branch of its own
+    (``kernels.graphs.fork``): it runs beside the router and the routed experts' hidden and down
+    products, and only the kernel that adds them to ``out`` waits for it (the same launches and
+    bits as one after the other). Host ``params`` are copied to the device on each call; pass
     ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
     intermediate buffers; new ones by default. ``version``: 2 (the default) groups the pairs by
     expert, 1 runs each (token, slot) pair on its own (see the module's docstring); the same bits
@@ -1284,13 +1295,16 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     if rows and width:
         weights, d_x = device_params(params), to_device(x, np.float32)
         scratch = scratch or moe_scratch(rows, weights, config, stream)
-        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.arrivals,
-                      scratch.ids, scratch.weights, stream, version=2)       # the router's faster version
         shared = weights.shared_gate_proj is not None
+        routed, beside = fork(stream) if shared else (stream, stream)
+        _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.arrivals,
+                      scratch.ids, scratch.weights, routed, version=2)       # the router's faster version
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
-                          scratch.shared, d_out, version, stream)
-        _launch_experts(d_x, weights, scratch, d_out, shared, version, stream)   # added to the shared's
+                          scratch.shared, d_out, version, beside)
+        # every routed kernel on its branch but the last, which adds to the shared expert's out
+        _launch_experts(d_x, weights, scratch, d_out, shared, version, routed,
+                        out_queue=lambda: join(routed, beside))
     return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]
 
