@@ -85,8 +85,8 @@ def walk_report(setup, rounds, trace, shown: int) -> None:
         print(f"round {shown}: root {int(tree.tokens[0])} at position {record.start}, "
               f"{tree.size - 1} drafted nodes")
         print_walk(tree, posterior)
-        print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}), "
-              f"bonus {bonus}: commits {committed}")
+        print(f"  accepted nodes {accepted.tolist()} (ranks {tree.ranks[accepted].tolist()[1:]}),")
+        print(f"  bonus {bonus}: commits {committed}")
         print(f"  AR tokens at those positions: {setup.ar_tokens[done:done + len(committed)].tolist()}")
         off_chain = int(np.flatnonzero(tree.ranks[accepted[1:]] > 0)[0]) + 1     # depth of the first rank > 0
         print(f"  a single chain (topk=1) would stop at depth {off_chain}, where the walk takes rank "
