@@ -31,13 +31,15 @@ tree's verify still agree row for row. Where experts are large (small, Kimi) eve
 version 3 instead (``moe_warps``: other bits, the same in every forward).
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
-Three differences of form, none of them changing a bit:
+Four differences of form, none of them changing a bit:
 
 - q_a_proj is stacked on kv_a_proj_with_mqa at load (both read the normed hidden state): one
   projection, the same dot products, sliced after;
 - the two latent norms, the rope key's rotation and the cache write are one launch
   (``kernels.kv_cache.write_new_rows``: rmsnorm's and apply_rope's bits, straight into the cache
   slots); the queries' rope parts are rotated in place after q_proj (``apply_rope``, out=q_pe);
+- the MoE layer's shared expert is captured as a graph branch of its own (``kernels.moe.moe``,
+  ``kernels.graphs.fork``): it runs beside the router and the routed experts, the same launches;
 - each residual addition is done by the RMSNorm after it (``rmsnorm(..., residual=delta)``: h +=
   delta written back, and the norm of the sum, in one launch): the attention's by the
   post-attention norm, the MLP's by the next layer's input norm or the final norm.
