@@ -74,24 +74,25 @@ def mix(state: int, word: int) -> int:
 
 def keyed_state(*key: int) -> int:
     """The hash state of a key (seed, position, depth, use): numbers that depend only on it, so
-    proposals never depend on history."""
+    proposals never depend on history. Words fold in one at a time, so mix(keyed_state(*key),
+    use) is keyed_state(*key, use): a (position, depth) computes its prefix once."""
     state = 0
     for word in key:
         state = mix(state, word)
     return state
 
 
-def keyed_uniform(*key: int) -> float:
-    """A uniform in [0, 1) that depends only on ``key``: the hash's top 53 bits."""
-    return (keyed_state(*key) >> 11) * 2.0 ** -53
+def uniform_of(state: int) -> float:
+    """A uniform in [0, 1) from a hash state: its top 53 bits."""
+    return (state >> 11) * 2.0 ** -53
 
 
-def keyed_tokens(count: int, vocab_size: int, exclude: int | None, *key: int) -> list[int]:
+def tokens_of(state: int, count: int, vocab_size: int, exclude: int | None) -> list[int]:
     """min(count, the tokens available) distinct tokens in [0, vocab_size) other than ``exclude``:
-    mix(key's state, i) mod vocab_size for i = 0, 1, ..., repeats skipped (a random subset in a
-    random order: the same as a permutation's first entries, but only a few hashes)."""
+    mix(state, i) mod vocab_size for i = 0, 1, ..., repeats skipped (a random subset in a random
+    order: the same as a permutation's first entries, but only a few hashes)."""
     count = min(count, vocab_size - (exclude is not None))
-    state, chosen, index = keyed_state(*key), [], 0
+    chosen, index = [], 0
     while len(chosen) < count:
         token = mix(state, index) % vocab_size
         if token != exclude and token not in chosen:
@@ -137,7 +138,8 @@ class OracleDrafter:
 
     def draw_ranking(self, position: int) -> list[int]:
         truth = self.true_token(position)
-        others = keyed_tokens(self.distractors, self.vocab_size, truth, self.seed, position, 0, TOKENS)
+        others = tokens_of(keyed_state(self.seed, position, 0, TOKENS), self.distractors, self.vocab_size,
+                           truth)
         return ([truth] if truth is not None else []) + others
 
     def probabilities(self, count: int) -> list[float]:
@@ -206,14 +208,14 @@ class NoisyOracleDrafter(OracleDrafter):
     # --8<-- [start:noisy_ranking]
     def noisy_ranking(self, position: int, depth: int) -> list[int]:
         truth = self.true_token(position)
-        key = (self.seed, position, depth)                  # depth >= 1: apart from the oracle's keys
-        ranked = keyed_tokens(self.runners_up + 1, self.vocab_size, truth, *key, TOKENS)
+        key = keyed_state(self.seed, position, depth)      # depth >= 1: apart from the oracle's keys
+        ranked = tokens_of(mix(key, TOKENS), self.runners_up + 1, self.vocab_size, truth)
         if truth is None:
             return ranked
-        if keyed_uniform(*key, TOP1) < self.top1_rate * self.decay ** (depth - 1):
+        if uniform_of(mix(key, TOP1)) < self.top1_rate * self.decay ** (depth - 1):
             return [truth] + ranked[: self.runners_up]
-        if self.runners_up and keyed_uniform(*key, KEEP) < self.keep_rate:
-            ranked.insert(1 + int(keyed_uniform(*key, RANK) * self.runners_up), truth)   # rank 1..runners_up
+        if self.runners_up and uniform_of(mix(key, KEEP)) < self.keep_rate:
+            ranked.insert(1 + int(uniform_of(mix(key, RANK)) * self.runners_up), truth)   # rank 1..runners_up
         return ranked[: self.runners_up + 1]
     # --8<-- [end:noisy_ranking]
 

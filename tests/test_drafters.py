@@ -10,9 +10,9 @@ from ddtree.drafters import (
     NoisyOracleDrafter,
     OracleDrafter,
     keyed_state,
-    keyed_tokens,
-    keyed_uniform,
     mix,
+    tokens_of,
+    uniform_of,
 )
 
 
@@ -50,16 +50,24 @@ def test_mix_is_splitmix64():
 def test_keyed_tokens_are_distinct_uniform_and_capped():
     for vocab, exclude in ((8, 3), (8, None), (3, 1), (2, 0), (1, None)):
         for position in range(50):
-            tokens = keyed_tokens(5, vocab, exclude, 7, position, 0, TOKENS)
+            tokens = tokens_of(keyed_state(7, position, 0, TOKENS), 5, vocab, exclude)
             assert len(tokens) == min(5, vocab - (exclude is not None))       # capped by what is left
             assert len(set(tokens)) == len(tokens) and exclude not in tokens
             assert all(0 <= t < vocab for t in tokens)
-            assert tokens == keyed_tokens(5, vocab, exclude, 7, position, 0, TOKENS)   # a pure function
-    firsts = np.bincount([keyed_tokens(1, 8, None, 1, p, 0, TOKENS)[0] for p in range(16000)], minlength=8)
+            assert tokens == tokens_of(keyed_state(7, position, 0, TOKENS), 5, vocab, exclude)   # pure
+    firsts = np.bincount([tokens_of(keyed_state(1, p, 0, TOKENS), 1, 8, None)[0] for p in range(16000)],
+                         minlength=8)
     assert np.abs(firsts / 2000 - 1).max() < 0.08                          # each of 8 tokens ~1/8
-    u = np.array([keyed_uniform(2, p, 1, TOP1) for p in range(20000)])
+    u = np.array([uniform_of(keyed_state(2, p, 1, TOP1)) for p in range(20000)])
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
     assert abs(np.mean(u < 0.3) - 0.3) < 0.015
+
+
+def test_a_key_folds_in_word_by_word():
+    """A (position, depth)'s prefix state, mixed with a use, is the state of the whole key."""
+    for key in ((0, 5, 1), (3, 2**40, 7), (2**70, 0, 0)):
+        for use in (TOKENS, TOP1, KEEP, RANK):
+            assert mix(keyed_state(*key), use) == keyed_state(*key, use)
 
 
 def test_ngram_votes_for_what_followed_the_suffix():
@@ -99,7 +107,7 @@ def test_make_drafter_takes_a_known_continuation():
 # must return the same bytes.
 
 def slow_keyed_tokens(count, vocab_size, exclude, *key):
-    """keyed_tokens by its definition: the hashes mod V of indices 0, 1, ..., repeats and
+    """tokens_of by its definition: the hashes mod V of indices 0, 1, ..., repeats and
     ``exclude`` dropped, the first ``count`` kept (enough indices for these small vocabularies)."""
     state = keyed_state(*key)
     seen = []
@@ -108,6 +116,11 @@ def slow_keyed_tokens(count, vocab_size, exclude, *key):
         if token != exclude and token not in seen:
             seen.append(token)
     return seen[:count]
+
+
+def slow_uniform(*key):
+    """A uniform from the whole key's state, its top 53 bits."""
+    return (keyed_state(*key) >> 11) / 2.0 ** 53
 
 
 def slow_oracle_ranking(drafter, position):
@@ -128,10 +141,10 @@ def slow_noisy_ranking(drafter, position, depth):
     ranked = slow_keyed_tokens(drafter.runners_up + 1, drafter.vocab_size, truth, *key, TOKENS)
     if truth is None:
         return ranked
-    if keyed_uniform(*key, TOP1) < drafter.top1_rate * drafter.decay ** (depth - 1):
+    if slow_uniform(*key, TOP1) < drafter.top1_rate * drafter.decay ** (depth - 1):
         return [truth] + ranked[: drafter.runners_up]
-    if drafter.runners_up and keyed_uniform(*key, KEEP) < drafter.keep_rate:
-        ranked.insert(1 + int(keyed_uniform(*key, RANK) * drafter.runners_up), truth)
+    if drafter.runners_up and slow_uniform(*key, KEEP) < drafter.keep_rate:
+        ranked.insert(1 + int(slow_uniform(*key, RANK) * drafter.runners_up), truth)
     return ranked[: drafter.runners_up + 1]
 
 
