@@ -35,11 +35,10 @@ Kernels:
   cache[layer, P + j] <- scratch[layer, j]. P, accepted and m are read from device arrays and the
   grid may cover more rows than m (blocks past m return): the engine captures it in a CUDA graph
   sized for its bucket. Bytes: 2 launches x moved rows x Ly layers x (R + dr) x 4 bytes.
-- ``write_rows_kernel``: a forward's new rows into one layer's cache at slots P .. P + T - 1, P
-  read from a device array (the twin of ``LatentKVCache.write``).
-- ``new_rows_kernel`` (``write_new_rows``, what the engine runs): the same write fused with what
+- ``new_rows_kernel`` (``write_new_rows``): a forward's new rows into one layer's cache at slots
+  P .. P + T - 1 (P read from a device array; what ``LatentKVCache.write`` does), fused with what
   comes before it, one block per row: the query latent's and the key-value latent's RMSNorms
-  (``rmsnorm_kernel``'s bits), the rope key's rotation (``rotated``), and the cache write.
+  (``rmsnorm_kernel``'s bits) and the rope key's rotation (``rotated``).
 
 ``compact`` decides the new length on the host: it takes a ``stream`` but no ``out`` (the cache
 is compacted in place).
@@ -54,15 +53,14 @@ import numpy as np
 from numba import cuda, float32
 
 from ddtree.kv_cache import LatentKVCache, check_accepted
-from kernels.blocks import block_sums, row_threads
-from kernels.device import SIMULATOR, check_version, is_device_array, poisoned, reduction_threads, to_device
+from kernels.blocks import block_sums
+from kernels.device import check_version, is_device_array, poisoned, reduction_threads, to_device
 from kernels.rmsnorm import ROW_THREADS
 from kernels.rope import rotated
 
 TPB = 128
 F32, I64 = 4, 8
 COMPACT_BATCH = 8          # version 2: reads in flight per thread before their writes
-WRITE_ROWS_MAX_THREADS = 32 if SIMULATOR else 1024   # write_rows: up to a thread per column
 VERSIONS = (1, 2)          # compact's kernel versions
 
 
@@ -144,35 +142,6 @@ def launch_compact_columns(cache_latent, cache_rope, start, accepted, count, str
     columns = cache_latent.shape[0] * (cache_latent.shape[2] + cache_rope.shape[2])
     compact_columns_kernel[(columns + TPB - 1) // TPB, TPB, stream](cache_latent, cache_rope, start,
                                                                     accepted, count)
-
-
-# --8<-- [start:write_rows_kernel]
-@cuda.jit
-def write_rows_kernel(latent, rope, cache_latent, cache_rope, start):
-    """Block t: slot start[0] + t <- (latent[t] (R), rope[t] (dr)); threads stride over columns
-    (a thread per column up to WRITE_ROWS_MAX_THREADS, so that no thread waits for one copy's
-    load before the next: 32 threads, 18 columns each in turn, took 8 µs of a decode step's layer)."""
-    t = cuda.blockIdx.x
-    slot = start[0] + t
-    for c in range(cuda.threadIdx.x, latent.shape[1], cuda.blockDim.x):
-        cache_latent[slot, c] = latent[t, c]
-    for c in range(cuda.threadIdx.x, rope.shape[1], cuda.blockDim.x):
-        cache_rope[slot, c] = rope[t, c]
-# --8<-- [end:write_rows_kernel]
-
-
-def write_rows(latent, rope, cache_latent, cache_rope, start, *, stream=None) -> None:
-    """One layer's new rows into its cache (device arrays): latent (T, R), rope (T, dr) at slots
-    start[0] .. start[0] + T - 1 of cache_latent (C, R) and cache_rope (C, dr). The caller keeps
-    the slots inside the cache (the engine reserves them on the host)."""
-    rows = latent.shape[0]
-    if rope.shape[0] != rows or cache_latent.shape[1] != latent.shape[1] \
-            or cache_rope.shape[1] != rope.shape[1]:
-        raise ValueError(f"latent (T, R) and rope (T, dr) must match the cache's (C, R) and (C, dr), got "
-                         f"{latent.shape}, {rope.shape}, {cache_latent.shape}, {cache_rope.shape}")
-    if rows:
-        threads = row_threads(max(latent.shape[1], rope.shape[1]), WRITE_ROWS_MAX_THREADS)
-        write_rows_kernel[rows, threads, stream](latent, rope, cache_latent, cache_rope, start)
 
 
 # --8<-- [start:new_rows_kernel]
@@ -270,9 +239,10 @@ def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, posi
     * cache_latent slot P + t <- rmsnorm(projected[t, Rq:Rq + R], kv_weight, eps),
     * cache_rope slot P + t <- projected[t, Rq + R:] rotated at positions[t] (``rotated``),
 
-    with P = start[0]: the bits of ``rmsnorm``, ``apply_rope`` and ``write_rows`` in turn, in one
-    launch instead of four (a decode row's norms, rotation and copy are each a few µs of latency,
-    not of bytes). The caller keeps the slots inside the cache.
+    with P = start[0]: the bits of ``rmsnorm``, ``apply_rope`` and ``LatentKVCache.write`` in
+    turn, in one launch instead of four (replayed in a graph, the forward got 1 to 13 µs shorter
+    on the H200: ``docs/results/profile-h200-2026-12-03b.md``). The caller keeps the slots inside
+    the cache.
     """
     check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, cache_latent, cache_rope,
                    start, q_normed)
