@@ -54,7 +54,14 @@ from numba import cuda, float32
 
 from ddtree.kv_cache import LatentKVCache, check_accepted
 from kernels.blocks import block_sums
-from kernels.device import check_version, is_device_array, poisoned, reduction_threads, to_device
+from kernels.device import (
+    check_float32,
+    check_version,
+    is_device_array,
+    poisoned,
+    reduction_threads,
+    to_device,
+)
 from kernels.rmsnorm import ROW_THREADS
 from kernels.rope import rotated
 
@@ -222,11 +229,7 @@ def check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, 
         if tuple(arrays[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (projected (T, Rq + R + dr) with Rq = q_rank, "
                              f"R and dr from the cache), got {tuple(arrays[name].shape)}")
-    floats = [name for name in ("projected", "kv_weight", "inv_freq", "cache_latent", "cache_rope",
-                                "q_weight", "q_normed") if name in arrays]
-    for name in floats:
-        if arrays[name].dtype != np.float32:
-            raise ValueError(f"{name} must be float32, got {arrays[name].dtype}")
+    check_float32(**{name: array for name, array in arrays.items() if name not in ("positions", "start")})
 
 
 # --8<-- [start:write_new_rows]
@@ -253,7 +256,8 @@ def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, posi
     if projected.shape[0]:
         new_rows_kernel(threads, q_threads, kv_threads)[projected.shape[0], threads, stream](
             projected, q_rank, q_weight if q_rank else kv_weight, kv_weight, float(eps), positions, inv_freq,
-            float(scale), cache_latent, cache_rope, start, q_normed if q_rank else projected)
+            float(scale), cache_latent, cache_rope, start,
+            q_normed if q_rank else projected)           # Rq = 0: placeholders the kernel never reads
 # --8<-- [end:write_new_rows]
 
 

@@ -103,8 +103,8 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=N
     the default stream).
     """
     x, positions, inv_freq = check_rope(x, positions, inv_freq, scale, out=out)
-    rows, width = x.shape[0], x.shape[len(x.shape) - 1]
-    heads = math.prod(x.shape[1:len(x.shape) - 1])                      # (T, dr) is (T, 1, dr)
+    rows, width = x.shape[0], x.shape[x.ndim - 1]
+    heads = math.prod(x.shape[1:x.ndim - 1])                      # (T, dr) is (T, 1, dr)
     d_out = output(out, x.shape, stream=stream)                   # NaN until written
     count = rows * heads * (width // 2)                           # (row, head, frequency) triples
     if count > 0:
