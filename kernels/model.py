@@ -1,9 +1,9 @@
 """The device-resident engine: the numba.cuda twin of ``ddtree/model.py``.
 
-Legend: T rows of a forward (a bucket: 1, 2, 4, 8, then multiples of 8 up to Tmax), D hidden,
-V vocab, H heads, dn/dr/dv head dims, Rq q_lora_rank, R kv_lora_rank, E experts, k experts per
-token, F moe_intermediate_size, Ly layers, C cache capacity, L draft depths, K candidates per
-depth, B node budget, W padded tree width (= T).
+Legend: T rows of a forward (a prompt chunk's bucket: 1, 2, 4, 8, then multiples of 8 up to
+Tmax; a round's tree size), D hidden, V vocab, H heads, dn/dr/dv head dims, Rq q_lora_rank, R
+kv_lora_rank, E experts, k experts per token, F moe_intermediate_size, Ly layers, C cache capacity,
+L draft depths, K candidates per depth, B node budget, W tree width (= T).
 
 Everything lives on the device from construction on: the weights (uploaded once), the latent KV
 cache (``DeviceCache``), and every activation, in buffers allocated once for Tmax rows and
@@ -20,7 +20,7 @@ change:
     positions,  derived on the device (``kernels.tree.positions_and_paths``): position P + depth,
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
-So one captured CUDA graph per bucket serves every step (``kernels.graphs``). Every reduction
+So one captured CUDA graph per shape serves every step (``kernels.graphs``). Every reduction
 runs in an order fixed by its own row (``linear`` version "warps", run as its fast twin "lanes"
 with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are
 bit-identical to the AR logits at the same position, so DDTree == AR holds exactly in the engine,
@@ -99,10 +99,9 @@ LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
 
 def bucket_rows(rows: int, max_rows: int) -> int:
-    """The bucket for ``rows`` rows (graphs are captured per bucket): 1, 2, 4, 8, then multiples of 8.
-
-    Padding rows cost a whole row of work each, so buckets are finer than powers of two past 8: a
-    budget-32 tree (33 nodes) runs 40 rows, not 64."""
+    """The bucket of a prompt chunk of ``rows`` rows (graphs are captured per bucket): 1, 2, 4, 8,
+    then multiples of 8. Padding rows cost a whole row of work each, so buckets are finer than
+    powers of two past 8: 33 tokens run 40 rows, not 64. (A round needs none: ``verify_round``.)"""
     bucket = 1
     while bucket < min(rows, BUCKET_STEP):
         bucket *= 2
@@ -567,7 +566,7 @@ class Transformer:
 
     # --8<-- [start:forward_rows]
     def forward_rows(self, stream, rows: int, sampling: bool = False, outcome: bool = True) -> None:
-        """Launch a forward over ``rows`` rows (a bucket) into buffers.logits and .posterior: each
+        """Launch a forward over ``rows`` rows into buffers.logits and .posterior: each
         row's argmax, or with ``sampling`` its token drawn at temperature (``kernels.sampling``);
         without ``outcome``, the logits only."""
         b, c = self.buffers, self.config
@@ -813,8 +812,8 @@ class Transformer:
         depths = min(draft.shape[0], budget)          # deeper rows can never be reached
         k = min(k, max(budget, 1))                    # neither can ranks >= B
         budget = min(budget, candidate_count(depths, k))   # the nodes the tree will have: the same tree
-        rows = bucket_rows(budget + 1, self.max_rows)
-        self._reserve(cache, budget + 1)
+        rows = budget + 1        # the tree's nodes exactly: the key below has the budget, L and K
+        self._reserve(cache, rows)                    # anyway, so buckets would save no graph
         if self.device_root != root:
             self.graphs.upload(np.array([root], np.int64), self.buffers.root)
         if depths:

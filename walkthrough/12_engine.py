@@ -2,7 +2,7 @@
 
 ``kernels.model.Transformer`` keeps the weights, the latent KV cache and every activation on the
 device, and runs a whole round (top-K, tree build, verify forward, argmax, accept, compaction) as
-launches that read every per-step value from device buffers, so that one CUDA graph per bucket
+launches that read every per-step value from device buffers, so that one CUDA graph per shape
 replays them. This chapter runs one round on ``micro`` (in the CUDA simulator without a GPU, where
 the same code launches directly) and prints every kernel launch in order with its grid, block and
 the shapes it reads and writes; then what crosses the bus per round, in bytes; then the measured
@@ -27,7 +27,7 @@ from ddtree import decode as reference_decode
 from ddtree.drafters import make_drafter
 from kernels import decode as engine_decode
 from kernels.device import SIMULATOR
-from kernels.model import Transformer, bucket_rows, candidate_count
+from kernels.model import Transformer, candidate_count
 
 STEM = "12_engine"
 RESULTS = sorted((chapter.ROOT / "docs" / "results").glob("engine-h200-*.json"))
@@ -76,8 +76,7 @@ def one_round(setup) -> None:
         record = engine_decode.ddtree_round(engine, cache, prompt, drafter, BLOCK, BUDGET, None)
     committed = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
     assert committed == expected[:record.committed].tolist(), "the round must commit AR's tokens"
-    rows = bucket_rows(record.tokens.size, engine.max_rows)
-    print(f"one round on micro: tree of {record.tokens.size} nodes ({rows} rows), accepted "
+    print(f"one round on micro: tree of {record.tokens.size} nodes (as many rows), accepted "
           f"{record.accepted.tolist()}, bonus {record.bonus}")
     if not launches:
         print("(run without a GPU to list the launches: the table comes from the CUDA simulator)")
@@ -98,7 +97,7 @@ def bus_bytes() -> None:
         for name, block, budget in (("tiny", 8, 32), ("tiny-b", 8, 32), ("small", 8, 64)):
             config = chapter.preset(name)
             depths, k = min(block - 1, budget), min(config.vocab_size, budget)
-            rows = bucket_rows(1 + min(budget, candidate_count(depths, k)), 128)
+            rows = 1 + min(budget, candidate_count(depths, k))                  # the tree's nodes
             sent, read = 4 * depths * config.vocab_size, 8 * (3 + 4 * rows)
             print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {sent:>18,} B {read:>11,} B")
 
