@@ -13,9 +13,10 @@ Kernels:
     (linear's ``tile_dots`` over each slice); ``route_ranks_kernel``: the slices added in order
     and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
     experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
-    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. One token on a
-    grid of at most ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, both in one launch (8
-    experts of a slice per block, the same sums; the last block to finish ranks).
+    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. Up to
+    ROUTE_ONE_MAX_ROWS tokens, each on a grid of at most ROUTE_ONE_MAX_BLOCKS blocks:
+    ``route_one_kernel``, both in one launch (8 experts of a slice per block, the same sums; a
+    token's last block to finish ranks it).
 - the routed experts, version 1, per (token, slot) pair:
   - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
     e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
@@ -181,10 +182,11 @@ ROUTE_RANKS_THREADS = 32 if SIMULATOR else ROUTE_TPB
 ROUTE_ONE_EXPERTS = 8          # route_one_kernel: experts per block (EB), a slice of their weights staged
 ROUTE_ONE_CHUNKS = LOGIT_SLICE // LANES    # ... a slice's chunks of LANES columns
 ROUTE_ONE_BATCH = 8            # ... weights a thread loads before it stores them (512 threads: all)
-# ... used for one token when its grid has at most this many blocks: on the H200 small's router (E = 64,
+# ... used when a token's grid has at most this many blocks: on the H200 small's router (E = 64,
 # D = 2048: 32 blocks) took 16.1 µs against 19.3 for the two kernels, Kimi's (E = 384, D = 7168: 672
 # blocks) 57.9 against 26.5 (docs/results/decode-kernels-h200-2026-12-03.txt); between them: not measured
 ROUTE_ONE_MAX_BLOCKS = 132
+ROUTE_ONE_MAX_ROWS = 64        # ... for at most this many tokens (each token's blocks read the gate again)
 ROUTE_ONE_STAGED = ROUTE_ONE_CHUNKS * ROUTE_ONE_EXPERTS * LANES_PADDED   # ... its staged weights
 ROUTE_ONE_X = ROUTE_ONE_CHUNKS * LANES_PADDED                            # ... and x's slice
 F32, I64 = 4, 8
@@ -572,26 +574,27 @@ def _staged_at(chunk, expert, column):
 @cuda.jit
 def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, slice_parts, parts,
                      arrivals, ids, weights):
-    """Router version 2 for one token (T = 1) in one launch: ``logit_slices_kernel``'s sums, then
-    the block that finishes last routes the token (``_route_parts``).
+    """Router version 2 for a few tokens in one launch: ``logit_slices_kernel``'s sums, then the
+    block of a token that finishes last routes that token (``_route_parts``).
 
-    Block (x, y) = experts e0 = x EB .. e0 + EB - 1 of depth slice y. Its threads stage the EB
-    experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's slice; thread
-    (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums chunks p,
-    p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does; thread e
-    adds its W sums in part order into parts[0, y, e]: logit_slices_kernel's bits. Then the block
-    counts itself in arrivals[0], after a fence (its parts are visible to the other blocks first).
-    The block that arrives last sees every slice (a fence after its count orders its reads after
-    the others' writes): it routes the token as route_ranks_kernel does, then sets arrivals[0]
-    back to 0 for the next launch. One launch instead of two, and EB = 8
-    experts per block where logit_slices_kernel has 32: four times the blocks reading the gate."""
+    Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads
+    stage the EB experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's
+    slice; thread (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums
+    chunks p, p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does;
+    thread e adds its W sums in part order into parts[z, y, e]: logit_slices_kernel's bits. Then
+    the block counts itself in arrivals[z], after a fence (its parts are visible to the other
+    blocks first). The token's block that arrives last sees every slice (a fence after its count
+    orders its reads after the others' writes): it routes the token as route_ranks_kernel does,
+    then sets arrivals[z] back to 0 for the next launch. One launch instead of two, and EB = 8
+    experts per block where logit_slices_kernel has 32: four times the blocks reading the gate
+    (each token's blocks read it again: ROUTE_ONE_MAX_ROWS bounds the tokens)."""
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
     last = cuda.shared.array(1, int32)                                      # 1: this block came last
     staged = cuda.local.array(ROUTE_ONE_BATCH, float32)
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
-    experts, s = gate.shape[0], cuda.blockIdx.y
+    experts, s, token = gate.shape[0], cuda.blockIdx.y, cuda.blockIdx.z
     d0 = s * LOGIT_SLICE
     depth = min(LOGIT_SLICE, x.shape[1] - d0)
     e0 = cuda.blockIdx.x * ROUTE_ONE_EXPERTS
@@ -605,7 +608,7 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
             if i < ROUTE_ONE_EXPERTS * LOGIT_SLICE and k < depth:
                 w_tile[_staged_at(k // LANES, i // LOGIT_SLICE, k % LANES)] = staged[b]
     for k in range(tid, depth, threads):
-        x_tile[k // LANES * LANES_PADDED + k % LANES] = x[0, d0 + k]
+        x_tile[k // LANES * LANES_PADDED + k % LANES] = x[token, d0 + k]
     cuda.syncthreads()
     if tid < ROUTE_ONE_EXPERTS * slice_parts:
         e, p = tid % ROUTE_ONE_EXPERTS, tid // ROUTE_ONE_EXPERTS
@@ -619,17 +622,17 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
         total = partial[0, tid]
         for other in range(1, slice_parts):
             total += partial[other, tid]
-        parts[0, s, e0 + tid] = total
+        parts[token, s, e0 + tid] = total
     cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
-        last[0] = cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x * cuda.gridDim.y - 1
+        last[0] = cuda.atomic.add(arrivals, token, 1) == cuda.gridDim.x * cuda.gridDim.y - 1
     cuda.syncthreads()
     if last[0]:
         cuda.threadfence()                  # the acquire side: the other blocks' parts, then the reads
-        _route_parts(parts, bias, 0, n_group, topk_group, norm_topk_prob, scaling, ids, weights)
+        _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scaling, ids, weights)
         if tid == 0:
-            arrivals[0] = 0
+            arrivals[token] = 0
 # --8<-- [end:route_one_kernel]
 
 
@@ -1005,8 +1008,9 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals,
                   version: int) -> None:
     """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (version 1:
     (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k).
-    Version 2 at one token, on at most ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, counting
-    its blocks in ``arrivals`` (int32, 0 before the launch and after it)."""
+    Version 2 for at most ROUTE_ONE_MAX_ROWS tokens, each on at most ROUTE_ONE_MAX_BLOCKS blocks:
+    ``route_one_kernel``, counting each token's blocks in ``arrivals`` (int32 (T,), 0 before the
+    launch and after it)."""
     rows, depth = x.shape
     experts = config.n_routed_experts
     flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
@@ -1016,8 +1020,8 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals,
         return
     slice_parts = k_slices(min(depth, LOGIT_SLICE))                      # W, the warps of a slice's sums
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
-    one_grid = (blocks(experts, ROUTE_ONE_EXPERTS), logits.shape[1])     # x over E, y over S
-    if rows == 1 and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
+    one_grid = (blocks(experts, ROUTE_ONE_EXPERTS), logits.shape[1], rows)    # x over E, y over S, z over T
+    if rows <= ROUTE_ONE_MAX_ROWS and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
         route_one_kernel[one_grid, threads, stream](x, gate, bias, *flags, slice_parts, logits, arrivals, ids,
                                                      weights)
         return
@@ -1161,7 +1165,7 @@ def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, l
     if arrivals is not None and not is_device_array(arrivals):
         raise ValueError(f"arrivals must be a device array (the kernel counts its blocks there), got "
                          f"{type(arrivals).__name__}")
-    check_out(arrivals, (1,), np.int32, "arrivals")
+    check_out(arrivals, x.shape[:1], np.int32, "arrivals")
     return x, gate, bias
 
 
@@ -1176,9 +1180,9 @@ def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out
     from 32 (version 1: to 128, version 2: to 1024); by default the smallest that covers E, at most
     128 (version 1) or 512 (version 2). ``out``: a pair (ids, weights) to write into; ``logits``: a
     device float32 buffer for the router logits, of shape ``logits_shape(T, E, D, version)`` (new
-    by default); ``arrivals``: a device int32 (1,) of zeros, the block count of version 2's one-token
-    launch (``route_one_kernel``; new by default, zeros again after the launch); ``stream``: where
-    the kernels are launched (None: the default stream).
+    by default); ``arrivals``: a device int32 (T,) of zeros, the block counts of version 2's one
+    launch for a few tokens (``route_one_kernel``; new by default, zeros again after the launch);
+    ``stream``: where the kernels are launched (None: the default stream).
     """
     x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out, logits=logits,
                                 arrivals=arrivals, version=version)
@@ -1187,8 +1191,8 @@ def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out
     ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
     if x.shape[0]:
         logits = output(logits, logits_shape(x.shape[0], *gate.shape, version), stream=stream)
-        if arrivals is None and x.shape[0] == 1 and version == 2:          # route_one_kernel's count
-            arrivals = filled((1,), 0, np.int32, stream)
+        if arrivals is None and version == 2:                              # route_one_kernel's counts
+            arrivals = filled(x.shape[:1], 0, np.int32, stream)
         _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
                       config, threads, logits, arrivals, ids, weights, stream, version)
     return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)

@@ -234,32 +234,36 @@ def test_route_sums_depth_slices_in_order():
     (dict(), gpu.LOGIT_SLICE + 8, None),                             # 4 groups; a full and an 8-wide slice
     (dict(n_routed_experts=20, n_group=1, topk_group=1, num_experts_per_tok=4), 70, 32),   # a part block
 ], ids=["groups-two-slices", "20-experts-32-threads"])
-def test_route_one_token_gives_its_batch_rows_bits(change, width, threads):
-    """One token runs ``route_one_kernel`` (the slices' sums, then the last block to arrive routes);
-    a batch runs logit_slices_kernel and route_ranks_kernel. Each batch row alone: the same logit
-    slices, ids and weights, bit for bit; the block count is back at zero, so a second launch with
-    the same ``arrivals`` routes again."""
+def test_route_one_launch_gives_the_two_kernels_bits(change, width, threads, monkeypatch):
+    """Up to ROUTE_ONE_MAX_ROWS tokens run ``route_one_kernel`` (the slices' sums, then each token's
+    last block to arrive routes it); past it, logit_slices_kernel and route_ranks_kernel. The batch
+    in one launch and each token alone give the two kernels' logit slices, ids and weights, bit for
+    bit; every block count is back at zero, so a second launch with the same ``arrivals`` routes
+    again."""
     config = config_with(**change)
     rows = 3
     x, gate, bias = random_router(config, rows=rows, width=width, seed=width)
     shape = gpu.logits_shape(rows, config.n_routed_experts, width)
-    batch_logits = to_device(np.full(shape, np.nan, np.float32))
-    ids, weights = gpu.route(x, gate, bias, config, threads=threads, logits=batch_logits)
-    arrivals = to_device(np.zeros(1, np.int32))
-    for t in range(rows):
+
+    def routed(tokens, arrivals):
+        logits = to_device(np.full((tokens.shape[0],) + shape[1:], np.nan, np.float32))
+        out = (to_device(np.full((tokens.shape[0], config.num_experts_per_tok), -1, np.int64)),
+               to_device(np.full((tokens.shape[0], config.num_experts_per_tok), np.nan, np.float32)))
+        gpu.route(tokens, gate, bias, config, threads=threads, logits=logits, arrivals=arrivals, out=out)
+        return logits.copy_to_host(), out[0].copy_to_host(), out[1].copy_to_host()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gpu, "ROUTE_ONE_MAX_ROWS", 0)
+        two_kernels = routed(x, None)
+    for t, tokens in [(slice(0, rows), x)] + [(slice(t, t + 1), x[t:t + 1]) for t in range(rows)]:
+        arrivals = to_device(np.zeros(tokens.shape[0], np.int32))
         for launch in range(2):
-            logits = to_device(np.full((1,) + shape[1:], np.nan, np.float32))
-            out = (to_device(np.full((1, ids.shape[1]), -1, np.int64)),
-                   to_device(np.full((1, ids.shape[1]), np.nan, np.float32)))
-            gpu.route(x[t:t + 1], gate, bias, config, threads=threads, logits=logits, arrivals=arrivals,
-                      out=out)
-            where = f"token {t}, launch {launch}: "
-            assert_exact(logits.copy_to_host()[0].view(np.uint32),
-                         batch_logits.copy_to_host()[t].view(np.uint32), name=where + "logit slice bits")
-            assert_exact(out[0].copy_to_host()[0], ids[t], name=where + "ids")
-            assert_exact(out[1].copy_to_host()[0].view(np.uint32), weights[t].view(np.uint32),
-                         name=where + "weight bits")
-            assert arrivals.copy_to_host()[0] == 0, where + "the block count was not reset"
+            where = f"tokens {t.start}..{t.stop - 1}, launch {launch}: "
+            for name, got, want in zip(("logit slice bits", "ids", "weight bits"), routed(tokens, arrivals),
+                                       two_kernels, strict=True):
+                bits = (lambda a: a.view(np.uint32)) if got.dtype == np.float32 else (lambda a: a)
+                assert_exact(bits(got), bits(want[t]), name=where + name)
+            assert not arrivals.copy_to_host().any(), where + "a block count was not reset"
 
 
 def test_route_one_token_on_a_large_grid_takes_the_two_kernels(monkeypatch):
@@ -279,7 +283,7 @@ def test_route_arrivals_are_checked():
     with pytest.raises(ValueError, match="arrivals must be a device array"):
         gpu.route(x, gate, bias, config, arrivals=np.zeros(1, np.int32))
     with pytest.raises(ValueError, match=r"arrivals must be int32 of shape \(1,\)"):
-        gpu.route(x, gate, bias, config, arrivals=to_device(np.zeros(2, np.int32)))
+        gpu.route(x, gate, bias, config, arrivals=to_device(np.zeros(2, np.int32)))    # one per token
 
 
 # --- SwiGLU and the MoE layer --------------------------------------------------------------------
@@ -525,13 +529,14 @@ def test_out_and_scratch_on_the_device_allocate_and_copy_nothing():
     x, stream = to_device(host_x), cuda.default_stream()
     ids, weights = to_device(np.zeros((3, 3), np.int64)), to_device(np.zeros((3, 3), np.float32))
     logits = to_device(np.zeros(gpu.logits_shape(3, config.n_routed_experts, 19), np.float32))
+    arrivals = to_device(np.zeros(3, np.int32))                  # route_one_kernel's block counts
     layer_out, dense_out = to_device(np.zeros((3, 19), np.float32)), to_device(np.zeros((3, 19), np.float32))
     scratch = gpu.moe_scratch(3, params, config)
     dense = gpu.dense_scratch(3, params.shared_gate_proj.shape[0])
     shared = (params.shared_gate_proj, params.shared_up_proj, params.shared_down_proj)
     with no_transfers():
         routed = gpu.route(x, params.gate, params.bias, config, out=(ids, weights), stream=stream,
-                           logits=logits)
+                           logits=logits, arrivals=arrivals)
         assert gpu.moe(x, params, config, out=layer_out, stream=stream, scratch=scratch) is layer_out
         assert gpu.swiglu(x, *shared, out=dense_out, stream=stream, scratch=dense) is dense_out
     assert routed[0] is ids and routed[1] is weights
