@@ -271,15 +271,18 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     if prompt.size > 1:
         model.forward(cache, prompt[:-1])
         trace.prefill_forwards = 1
-    context = list(prompt)
+    context = np.empty(prompt.size + max_new_tokens, np.int64)   # committed tokens: context[:length]
+    context[:prompt.size] = prompt                                # (a view of it per round: no copy)
+    length = prompt.size
     generated: list[int] = []
     while len(generated) < max_new_tokens:
         # never draft past the request: the round commits at most depths + 1 tokens
         block = min(block_size, max_new_tokens - len(generated))
-        record = ddtree_round(model, cache, np.array(context), drafter, block, budget, topk, temperature,
+        record = ddtree_round(model, cache, context[:length], drafter, block, budget, topk, temperature,
                               seed, verifier)
         new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
-        context += new
+        context[length:length + len(new)] = new
+        length += len(new)
         generated += new
         trace.rounds.append(record)
         trace.verify_forwards += 1
