@@ -1364,9 +1364,10 @@ def _route_case(sizes, version: int):
                 call=lambda inputs, **given: route(*inputs, version=version, **given),
                 bytes=bytes_moved("route", **dims), flops=flops("route", **dims),
                 note=f"version {version}: {kernels}",
-                prepare=lambda inputs: (route(*inputs, version=version), poisoned(logits)),   # + logits
+                prepare=lambda inputs: (route(*inputs, version=version), poisoned(logits),   # + logits,
+                                        filled((rows,), 0, np.int32)),                     # block counts
                 launch=lambda inputs, given, stream: route(*inputs, out=given[0], logits=given[1],
-                                                           stream=stream, version=version))
+                                                           arrivals=given[2], stream=stream, version=version))
 
 
 def _reduced_moe_case(sizes, version: int = 2):
