@@ -14,7 +14,8 @@ Kernels:
     and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
     experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
     rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. Up to
-    ROUTE_ONE_MAX_ROWS tokens, each on a grid of at most ROUTE_ONE_MAX_BLOCKS blocks:
+    one token, or a few whose gate reads stay under ROUTE_ONE_MAX_BYTES, each token on a grid of at
+    most ROUTE_ONE_MAX_BLOCKS blocks:
     ``route_one_kernel``, both in one launch (8 experts of a slice per block, the same sums; a
     token's last block to finish ranks it).
 - the routed experts, version 1, per (token, slot) pair:
@@ -186,7 +187,11 @@ ROUTE_ONE_BATCH = 8            # ... weights a thread loads before it stores the
 # D = 2048: 32 blocks) took 16.1 µs against 19.3 for the two kernels, Kimi's (E = 384, D = 7168: 672
 # blocks) 57.9 against 26.5 (docs/results/decode-kernels-h200-2026-12-03.txt); between them: not measured
 ROUTE_ONE_MAX_BLOCKS = 132
-ROUTE_ONE_MAX_ROWS = 64        # ... for at most this many tokens (each token's blocks read the gate again)
+# ... and for T > 1 tokens only while T reads of the gate (each token's blocks stage it again) stay
+# under this many bytes: on the H200 (4 and 7 layers' launches timed by events) tiny's 33 tokens (264 KB)
+# took 71.6 µs against 86.2 for the two kernels, small's 33 (17 MB) 565.7 against 223.0 for the two at
+# 40 tokens (profile-h200-2026-12-03e.md; -03d.md and -03c.md)
+ROUTE_ONE_MAX_BYTES = 1 << 20
 ROUTE_ONE_STAGED = ROUTE_ONE_CHUNKS * ROUTE_ONE_EXPERTS * LANES_PADDED   # ... its staged weights
 ROUTE_ONE_X = ROUTE_ONE_CHUNKS * LANES_PADDED                            # ... and x's slice
 F32, I64 = 4, 8
@@ -587,7 +592,7 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     orders its reads after the others' writes): it routes the token as route_ranks_kernel does,
     then sets arrivals[z] back to 0 for the next launch. One launch instead of two, and EB = 8
     experts per block where logit_slices_kernel has 32: four times the blocks reading the gate
-    (each token's blocks read it again: ROUTE_ONE_MAX_ROWS bounds the tokens)."""
+    (each token's blocks read it again: ROUTE_ONE_MAX_BYTES bounds the tokens)."""
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
@@ -1008,9 +1013,9 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals,
                   version: int) -> None:
     """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (version 1:
     (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k).
-    Version 2 for at most ROUTE_ONE_MAX_ROWS tokens, each on at most ROUTE_ONE_MAX_BLOCKS blocks:
-    ``route_one_kernel``, counting each token's blocks in ``arrivals`` (int32 (T,), 0 before the
-    launch and after it)."""
+    Version 2 for one token, or T whose gate reads stay under ROUTE_ONE_MAX_BYTES, each token on at
+    most ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, counting each token's blocks in
+    ``arrivals`` (int32 (T,), 0 before the launch and after it)."""
     rows, depth = x.shape
     experts = config.n_routed_experts
     flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
@@ -1021,7 +1026,8 @@ def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals,
     slice_parts = k_slices(min(depth, LOGIT_SLICE))                      # W, the warps of a slice's sums
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
     one_grid = (blocks(experts, ROUTE_ONE_EXPERTS), logits.shape[1], rows)    # x over E, y over S, z over T
-    if rows <= ROUTE_ONE_MAX_ROWS and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
+    few = rows == 1 or rows * F32 * gate.shape[0] * gate.shape[1] <= ROUTE_ONE_MAX_BYTES
+    if few and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
         route_one_kernel[one_grid, threads, stream](x, gate, bias, *flags, slice_parts, logits, arrivals, ids,
                                                      weights)
         return

@@ -235,8 +235,9 @@ def test_route_sums_depth_slices_in_order():
     (dict(n_routed_experts=20, n_group=1, topk_group=1, num_experts_per_tok=4), 70, 32),   # a part block
 ], ids=["groups-two-slices", "20-experts-32-threads"])
 def test_route_one_launch_gives_the_two_kernels_bits(change, width, threads, monkeypatch):
-    """Up to ROUTE_ONE_MAX_ROWS tokens run ``route_one_kernel`` (the slices' sums, then each token's
-    last block to arrive routes it); past it, logit_slices_kernel and route_ranks_kernel. The batch
+    """One token, or a few under ROUTE_ONE_MAX_BYTES, run ``route_one_kernel`` (the slices' sums,
+    then each token's last block to arrive routes it); past it, logit_slices_kernel and
+    route_ranks_kernel. The batch
     in one launch and each token alone give the two kernels' logit slices, ids and weights, bit for
     bit; every block count is back at zero, so a second launch with the same ``arrivals`` routes
     again."""
@@ -253,7 +254,7 @@ def test_route_one_launch_gives_the_two_kernels_bits(change, width, threads, mon
         return logits.copy_to_host(), out[0].copy_to_host(), out[1].copy_to_host()
 
     with monkeypatch.context() as patch:
-        patch.setattr(gpu, "ROUTE_ONE_MAX_ROWS", 0)
+        patch.setattr(gpu, "ROUTE_ONE_MAX_BYTES", 0)
         two_kernels = routed(x, None)
     for t, tokens in [(slice(0, rows), x)] + [(slice(t, t + 1), x[t:t + 1]) for t in range(rows)]:
         arrivals = to_device(np.zeros(tokens.shape[0], np.int32))
