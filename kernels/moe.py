@@ -13,11 +13,10 @@ Kernels:
     (linear's ``tile_dots`` over each slice); ``route_ranks_kernel``: the slices added in order
     and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
     experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
-    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. Up to
-    one token, or a few whose gate reads stay under ROUTE_ONE_MAX_BYTES, each token on a grid of at
-    most ROUTE_ONE_MAX_BLOCKS blocks:
-    ``route_one_kernel``, both in one launch (8 experts of a slice per block, the same sums; a
-    token's last block to finish ranks it).
+    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. One token, or a
+    few whose gate reads stay under ROUTE_ONE_MAX_BYTES, each on a grid of at most
+    ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, both in one launch (8 experts of a slice
+    per block, the same sums; a token's last block to finish ranks it).
 - the routed experts, version 1, per (token, slot) pair:
   - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
     e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
