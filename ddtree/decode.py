@@ -271,20 +271,18 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     if prompt.size > 1:
         model.forward(cache, prompt[:-1])
         trace.prefill_forwards = 1
-    context = np.empty(prompt.size + max_new_tokens, np.int64)   # committed tokens: context[:length]
-    context[:prompt.size] = prompt                                # (a view of it per round: no copy)
-    length = prompt.size
-    generated: list[int] = []
-    while len(generated) < max_new_tokens:
+    context = np.empty(prompt.size + max_new_tokens, np.int64)   # the prompt, then the new tokens
+    context[:prompt.size] = prompt                                # committed so far: context[:length]
+    length = prompt.size                                          # (a view of it per round: no copy)
+    while length < context.size:
         # never draft past the request: the round commits at most depths + 1 tokens
-        block = min(block_size, max_new_tokens - len(generated))
+        block = min(block_size, context.size - length)
         record = ddtree_round(model, cache, context[:length], drafter, block, budget, topk, temperature,
                               seed, verifier)
         new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
         context[length:length + len(new)] = new
         length += len(new)
-        generated += new
         trace.rounds.append(record)
         trace.verify_forwards += 1
-    return np.array(generated, dtype=np.int64), trace
+    return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]
