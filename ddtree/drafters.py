@@ -272,8 +272,10 @@ class NGramDrafter:
     def propose(self, context_tokens, block_size: int) -> np.ndarray:
         context, depths = check_block(context_tokens, block_size, self.vocab_size)
         votes = self.votes(context, depths)                                      # [L, V]
-        probs = (votes + self.smoothing) / (votes + self.smoothing).sum(-1, keepdims=True)
-        return np.log(probs).astype(np.float32)                                  # [L, V]
+        # the row's total as the exact integer sum of its votes plus V smoothings: the same bits in
+        # any summation order, so the device's drafter (kernels/drafters.py) reproduces it
+        total = votes.sum(-1, keepdims=True) + self.vocab_size * self.smoothing  # [L, 1]
+        return np.log((votes + self.smoothing) / total).astype(np.float32)       # [L, V]
     # --8<-- [end:ngram]
 
 

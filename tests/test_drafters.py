@@ -181,8 +181,8 @@ def slow_ngram_propose(drafter, context, block_size):
         for end in np.flatnonzero((windows == suffix).all(axis=1)) + s:
             following = context[end:end + depths]
             votes[np.arange(following.size), following] += s
-    probs = (votes + drafter.smoothing) / (votes + drafter.smoothing).sum(-1, keepdims=True)
-    return np.log(probs).astype(np.float32)
+    total = votes.sum(-1, keepdims=True) + drafter.vocab_size * drafter.smoothing
+    return np.log((votes + drafter.smoothing) / total).astype(np.float32)
 
 
 def assert_same_bytes(fast, slow):
