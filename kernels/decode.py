@@ -6,11 +6,13 @@ N tree nodes (root included), m accepted nodes (root included).
 The same two decoders, the same checks, the same trace types; what differs is where the work
 happens. AR: the prompt is one forward (``prefill``), then every step replays one captured graph
 that reads the previous token on the device and writes the next one there: the host waits only
-once, at the end, to copy the tokens back. DDTree: per round, the drafter runs on the host (it is
-Python), its (L, V) logits cross the bus once, one graph runs top-K, tree build, the verify
-forward, argmax, accept and compaction, and one copy brings back the round's record (m, the
-bonus, the accepted path and the tree): the round's only synchronisation, since the drafter needs
-the committed tokens before it can draft again.
+once, at the end, to copy the tokens back. DDTree: per round, one graph runs the drafter's
+kernels (``kernels.drafters``, reading the committed tokens the engine keeps on the device),
+top-K, tree build, the verify forward, argmax, accept and compaction, and one copy brings back the
+round's record (m, the bonus, the accepted path and the tree): the round's only synchronisation,
+since the host decides the next round's block from the committed count. A drafter the device
+cannot run (any but the reference's own, or ``device_drafters=False``) runs on the host, as in
+the reference, and its (L, V) logits cross the bus once per round.
 """
 
 from __future__ import annotations
@@ -66,12 +68,15 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk, verif
     """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length;
     ``verifier="rejection"`` (at temperature > 0): the sampled tree, as in the reference."""
     vocab = model.config.vocab_size
-    start, root = cache.length, int(context[-1])
+    start = cache.length
     depths = block_size - 1
-    draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V] host
+    if not (verifier == "rejection" and model.sampling) and model.drafts_on_device(drafter):
+        draft = None                           # its kernels draft inside the round, on the device
+    else:
+        draft = check_draft(drafter.propose(context, block_size), depths, vocab)   # [L, V] host
     k = candidates_per_depth(budget, topk, vocab)                                  # K
-    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, root, draft, k, budget,
-                                                                       verifier)
+    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, context, draft, k, budget,
+                                                                       verifier, depths=depths)
     return RoundTrace(start, tokens, parents, node_depths, accepted, bonus, int(accepted.size))
 # --8<-- [end:ddtree_round]
 

@@ -54,6 +54,7 @@ import numpy as np
 from numba import cuda
 
 from ddtree.config import ModelConfig
+from ddtree.drafters import check_tokens as check_tokens_named
 from ddtree.kv_cache import CacheOverflowError, LatentKVCache
 from ddtree.model import LATENT_NORM_EPS, check_tokens
 from ddtree.moe import MoEParams
@@ -64,6 +65,7 @@ from ddtree.weights import check_weights
 from kernels.accept import accept_batch
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
+from kernels.drafters import DrafterBuffers, check_round, load, propose
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact_columns, write_new_rows
 from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
@@ -246,13 +248,20 @@ def commit_token_kernel(state, posterior, tokens, generated):
 
 @cuda.jit
 def commit_round_kernel(state, tree_tokens, tree_parents, tree_depths, sizes, accepted, lengths,
-                        bonus, root, record):
-    # one thread: the round's end. The cache keeps P + m rows, the bonus is the next root, and
-    # record gets what the host reads back in one copy: [m, bonus, N, accepted (W), tokens (W),
-    # parents (W), depths (W)]
+                        bonus, root, committed, context_length, record):
+    # one thread: the round's end. The cache keeps P + m rows, the bonus is the next root, the
+    # committed tokens (n of them, the root last) gain the accepted nodes' tokens and the bonus,
+    # and record gets what the host reads back in one copy: [m, bonus, N, accepted (W), tokens
+    # (W), parents (W), depths (W)]
     width = tree_tokens.shape[1]
-    state[LENGTH] += lengths[0]
+    kept = lengths[0]
+    state[LENGTH] += kept
     root[0] = bonus[0]
+    n = context_length[0]
+    for j in range(1, kept):
+        committed[n - 1 + j] = tree_tokens[0, accepted[0, j]]
+    committed[n - 1 + kept] = bonus[0]
+    context_length[0] = n + kept
     record[0] = lengths[0]
     record[1] = bonus[0]
     record[2] = sizes[0]
@@ -407,6 +416,9 @@ class Buffers:
         self.seed = filled((1,), 0, np.int64)
         self.generated = poisoned((c.max_position_embeddings,), np.int64)  # AR tokens, by step
         # the DDTree round (K and L never need more than B <= Tmax - 1)
+        self.committed = poisoned((c.max_position_embeddings + t,), np.int64)   # [C] context, root last
+        self.context_length = filled((1,), 0, np.int64)                # n: committed[:n] is the context
+        self.drafter = DrafterBuffers(self.committed.size, t - 1)     # a device drafter's constants
         self.draft = poisoned((t - 1, c.vocab_size))                   # [L, V] drafter logits
         self.top_logprobs = poisoned(((t - 1) ** 2,))                  # [L*K] flat, viewed (L, K)
         self.top_ids = poisoned(((t - 1) ** 2,), np.int64)
@@ -474,13 +486,17 @@ class Transformer:
     engine's "tiles" kernels took 330 µs for one row through a layer's projections and the
     lm_head of small, "lanes" 137; "lanes" was faster on tiny and tiny-b at 1 to 72 rows, and on
     small up to 24 rows (at 72 rows small's lm_head took 1076 µs against "tiles_gemm"'s 692).
+    ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
+    the round (``kernels.drafters``: the same logits, bit for bit), reading the committed tokens
+    the engine keeps on the device; False, or any other drafter, runs ``propose`` on the host and
+    uploads its logits, as the reference's loop does. Either way the same tokens and trees.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
                  attention_unfused: bool | None = None, moe_grouped_from_rows: int | None = None,
-                 moe_warps: bool | None = None, linear_version: str = "warps"):
+                 moe_warps: bool | None = None, linear_version: str = "warps", device_drafters: bool = True):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -511,6 +527,8 @@ class Transformer:
             raise ValueError(f"moe_warps must be None, True or False, got {moe_warps!r}")
         if linear_version not in LINEAR_VERSIONS:
             raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
+        if not isinstance(device_drafters, bool):
+            raise ValueError(f"device_drafters must be True or False, got {device_drafters!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
@@ -518,6 +536,7 @@ class Transformer:
         self.moe_grouped_from_rows = moe_grouped_from_rows
         self.moe_warps = moe_warps
         self.linear_version = linear_version
+        self.device_drafters = device_drafters
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
         self.final_norm = to_device(weights["model.norm.weight"], np.float32)
         self.lm_head = to_device(weights["lm_head.weight"], np.float32)
@@ -551,6 +570,10 @@ class Transformer:
             (self.max_rows, heads, partial_groups, config.kv_lora_rank + 2))
         self.attention_scores = poisoned((self.max_rows * heads, capacity)) if attention_unfused else None
         self.device_root = None       # the root token the device holds (the last round's bonus)
+        # the host's copy of the committed tokens the device holds (buffers.committed[:n]): a
+        # round's context equal to it needs no upload
+        self.context_mirror = np.zeros(self.buffers.committed.size, np.int64)
+        self.context_count = 0
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see verify_round)
         self.made = {}                # launch sequences and buffer views by key, made once
@@ -666,18 +689,22 @@ class Transformer:
 
     # --8<-- [start:round_phases]
     def round_phases(self, rows: int, depths: int, k: int, budget: int, sampling: bool = False,
-                     rejection: bool = False):
-        """One DDTree round after the drafter's logits are uploaded, as named phases of launches:
-        top-K, build, verify, accept, compact (which also commits). ``rows`` is the bucket (W),
-        ``depths`` (L) and ``k`` (K) the candidates per depth, ``budget`` (B) the drafted nodes.
-        With ``rejection`` (the sampled tree) the phases after the host has redrawn the children:
-        verify (logits, then ``rejection_step`` per node), accept, compact."""
+                     rejection: bool = False, drafter: str | None = None):
+        """One DDTree round as named phases of launches: draft (with a ``drafter`` kind loaded on
+        the device; otherwise its logits are uploaded before), top-K, build, verify, accept,
+        compact (which also commits). ``rows`` is the tree's size (W), ``depths`` (L) and ``k``
+        (K) the candidates per depth, ``budget`` (B) the drafted nodes. With ``rejection`` (the
+        sampled tree) the phases after the host has redrawn the children: verify (logits, then
+        ``rejection_step`` per node), accept, compact."""
         b = self.buffers
         top_logprobs = b.top_logprobs[:depths * k].reshape((1, depths, k))           # [1, L, K]
         top_ids = b.top_ids[:depths * k].reshape((1, depths, k))
         tree = TreeBatch(*(b.rows(name, rows) for name in TreeBatch._fields[:-1]),
                          sizes=b.tree.sizes)                                        # [1, W] each
         accepted = b.accepted[:rows].reshape((1, rows))                              # [1, W]
+
+        def draft(stream):
+            propose(b.drafter, b.committed, b.context_length, out=b.draft[:depths], stream=stream)
 
         def top_k(stream):
             if depths and budget:
@@ -705,12 +732,13 @@ class Transformer:
                                    stream)
             commit_round_kernel[1, 1, stream](
                 b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, accepted, b.accepted_count,
-                b.bonus, b.root, b.record[:3 + 4 * rows])
+                b.bonus, b.root, b.committed, b.context_length, b.record[:3 + 4 * rows])
 
         if rejection:
             return [("verify", verify_rejection), ("accept", accept), ("compact", compact)]
-        return [("top-k", top_k), ("build", build), ("verify", verify), ("accept", accept),
-                ("compact", compact)]
+        drafting = [("draft", draft)] if drafter is not None and depths else []
+        return drafting + [("top-k", top_k), ("build", build), ("verify", verify), ("accept", accept),
+                           ("compact", compact)]
     # --8<-- [end:round_phases]
 
     def round_sequence(self, phases):
@@ -734,6 +762,7 @@ class Transformer:
         self.cache.length = 0
         self.graphs.upload(np.zeros(3, np.int64), self.buffers.state)
         self.device_root = None
+        self.context_count = 0
         return self.cache
 
     def set_sampling(self, temperature: float, seed: int) -> None:
@@ -798,30 +827,66 @@ class Transformer:
         cache.length += 1
         self.forward_count += 1
 
-    def verify_round(self, cache: DeviceCache, root: int, draft: np.ndarray, k: int, budget: int,
-                     verifier: str = "node"):
-        """Upload the drafter's logits, run the round on the device, read back its record.
+    def drafts_on_device(self, drafter) -> bool:
+        """Whether ``drafter`` runs as kernels inside the round (``kernels.drafters``): with
+        ``device_drafters`` on, for the reference's own drafters that fit; their constants are
+        uploaded unless the device holds them already."""
+        return self.device_drafters and load(drafter, self.config.vocab_size, self.buffers.drafter,
+                                             self.graphs.upload) is not None
 
-        Returns (accepted node indices, bonus, tree tokens, parents, depths) as numpy arrays. While
-        ``round_timings`` is a dict (GPU only), each phase runs as its own graph between CUDA events
-        and its device seconds are added to round_timings[phase] (the benchmark's round split).
-        ``verifier="rejection"`` at temperature > 0: after top-K and the build, the host redraws the
+    def sync_context(self, context, rows: int) -> None:
+        """Make buffers.committed[:n] the round's ``context`` (n tokens, the root last). After a
+        round of this engine it is there already (``commit_round_kernel`` appends what the round
+        commits), so only a context the device has not seen (a generation's first round, a
+        caller's own) is checked and uploaded."""
+        n, capacity = len(context), self.buffers.committed.size
+        if n + rows > capacity:
+            raise ValueError(f"context must have at most {capacity - rows} tokens before a round of {rows} "
+                             f"rows (max_position_embeddings + max_tree_nodes - rows), got {n}")
+        if n == self.context_count and np.array_equal(self.context_mirror[:n], context):
+            return
+        context = check_tokens_named("context_tokens", context, self.config.vocab_size)
+        self.graphs.upload(context, self.buffers.committed[:n])
+        self.graphs.upload(np.array([n], np.int64), self.buffers.context_length)
+        self.context_mirror[:n] = context
+        self.context_count = n
+
+    def verify_round(self, cache: DeviceCache, context, draft: np.ndarray | None, k: int, budget: int,
+                     verifier: str = "node", depths: int | None = None):
+        """Run one round from the root ``context[-1]`` on the device, read back its record.
+
+        ``draft``: the drafter's (L, V) logits, computed on the host and uploaded here; or None:
+        the drafter that ``drafts_on_device`` loaded proposes ``depths`` (L) rows inside the
+        round's graph, from the committed tokens on the device. Returns (accepted node indices,
+        bonus, tree tokens, parents, depths) as numpy arrays. While ``round_timings`` is a dict
+        (GPU only), each phase runs as its own graph between CUDA events and its device seconds
+        are added to round_timings[phase] (the benchmark's round split). ``verifier="rejection"``
+        at temperature > 0 (host logits only): after top-K and the build, the host redraws the
         children (``redraw_children``, the reference's draw) and the verify ends in rejection steps.
         """
         self.check_budget(budget)
-        depths = min(draft.shape[0], budget)          # deeper rows can never be reached
+        kind = None
+        if draft is None:
+            kind = self.buffers.drafter.kind
+            if kind is None or (verifier == "rejection" and self.sampling):
+                raise ValueError("draft may be None only after drafts_on_device(drafter), and not for the "
+                                 "sampled tree (verifier='rejection' at temperature > 0)")
+            check_round(self.buffers.drafter, len(context), depths)
+        depths = min(depths if kind else draft.shape[0], budget)    # deeper rows can never be reached
         k = min(k, max(budget, 1))                    # neither can ranks >= B
         budget = min(budget, candidate_count(depths, k))   # the nodes the tree will have: the same tree
         rows = budget + 1        # the tree's nodes exactly: the key below has the budget, L and K
         self._reserve(cache, rows)                    # anyway, so buckets would save no graph
+        self.sync_context(context, rows)
+        n, root = len(context), int(context[-1])
         if self.device_root != root:
             self.graphs.upload(np.array([root], np.int64), self.buffers.root)
-        if depths:
+        if depths and kind is None:
             draft_rows = self.cached(("draft", depths), lambda: self.buffers.draft[:depths])
             self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), draft_rows)
-        key = ("round", rows, depths, k, budget, self.sampling)
+        key = ("round", rows, depths, k, budget, self.sampling, kind)
         phases = self.cached(("phases", *key),
-                             lambda: self.round_phases(rows, depths, k, budget, self.sampling))
+                             lambda: self.round_phases(rows, depths, k, budget, self.sampling, drafter=kind))
         if verifier == "rejection" and self.sampling:
             self.run_phases(("draft tree", *key), phases[:2])                      # top-K, build
             self.redraw_children(rows, k, draft, cache.length)
@@ -836,6 +901,9 @@ class Transformer:
         accepted, tokens, parents, node_depths = (field[:size] for field in record[3:].reshape(4, rows))
         cache.length += kept
         self.device_root = bonus
+        self.context_mirror[n:n + kept - 1] = tokens[accepted[1:kept]]       # as commit_round_kernel
+        self.context_mirror[n + kept - 1] = bonus
+        self.context_count = n + kept
         return accepted[:kept].copy(), bonus, tokens.copy(), parents.copy(), node_depths.copy()
 
     def run_phases(self, key, phases) -> None:

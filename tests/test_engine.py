@@ -183,6 +183,26 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))
 
 
+def test_device_drafter_reads_the_committed_tokens_the_device_holds():
+    """The drafter's kernels read the context from the device: a round appends what it commits
+    there, and a caller's context the device has not seen (here the same round again, from a new
+    cache) is uploaded first, so the round is the same. A one-token prompt: no prefill."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")[:1]
+    drafter = make_drafter("ngram", ref, prompt, 2)
+    records = []
+    for _ in range(2):
+        cache = model.new_cache()
+        records.append(engine_decode.ddtree_round(model, cache, prompt, drafter, 3, 3, None))
+        new = [int(t) for t in records[-1].tokens[records[-1].accepted[1:]]] + [records[-1].bonus]
+        n = prompt.size + len(new)
+        assert model.buffers.context_length.copy_to_host()[0] == n == model.context_count
+        assert_exact(model.buffers.committed.copy_to_host()[:n], np.concatenate([prompt, new]))
+    assert_same_round(records[0], records[1])
+    wanted = reference_decode.ddtree_round(ref, ref.new_cache(8), prompt, drafter, 3, 3, None)
+    assert_same_round(records[0], wanted)
+
+
 def test_sampled_ddtree_matches_numpy_ar():
     """At temperature > 0 every verify row draws its token with its position's numbers: the
     engine's DDTree equals numpy's sampled AR token for token. (The engine's sampled AR step runs
@@ -363,11 +383,14 @@ def test_graphs_on_and_off_are_bit_identical(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device_drafters", [True, False], ids=["device drafter", "host drafter"])
 @pytest.mark.parametrize("drafter_name", ["noisy", "ngram"])
 @pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
-def test_every_round_matches_numpy(name, drafter_name):
-    """After every round: the same tree, path and cache length as numpy, cache rows within tolerance."""
+def test_every_round_matches_numpy(name, drafter_name, device_drafters):
+    """After every round: the same tree, path and cache length as numpy, cache rows within
+    tolerance; the drafter's kernels in the round, or its propose on the host."""
     model, ref = engine(name), reference(name)
+    model.device_drafters = device_drafters
     prompt, new = golden.default_prompt(name), 24
     expected = reference_decode.generate_ar(ref, prompt, new)
     drafter = make_drafter(drafter_name, ref, prompt, new, continuation=expected)

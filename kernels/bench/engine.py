@@ -10,7 +10,8 @@ Every figure side by side, measured in one run on one machine:
   on the same GPU from the project's own checkpoint (skipped with a message when transformers
   is not installed);
 - target forwards per run (prefill included in both decoders), kernel launches per forward;
-- each round's time split: draft (the drafter on the host), top-k, build, verify, accept, compact
+- each round's time split: draft (the drafter's kernels, or its ``propose`` on the host for the
+  "(host)" rows and the "engine, host drafters" runs), top-k, build, verify, accept, compact
   (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
   round's wall time: copies, the wait for the record, Python); and the garbage collector's
   pauses inside the round (``GcPauses``: already counted in draft or host, shown beside them);
@@ -232,32 +233,43 @@ def launches_per_forward(model, prompt) -> dict[str, int]:
 
 
 def round_split(model, prompt, continuation) -> dict[str, dict[str, float]]:
-    """Mean microseconds per round of each phase, per drafter, at budget SPLIT_BUDGET: the second
-    of two runs (the first captures every phase's graphs, so the timed run replays them all)."""
+    """Mean microseconds per round of each phase, per drafter, at budget SPLIT_BUDGET, with the
+    drafter's kernels in the round (its "draft" phase, device time) and, keyed "<drafter> (host)",
+    with ``device_drafters`` off (its ``propose`` calls on the host, timed)."""
     split = {}
     for drafter_name in DRAFTERS:
-        model.round_timings = {}                  # a first run captures each phase's graphs (its
-        engine_decode.generate_ddtree(            # first use of a key runs the launches from Python)
-            model, prompt, NEW_TOKENS, make_drafter(drafter_name, model, prompt, NEW_TOKENS,
-                                                    continuation=continuation),
-            block_size=BLOCK, budget=SPLIT_BUDGET)
-        drafter = TimedDrafter(make_drafter(drafter_name, model, prompt, NEW_TOKENS,
-                                            continuation=continuation))
-        model.round_timings = {}
-        begin = time.perf_counter()
-        with GcPauses() as pauses:
-            _, trace = engine_decode.generate_ddtree(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK,
-                                                     budget=SPLIT_BUDGET)
-        wall = time.perf_counter() - begin
-        device_phases, model.round_timings = model.round_timings, None
-        rounds = trace.verify_forwards
-        phases = {"draft": drafter.seconds, **device_phases}
-        phases["host"] = wall - sum(phases.values())
-        phases[GC] = pauses.seconds
-        split[drafter_name] = {name: 1e6 * phases[name] / rounds for name in (*PHASES, GC)}
-        split[drafter_name]["rounds"] = rounds
-        split[drafter_name]["collections"] = pauses.collections
+        for on_device in (True, False):
+            model.device_drafters = on_device
+            key = drafter_name if on_device else f"{drafter_name} (host)"
+            split[key] = drafter_split(model, prompt, continuation, drafter_name)
+    model.device_drafters = True
     return split
+
+
+def drafter_split(model, prompt, continuation, drafter_name) -> dict[str, float]:
+    """One drafter's round split: the second of two runs (the first captures every phase's graphs,
+    so the timed run replays them all)."""
+    model.round_timings = {}                      # a first run captures each phase's graphs (its
+    engine_decode.generate_ddtree(                # first use of a key runs the launches from Python)
+        model, prompt, NEW_TOKENS, make_drafter(drafter_name, model, prompt, NEW_TOKENS,
+                                                continuation=continuation),
+        block_size=BLOCK, budget=SPLIT_BUDGET)
+    drafter = make_drafter(drafter_name, model, prompt, NEW_TOKENS, continuation=continuation)
+    timed = None if model.device_drafters else TimedDrafter(drafter)
+    model.round_timings = {}
+    begin = time.perf_counter()
+    with GcPauses() as pauses:
+        _, trace = engine_decode.generate_ddtree(model, prompt, NEW_TOKENS, timed or drafter,
+                                                 block_size=BLOCK, budget=SPLIT_BUDGET)
+    wall = time.perf_counter() - begin
+    phases, model.round_timings = model.round_timings, None
+    if timed is not None:
+        phases["draft"] = timed.seconds
+    phases["host"] = wall - sum(phases.values())
+    phases[GC] = pauses.seconds
+    rounds = trace.verify_forwards
+    return {**{name: 1e6 * phases[name] / rounds for name in (*PHASES, GC)}, "rounds": rounds,
+            "collections": pauses.collections}
 
 
 def weight_bytes_per_token(config: ModelConfig) -> int:
@@ -379,6 +391,10 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
     runs = [ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=True)]
     runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats,
                         warm_up=True)
+    model.device_drafters = False                 # each drafter's propose on the host, as the reference's
+    runs += ddtree_runs("engine, host drafters", engine_decode.generate_ddtree, model, prompt, continuation,
+                        repeats, warm_up=True, budgets=(SPLIT_BUDGET,))
+    model.device_drafters = True
     log_runs(runs, log)
     if not engine_only:
         model.graphs.enabled = False              # the same buckets and kernels, launched from Python
