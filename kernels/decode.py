@@ -67,16 +67,26 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
 def ddtree_round(model, cache, context, drafter, block_size, budget, topk, verifier="node") -> RoundTrace:
     """One round from the root ``context[-1]`` (committed, not yet cached) at slot cache.length;
     ``verifier="rejection"`` (at temperature > 0): the sampled tree, as in the reference."""
+    return finish_round(model, cache, start_round(model, cache, context, drafter, block_size, budget, topk,
+                                                  verifier))
+
+
+def start_round(model, cache, context, drafter, block_size, budget, topk, verifier="node"):
+    """The round's host part before the device's: the draft, on the host unless the drafter's
+    kernels run in the round; then the round's launch (``Transformer.start_round``)."""
     vocab = model.config.vocab_size
-    start = cache.length
     depths = block_size - 1
     if not (verifier == "rejection" and model.sampling) and model.drafts_on_device(drafter):
         draft = None                           # its kernels draft inside the round, on the device
     else:
         draft = check_draft(drafter.propose(context, block_size), depths, vocab)   # [L, V] host
     k = candidates_per_depth(budget, topk, vocab)                                  # K
-    accepted, bonus, tokens, parents, node_depths = model.verify_round(cache, context, draft, k, budget,
-                                                                       verifier, depths=depths)
+    return model.start_round(cache, context, draft, k, budget, verifier, depths=depths)
+
+
+def finish_round(model, cache, pending) -> RoundTrace:
+    """A launched round's record, read back and committed on the host, as a RoundTrace."""
+    start, accepted, bonus, tokens, parents, node_depths = model.finish_round(cache, pending)
     return RoundTrace(start, tokens, parents, node_depths, accepted, bonus, int(accepted.size))
 # --8<-- [end:ddtree_round]
 
@@ -108,9 +118,16 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     context = np.empty(prompt.size + max_new_tokens, np.int64)   # the prompt, then the new tokens
     context[:prompt.size] = prompt                                # committed so far: context[:length]
     length = prompt.size                                          # (a view of it per round: no copy)
+    pending = None                                                # a round launched, not yet read
     while length < context.size:
         block = min(block_size, context.size - length)
-        record = ddtree_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
+        if pending is None:
+            pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
+        following = None
+        if length + block + block_size <= context.size:           # the next block is block_size
+            following = model.queue_round(cache, pending)         # whatever this round commits
+        record = finish_round(model, cache, pending)
+        pending = following
         new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
         context[length:length + len(new)] = new
         length += len(new)

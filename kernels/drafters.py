@@ -318,6 +318,12 @@ def load(drafter, vocab_size: int, buffers: DrafterBuffers, upload) -> str | Non
     return kind
 
 
+def always_proposes(buffers: DrafterBuffers) -> bool:
+    """Whether the loaded drafter ranks something at every position (``check_round`` never
+    refuses it), so a round may be launched before the host knows its context."""
+    return buffers.kind is not None and not (buffers.kind == "oracle" and buffers.loaded[0].distractors == 0)
+
+
 def check_round(buffers: DrafterBuffers, context_size: int, depths: int) -> None:
     """The one refusal of the reference's ``propose`` a kernel cannot raise: an oracle without
     distractors has nothing to rank past its sequence's end."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from kernels.device import SIMULATOR
+from kernels.device import SIMULATOR, cuda
 
 if not SIMULATOR:
     from cuda.bindings import driver
@@ -37,6 +37,9 @@ class Graphs:
         self.enabled = enabled and not SIMULATOR
         self.captured: dict[Hashable, object] = {}
         self.marks: list = []                     # CUDA events of run_timed
+        self.pinned: list = [None, None]          # download_later's two pinned host buffers ...
+        self.copied: list = [None, None]          # ... and the events behind their copies
+        self.next_slot = 0
         if SIMULATOR:
             self.stream = 0                       # the simulator's only stream
         else:
@@ -105,6 +108,35 @@ class Graphs:
         elif host.nbytes:
             _check(driver.cuMemcpyHtoDAsync(_device_pointer(device_array), host.ctypes.data, host.nbytes,
                                             self.stream_handle))
+
+    def download_later(self, device_array):
+        """Queue a copy of a device buffer to the host behind everything launched so far, without
+        waiting; ``collect(ticket)`` waits for it and returns the host array. On a GPU the copy
+        lands in one of two pinned host buffers, used in turn (a copy into pageable memory would
+        make the host wait for the device right away), followed by an event; so two copies may be
+        in flight, and a collected array is valid until two more are queued."""
+        if SIMULATOR:
+            return device_array.copy_to_host(), None
+        slot = self.next_slot
+        self.next_slot ^= 1
+        if self.pinned[slot] is None or self.pinned[slot].size < device_array.size:
+            self.pinned[slot] = cuda.pinned_array(max(device_array.size, 1), device_array.dtype)
+            self.copied[slot] = self.stream.device.create_event()
+        host = self.pinned[slot][:device_array.size].reshape(device_array.shape)
+        if host.dtype != device_array.dtype:
+            raise ValueError(f"download_later: {device_array.dtype} after {host.dtype} in the same slot")
+        if host.nbytes:
+            _check(driver.cuMemcpyDtoHAsync(host.ctypes.data, _device_pointer(device_array), host.nbytes,
+                                            self.stream_handle))
+        self.stream.record(self.copied[slot])
+        return host, self.copied[slot]
+
+    def collect(self, ticket):
+        """The host array of a ``download_later``, once its copy is done (waits for that alone)."""
+        host, copied = ticket
+        if copied is not None:
+            copied.sync()
+        return host
 
     def download(self, device_array):
         """Copy a device buffer to the host; waits for everything launched before it (one driver

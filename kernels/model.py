@@ -65,7 +65,7 @@ from ddtree.weights import check_weights
 from kernels.accept import accept_batch
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
-from kernels.drafters import DrafterBuffers, check_round, load, propose
+from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
 from kernels.graphs import Graphs
 from kernels.kv_cache import launch_compact_columns, write_new_rows
 from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
@@ -103,7 +103,7 @@ LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 def bucket_rows(rows: int, max_rows: int) -> int:
     """The bucket of a prompt chunk of ``rows`` rows (graphs are captured per bucket): 1, 2, 4, 8,
     then multiples of 8. Padding rows cost a whole row of work each, so buckets are finer than
-    powers of two past 8: 33 tokens run 40 rows, not 64. (A round needs none: ``verify_round``.)"""
+    powers of two past 8: 33 tokens run 40 rows, not 64. (A round needs none: ``start_round``.)"""
     bucket = 1
     while bucket < min(rows, BUCKET_STEP):
         bucket *= 2
@@ -382,6 +382,16 @@ def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
         o_proj=w("self_attn.o_proj.weight"), dense=dense, moe=moe_params)
 
 
+@dataclasses.dataclass
+class PendingRound:
+    """A round launched on the device whose record the host has not read yet."""
+    key: tuple                 # its graph's key
+    phases: list               # its launches, by phase
+    rows: int                  # its tree's size (W)
+    followable: bool           # its drafter runs on the device, so a round may be queued after it
+    record: object = None      # the record's copy (Graphs.download_later)
+
+
 class Buffers:
     """Every activation and bookkeeping array of the engine, allocated once for Tmax rows."""
 
@@ -574,8 +584,9 @@ class Transformer:
         # round's context equal to it needs no upload
         self.context_mirror = np.zeros(self.buffers.committed.size, np.int64)
         self.context_count = 0
+        self.unread = 0               # rounds launched whose records the host has not read
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
-        self.round_timings = None     # a dict: time each round's phases (see verify_round)
+        self.round_timings = None     # a dict: time each round's phases (see start_round)
         self.made = {}                # launch sequences and buffer views by key, made once
         self.sampling = False         # temperature > 0 (set_sampling): rows draw instead of argmax
         self.temperature, self.seed = 0.0, 0
@@ -759,6 +770,8 @@ class Transformer:
                                      or not 1 <= capacity <= limit):
             raise ValueError(f"capacity must be an integer in [1, {limit}] (max_position_embeddings + "
                              f"max_tree_nodes), got {capacity!r}")
+        self.graphs.synchronize()                     # rounds launched and never read are dropped
+        self.unread = 0
         self.cache.length = 0
         self.graphs.upload(np.zeros(3, np.int64), self.buffers.state)
         self.device_root = None
@@ -851,19 +864,20 @@ class Transformer:
         self.context_mirror[:n] = context
         self.context_count = n
 
-    def verify_round(self, cache: DeviceCache, context, draft: np.ndarray | None, k: int, budget: int,
-                     verifier: str = "node", depths: int | None = None):
-        """Run one round from the root ``context[-1]`` on the device, read back its record.
+    def start_round(self, cache: DeviceCache, context, draft: np.ndarray | None, k: int, budget: int,
+                    verifier: str = "node", depths: int | None = None) -> PendingRound:
+        """Launch one round from the root ``context[-1]`` on the device; ``finish_round`` reads it.
 
         ``draft``: the drafter's (L, V) logits, computed on the host and uploaded here; or None:
         the drafter that ``drafts_on_device`` loaded proposes ``depths`` (L) rows inside the
-        round's graph, from the committed tokens on the device. Returns (accepted node indices,
-        bonus, tree tokens, parents, depths) as numpy arrays. While ``round_timings`` is a dict
+        round's graph, from the committed tokens on the device. While ``round_timings`` is a dict
         (GPU only), each phase runs as its own graph between CUDA events and its device seconds
         are added to round_timings[phase] (the benchmark's round split). ``verifier="rejection"``
         at temperature > 0 (host logits only): after top-K and the build, the host redraws the
         children (``redraw_children``, the reference's draw) and the verify ends in rejection steps.
         """
+        if self.unread:
+            raise ValueError("start_round: a launched round is unread (finish_round it first)")
         self.check_budget(budget)
         kind = None
         if draft is None:
@@ -878,7 +892,7 @@ class Transformer:
         rows = budget + 1        # the tree's nodes exactly: the key below has the budget, L and K
         self._reserve(cache, rows)                    # anyway, so buckets would save no graph
         self.sync_context(context, rows)
-        n, root = len(context), int(context[-1])
+        root = int(context[-1])
         if self.device_root != root:
             self.graphs.upload(np.array([root], np.int64), self.buffers.root)
         if depths and kind is None:
@@ -893,18 +907,49 @@ class Transformer:
             key = ("rejection", *key)
             phases = self.cached(("phases", *key),
                                  lambda: self.round_phases(rows, depths, k, budget, True, rejection=True))
-        self.run_phases(key, phases)
+        followable = kind is not None and always_proposes(self.buffers.drafter)
+        return self.launch_round(PendingRound(key, phases, rows, followable))
+
+    def queue_round(self, cache: DeviceCache, pending: PendingRound) -> PendingRound | None:
+        """Launch the round after ``pending`` before the host has read ``pending``'s record: the
+        same shape (the caller knows the block stays the same), from the context and root the
+        device holds after ``pending``. So the device goes straight on while the host reads the
+        record; the round is the one the host would launch after reading it. Only with the
+        drafter on the device (the host would need the context to draft), and only where the
+        bounds hold whatever ``pending`` commits; otherwise None (launch it after reading)."""
+        if self.unread != 1 or not pending.followable or self.round_timings is not None:
+            return None
+        if cache.length + 2 * pending.rows > self.config.max_position_embeddings \
+                or self.context_count + 2 * pending.rows > self.buffers.committed.size:
+            return None
+        return self.launch_round(PendingRound(pending.key, pending.phases, pending.rows, pending.followable))
+
+    def launch_round(self, pending: PendingRound) -> PendingRound:
+        self.run_phases(pending.key, pending.phases)
+        rows = pending.rows
         record_view = self.cached(("record", rows), lambda: self.buffers.record[:3 + 4 * rows])
-        record = self.graphs.download(record_view)
+        pending.record = self.graphs.download_later(record_view)
+        self.unread += 1
+        return pending
+
+    def finish_round(self, cache: DeviceCache, pending: PendingRound):
+        """Wait for a launched round's record (rounds are finished in the order they started) and
+        commit it on the host: the cache length, the root and the copy of the committed tokens.
+        Returns (start, accepted node indices, bonus, tree tokens, parents, depths)."""
+        record = self.graphs.collect(pending.record)
+        self.unread -= 1
         self.forward_count += 1
+        rows, n, start = pending.rows, self.context_count, cache.length    # the context before the round
         kept, bonus, size = int(record[0]), int(record[1]), int(record[2])
-        accepted, tokens, parents, node_depths = (field[:size] for field in record[3:].reshape(4, rows))
+        fields = record[3:].reshape(4, rows)                                 # the pinned copy: reused
+        accepted, tokens, parents, node_depths = (field[:size].copy() for field in fields)
+        accepted = accepted[:kept]
         cache.length += kept
         self.device_root = bonus
-        self.context_mirror[n:n + kept - 1] = tokens[accepted[1:kept]]       # as commit_round_kernel
+        self.context_mirror[n:n + kept - 1] = tokens[accepted[1:]]           # as commit_round_kernel
         self.context_mirror[n + kept - 1] = bonus
         self.context_count = n + kept
-        return accepted[:kept].copy(), bonus, tokens.copy(), parents.copy(), node_depths.copy()
+        return start, accepted, bonus, tokens, parents, node_depths
 
     def run_phases(self, key, phases) -> None:
         """The phases as one graph, or (``round_timings``) each timed as its own."""

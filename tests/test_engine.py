@@ -203,6 +203,27 @@ def test_device_drafter_reads_the_committed_tokens_the_device_holds():
     assert_same_round(records[0], wanted)
 
 
+def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(monkeypatch):
+    """With the drafter on the device, the loop launches the next round before it reads the
+    current one's record, wherever the next block is certain: the rounds and tokens stay the
+    reference's. A one-token prompt, block 2, budget 1: rounds of 2 rows."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt, new = golden.default_prompt("micro")[:1], 5
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    drafter = make_drafter("noisy", ref, prompt, new, continuation=expected, seed=3)
+    queued = []
+    queue_round = model.queue_round
+    monkeypatch.setattr(model, "queue_round", lambda *args: queued.append(queue_round(*args)) or queued[-1])
+    options = dict(block_size=2, budget=1)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    wanted_tokens, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
+    assert_exact(tokens, expected)
+    assert_exact(wanted_tokens, expected)
+    for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
+        assert_same_round(actual_round, wanted_round)
+    assert any(pending is not None for pending in queued) and model.unread == 0
+
+
 def test_sampled_ddtree_matches_numpy_ar():
     """At temperature > 0 every verify row draws its token with its position's numbers: the
     engine's DDTree equals numpy's sampled AR token for token. (The engine's sampled AR step runs
