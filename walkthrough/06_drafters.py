@@ -9,7 +9,8 @@ depth 1. ``top_candidates`` keeps the K best per depth as float32 log-probabilit
 This chapter draws those distributions for one round on preset ``tiny`` with the golden prompt,
 for the three drafters of ``ddtree.drafters``: the oracle (knows the target's greedy continuation),
 the noisy oracle (the oracle with seeded mistakes) and the n-gram drafter (copies what followed
-earlier occurrences of the context's suffix). Drafters have no numba twin: they run on the host.
+earlier occurrences of the context's suffix). Their numba twins (``kernels/drafters.py``, the
+same logits bit for bit) are what the engine runs in its round; this chapter calls the numpy ones.
 
 Run: python walkthrough/06_drafters.py
 

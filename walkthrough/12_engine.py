@@ -90,21 +90,24 @@ def one_round(setup) -> None:
 
 
 def bus_bytes() -> None:
-    """What crosses the bus per round: the drafter's logits in, the round's record out."""
+    """What crosses the bus per round: the round's record out; in, nothing with the drafter's
+    kernels in the round, its (L, V) float32 logits with a drafter on the host."""
     with chapter.section("bus"):
-        print(f"{'preset':<7} {'L':>2} {'K':>3} {'B':>3} {'rows':>4} {'in (drafter logits)':>20} "
-              f"{'out (record)':>13}")
+        print(f"{'preset':<7} {'L':>2} {'K':>3} {'B':>3} {'rows':>4} {'in (device drafter)':>20} "
+              f"{'in (host drafter)':>18} {'out (record)':>13}")
         for name, block, budget in (("tiny", 8, 32), ("tiny-b", 8, 32), ("small", 8, 64)):
             config = chapter.preset(name)
             depths, k = min(block - 1, budget), min(config.vocab_size, budget)
             rows = 1 + min(budget, candidate_count(depths, k))                  # the tree's nodes
             sent, read = 4 * depths * config.vocab_size, 8 * (3 + 4 * rows)
-            print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {sent:>18,} B {read:>11,} B")
+            print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {0:>18,} B {sent:>16,} B "
+                  f"{read:>11,} B")
 
 
 def measured(complete: bool) -> dict | None:
-    """The newest committed engine record; with ``complete``, the newest with every system (the
-    engine with and without graphs, numpy, transformers: not an ``--engine-only`` run)."""
+    """The newest committed engine record; with ``complete``, the newest that is not an
+    ``--engine-only`` run (the engine with and without graphs, transformers where installed;
+    numpy only in records run without ``--no-numpy``)."""
     for path in reversed(RESULTS):
         record = json.loads(path.read_text())
         systems = {run["system"] for result in record["results"] for run in result.get("runs", [])}
@@ -135,8 +138,8 @@ def plot_tokens(record) -> None:
 
 def plot_split(record) -> None:
     results = [r for r in record["results"] if "split" in r]
-    fig, axis = plt.subplots(figsize=(9.5, 3.6))
     rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
+    fig, axis = plt.subplots(figsize=(9.5, max(3.6, 0.28 * len(rows) + 1.4)))
     left = np.zeros(len(rows))
     for phase in ("draft", "top-k", "build", "verify", "accept", "compact", "host"):
         values = np.array([s[phase] for _, s in rows])
