@@ -49,7 +49,7 @@ import math
 import typing
 
 import numpy as np
-from numba import cuda, float32, float64, int32  # the kernels package chose GPU or simulator already
+from numba import cuda, float32, float64, int32, int64  # the kernels package chose GPU or simulator already
 
 from ddtree import tree as reference
 from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
@@ -66,7 +66,11 @@ _STAGE = 1536                    # builder version 2: staged log-probs, L' x K' 
 STAGE_BATCH = 8                  # ... copied 8 per thread at a time (their loads overlap)
 TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
 _NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
-VERSIONS = (1, 2)                # kernel versions of top_candidates and build_trees_device
+VERSIONS = (1, 2)                # kernel versions of top_candidates
+BUILD_VERSIONS = (1, 2, 3)       # kernel versions of build_trees_device
+KEY_SLOTS = 257                  # builder version 3: nodes and frontier entries (its keys: 16 B more each)
+MAX_KEYED_BUDGET = KEY_SLOTS - 1
+KEY_DEPTHS = 128                 # ... and the depths its keys can hold (2 x the digits per word, + 1)
 
 
 # --8<-- [start:pops_before]
@@ -264,138 +268,235 @@ def _logprob(stage, stage_width, top_logprobs, request, depth, rank):
 
 
 @cuda.jit(device=True, inline="always")
-def _place(index, top, node, parent, rank, weight, node_parent, node_rank, node_depth, node_weight,
-           front_parent, front_rank, front_weight, side):
-    """Candidate (parent, rank, weight) lands at ``index`` of the merged frontier: the last index
-    (``top``) pops next, so it becomes node ``node``; the others go to frontier buffer ``side``."""
+def _place(index, top, node, parent, rank, weight, high, low, node_parent, node_rank, node_depth,
+           node_weight, node_high, node_low, front_parent, front_rank, front_weight, front_high,
+           front_low, side, keyed):
+    """Candidate (parent, rank, weight; key words high, low with ``keyed``) lands at ``index`` of
+    the merged frontier: the last index (``top``) pops next, so it becomes node ``node``; the
+    others go to frontier buffer ``side``."""
     if index == top:
         node_parent[node] = parent
         node_rank[node] = rank
         node_depth[node] = node_depth[parent] + 1
         node_weight[node] = weight
+        if keyed:
+            node_high[node] = high
+            node_low[node] = low
     else:
         front_parent[side, index] = parent
         front_rank[side, index] = rank
         front_weight[side, index] = weight
+        if keyed:
+            front_high[side, index] = high
+            front_low[side, index] = low
 
 
-@cuda.jit
-def build_trees_sorted_kernel(root_tokens, top_logprobs, top_ids, budget, stage_depths, stage_width,
-                              tokens, parents, depths, ranks, logprobs, sizes):
-    """Version 2: one block per request; the frontier is kept sorted, so a pop costs one barrier.
+@cuda.jit(device=True, inline="always")
+def _key_before(weight_a, high_a, low_a, weight_b, high_b, low_b):
+    """Version 3's order: heavier first, then the smaller key (high word, then low word)."""
+    if weight_a != weight_b:
+        return weight_a > weight_b
+    return high_a < high_b or (high_a == high_b and low_a < low_b)
 
-    The frontier (every live candidate but the next pop) sits in ``front_*[side, :rest]`` in
-    pop order reversed (index rest - 1 pops first), and the candidate that pops next is already
-    written as node ``nodes`` of the node table. Pop ``nodes``: every thread computes its two
-    new candidates (next sibling, first child), and thread t takes gap t of the sorted frontier
-    (between entries t - 1 and t): the old entry t moves up by the number of new ones that pop
-    after it, and a new one whose place is gap t goes there (gap + the new ones that pop after
-    it). The merged list is written to the other buffer (reads and writes never share one: no
-    barrier between them) and its last entry, the best, straight to the node table as the next
-    node. One ``cuda.syncthreads`` per pop, no reduction. ``stage_width`` > 0: the log-probs
-    [:stage_depths, :stage_width] were copied to shared memory first (index depth * width + rank).
-    """
-    request = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    node_parent = cuda.shared.array(_SLOTS, int32)
-    node_rank = cuda.shared.array(_SLOTS, int32)
-    node_depth = cuda.shared.array(_SLOTS, int32)
-    node_weight = cuda.shared.array(_SLOTS, float32)
-    front_parent = cuda.shared.array((2, _SLOTS), int32)      # two buffers: read one, write the other
-    front_rank = cuda.shared.array((2, _SLOTS), int32)
-    front_weight = cuda.shared.array((2, _SLOTS), float32)
-    stage = cuda.shared.array(_STAGE, float32)
 
-    if stage_width > 0:                                       # STAGE_BATCH loads in flight per thread
-        staged = cuda.local.array(STAGE_BATCH, float32)
-        total = stage_depths * stage_width
-        for base in range(tid, total, cuda.blockDim.x * STAGE_BATCH):
-            for b in range(STAGE_BATCH):
-                i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
-                staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
-            for b in range(STAGE_BATCH):
-                if base + b * cuda.blockDim.x < total:
-                    stage[base + b * cuda.blockDim.x] = staged[b]
-    depth_limit = top_logprobs.shape[1]                       # L
-    rank_limit = top_logprobs.shape[2]                        # K
-    nodes = 1 if budget > 0 and depth_limit > 0 else 0        # node 1 = (depth 1, rank 0), pops first
-    if tid == 0:
-        node_parent[0] = -1
-        node_rank[0] = -1
-        node_depth[0] = 0
-        node_weight[0] = float32(0.0)
-        if nodes == 1:
-            _place(0, 0, 1, 0, 0, node_weight[0] + top_logprobs[request, 0, 0], node_parent, node_rank,
-                   node_depth, node_weight, front_parent, front_rank, front_weight, 0)
-    cuda.syncthreads()
-    rest = 0                                                  # frontier entries besides the next pop
-    side = 0
-    while 0 < nodes < budget:
-        node = nodes                                          # pop it: its sibling and child join
-        parent = node_parent[node]
-        rank = node_rank[node]
-        depth = node_depth[node]
-        sibling = rank + 1 < rank_limit
-        child = depth < depth_limit
-        sibling_weight = float32(0.0)
-        child_weight = float32(0.0)
-        if sibling:
-            sibling_weight = node_weight[parent] + _logprob(stage, stage_width, top_logprobs, request,
-                                                            depth - 1, rank + 1)
-        if child:
-            child_weight = node_weight[node] + _logprob(stage, stage_width, top_logprobs, request, depth, 0)
-        sibling_first = sibling and child and _comes_before(
-            sibling_weight, parent, rank + 1, child_weight, node, 0, node_parent, node_rank, node_depth)
-        total = rest + int(sibling) + int(child)
-        if total == 0:                                        # the heap is empty (same in every thread)
-            break
-        gap = tid
-        while gap <= rest:                                    # (a while loop: no division per pop)
-            # a new candidate goes to gap t when it pops before old entry t - 1 (nothing below
-            # gap 0) and after old entry t (nothing above gap rest): the frontier is sorted
-            sibling_here = sibling
-            child_here = child
-            if gap > 0:
-                below_parent = front_parent[side, gap - 1]
-                below_rank = front_rank[side, gap - 1]
-                below_weight = front_weight[side, gap - 1]
-                sibling_here = sibling_here and _comes_before(
-                    sibling_weight, parent, rank + 1, below_weight, below_parent, below_rank,
-                    node_parent, node_rank, node_depth)
-                child_here = child_here and _comes_before(
-                    child_weight, node, 0, below_weight, below_parent, below_rank,
-                    node_parent, node_rank, node_depth)
-            if gap < rest:                                    # old entry gap moves up past the new
-                old_parent = front_parent[side, gap]          # ones that pop after it
-                old_rank = front_rank[side, gap]
-                old_weight = front_weight[side, gap]
-                over_sibling = sibling and _comes_before(old_weight, old_parent, old_rank, sibling_weight,
-                                                         parent, rank + 1, node_parent, node_rank, node_depth)
-                over_child = child and _comes_before(old_weight, old_parent, old_rank, child_weight,
-                                                     node, 0, node_parent, node_rank, node_depth)
-                sibling_here = sibling_here and over_sibling
-                child_here = child_here and over_child
-                _place(gap + int(over_sibling) + int(over_child), total - 1, node + 1, old_parent, old_rank,
-                       old_weight, node_parent, node_rank, node_depth, node_weight, front_parent,
-                       front_rank, front_weight, 1 - side)
-            if sibling_here:                                  # above the child if it pops first
-                _place(gap + int(sibling_first), total - 1, node + 1, parent, rank + 1, sibling_weight,
-                       node_parent, node_rank, node_depth, node_weight, front_parent, front_rank,
-                       front_weight, 1 - side)
-            if child_here:
-                _place(gap + int(sibling and not sibling_first), total - 1, node + 1, node, 0,
-                       child_weight, node_parent, node_rank, node_depth, node_weight, front_parent,
-                       front_rank, front_weight, 1 - side)
-            gap += cuda.blockDim.x
-        rest = total - 1
-        side = 1 - side
-        nodes += 1
-        cuda.syncthreads()                                    # the merged frontier and the node are in
-    cuda.syncthreads()
-    _write_tree(request, root_tokens, top_ids, nodes + 1, node_parent, node_rank, node_depth,
-                node_weight, tokens, parents, depths, ranks, logprobs)
-    if tid == 0:
-        sizes[request] = nodes + 1
+@functools.cache
+def sorted_builder(keyed: bool):
+    """Builder version 2 (``keyed`` False) or 3 (True): one kernel body, two ways to break ties."""
+    slots = KEY_SLOTS if keyed else _SLOTS
+    key_slots = KEY_SLOTS if keyed else 1                     # version 2 keeps no keys
+    unit_slots = KEY_DEPTHS if keyed else 1
+
+    @cuda.jit(device=True, inline="always")
+    def before(weight_a, parent_a, rank_a, high_a, low_a, weight_b, parent_b, rank_b, high_b, low_b,
+               node_parent, node_rank, node_depth):
+        if keyed:
+            return _key_before(weight_a, high_a, low_a, weight_b, high_b, low_b)
+        return _comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_parent, node_rank,
+                             node_depth)
+
+    @cuda.jit
+    def kernel(root_tokens, top_logprobs, top_ids, budget, stage_depths, stage_width, key_base, key_digits,
+               tokens, parents, depths, ranks, logprobs, sizes):
+        """One block per request; the frontier is kept sorted, so a pop costs one barrier.
+
+        The frontier (every live candidate but the next pop) sits in ``front_*[side, :rest]`` in
+        pop order reversed (index rest - 1 pops first), and the candidate that pops next is
+        already written as node ``nodes`` of the node table. Pop ``nodes``: every thread computes
+        its two new candidates (next sibling, first child), and thread t takes gap t of the
+        sorted frontier (between entries t - 1 and t): the old entry t moves up by the number of
+        new ones that pop after it, and a new one whose place is gap t goes there (gap + the new
+        ones that pop after it). The merged list is written to the other buffer (reads and
+        writes never share one: no barrier between them) and its last entry, the best, straight
+        to the node table as the next node. One ``cuda.syncthreads`` per pop, no reduction.
+        ``stage_width`` > 0: the log-probs [:stage_depths, :stage_width] were copied to shared
+        memory first (index depth * width + rank).
+
+        Version 3 (``keyed``) breaks ties without climbing the tree: every candidate carries its
+        rank tuple as a number, the digits rank + 1 in base ``key_base`` (> every rank + 1), the
+        first ``key_digits`` depths in the high word, the next ones in the low word, zeros past
+        its depth (so a prefix comes first). Comparing two keys is comparing the tuples. A
+        sibling's key is its node's plus one unit of the node's depth, a first child's plus one
+        unit of the next depth.
+        """
+        request = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        node_parent = cuda.shared.array(slots, int32)
+        node_rank = cuda.shared.array(slots, int32)
+        node_depth = cuda.shared.array(slots, int32)
+        node_weight = cuda.shared.array(slots, float32)
+        front_parent = cuda.shared.array((2, slots), int32)   # two buffers: read one, write the other
+        front_rank = cuda.shared.array((2, slots), int32)
+        front_weight = cuda.shared.array((2, slots), float32)
+        node_high = cuda.shared.array(key_slots, int64)
+        node_low = cuda.shared.array(key_slots, int64)
+        front_high = cuda.shared.array((2, key_slots), int64)
+        front_low = cuda.shared.array((2, key_slots), int64)
+        unit = cuda.shared.array(unit_slots, int64)           # version 3: one digit at depth d
+        stage = cuda.shared.array(_STAGE, float32)
+
+        if stage_width > 0:                                   # STAGE_BATCH loads in flight per thread
+            staged = cuda.local.array(STAGE_BATCH, float32)
+            total = stage_depths * stage_width
+            for base in range(tid, total, cuda.blockDim.x * STAGE_BATCH):
+                for b in range(STAGE_BATCH):
+                    i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
+                    staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
+                for b in range(STAGE_BATCH):
+                    if base + b * cuda.blockDim.x < total:
+                        stage[base + b * cuda.blockDim.x] = staged[b]
+        depth_limit = top_logprobs.shape[1]                   # L
+        rank_limit = top_logprobs.shape[2]                    # K
+        nodes = 1 if budget > 0 and depth_limit > 0 else 0    # node 1 = (depth 1, rank 0), pops first
+        if tid == 0:
+            if keyed:                                         # unit[d] = base^(D - d), then base^(2D - d)
+                power = int64(1)
+                for d in range(2 * key_digits, 0, -1):
+                    unit[d] = power
+                    power = int64(1) if d == key_digits + 1 else power * key_base
+                node_high[0] = 0
+                node_low[0] = 0
+            node_parent[0] = -1
+            node_rank[0] = -1
+            node_depth[0] = 0
+            node_weight[0] = float32(0.0)
+            if nodes == 1:
+                _place(0, 0, 1, 0, 0, node_weight[0] + top_logprobs[request, 0, 0],
+                       unit[1] if keyed else 0, 0, node_parent, node_rank, node_depth, node_weight,
+                       node_high, node_low, front_parent, front_rank, front_weight, front_high, front_low,
+                       0, keyed)
+        cuda.syncthreads()
+        rest = 0                                              # frontier entries besides the next pop
+        side = 0
+        while 0 < nodes < budget:
+            node = nodes                                      # pop it: its sibling and child join
+            parent = node_parent[node]
+            rank = node_rank[node]
+            depth = node_depth[node]
+            sibling = rank + 1 < rank_limit
+            child = depth < depth_limit
+            sibling_weight = float32(0.0)
+            child_weight = float32(0.0)
+            sibling_high = child_high = sibling_low = child_low = int64(0)
+            if keyed:                                         # one unit more at depth, or at depth + 1
+                sibling_high = child_high = node_high[node]
+                sibling_low = child_low = node_low[node]
+                if depth <= key_digits:
+                    sibling_high += unit[depth]
+                else:
+                    sibling_low += unit[depth]
+                if child:
+                    if depth + 1 <= key_digits:
+                        child_high += unit[depth + 1]
+                    else:
+                        child_low += unit[depth + 1]
+            if sibling:
+                sibling_weight = node_weight[parent] + _logprob(stage, stage_width, top_logprobs, request,
+                                                                depth - 1, rank + 1)
+            if child:
+                child_weight = node_weight[node] + _logprob(stage, stage_width, top_logprobs, request, depth,
+                                                            0)
+            sibling_first = sibling and child and before(
+                sibling_weight, parent, rank + 1, sibling_high, sibling_low, child_weight, node, 0,
+                child_high, child_low, node_parent, node_rank, node_depth)
+            total = rest + int(sibling) + int(child)
+            if total == 0:                                    # the heap is empty (same in every thread)
+                break
+            gap = tid
+            while gap <= rest:                                # (a while loop: no division per pop)
+                # a new candidate goes to gap t when it pops before old entry t - 1 (nothing below
+                # gap 0) and after old entry t (nothing above gap rest): the frontier is sorted
+                sibling_here = sibling
+                child_here = child
+                if gap > 0:
+                    below_parent = front_parent[side, gap - 1]
+                    below_rank = front_rank[side, gap - 1]
+                    below_weight = front_weight[side, gap - 1]
+                    below_high = front_high[side, gap - 1] if keyed else int64(0)
+                    below_low = front_low[side, gap - 1] if keyed else int64(0)
+                    sibling_here = sibling_here and before(
+                        sibling_weight, parent, rank + 1, sibling_high, sibling_low, below_weight,
+                        below_parent, below_rank, below_high, below_low, node_parent, node_rank, node_depth)
+                    child_here = child_here and before(
+                        child_weight, node, 0, child_high, child_low, below_weight, below_parent, below_rank,
+                        below_high, below_low, node_parent, node_rank, node_depth)
+                if gap < rest:                                # old entry gap moves up past the new
+                    old_parent = front_parent[side, gap]      # ones that pop after it
+                    old_rank = front_rank[side, gap]
+                    old_weight = front_weight[side, gap]
+                    old_high = front_high[side, gap] if keyed else int64(0)
+                    old_low = front_low[side, gap] if keyed else int64(0)
+                    over_sibling = sibling and before(old_weight, old_parent, old_rank, old_high, old_low,
+                                                      sibling_weight, parent, rank + 1, sibling_high,
+                                                      sibling_low, node_parent, node_rank, node_depth)
+                    over_child = child and before(old_weight, old_parent, old_rank, old_high, old_low,
+                                                  child_weight, node, 0, child_high, child_low, node_parent,
+                                                  node_rank, node_depth)
+                    sibling_here = sibling_here and over_sibling
+                    child_here = child_here and over_child
+                    _place(gap + int(over_sibling) + int(over_child), total - 1, node + 1, old_parent,
+                           old_rank, old_weight, old_high, old_low, node_parent, node_rank, node_depth,
+                           node_weight, node_high, node_low, front_parent, front_rank, front_weight,
+                           front_high, front_low, 1 - side, keyed)
+                if sibling_here:                              # above the child if it pops first
+                    _place(gap + int(sibling_first), total - 1, node + 1, parent, rank + 1, sibling_weight,
+                           sibling_high, sibling_low, node_parent, node_rank, node_depth, node_weight,
+                           node_high, node_low, front_parent, front_rank, front_weight, front_high, front_low,
+                           1 - side, keyed)
+                if child_here:
+                    _place(gap + int(sibling and not sibling_first), total - 1, node + 1, node, 0,
+                           child_weight, child_high, child_low, node_parent, node_rank, node_depth,
+                           node_weight, node_high, node_low, front_parent, front_rank, front_weight,
+                           front_high, front_low, 1 - side, keyed)
+                gap += cuda.blockDim.x
+            rest = total - 1
+            side = 1 - side
+            nodes += 1
+            cuda.syncthreads()                                # the merged frontier and the node are in
+        cuda.syncthreads()
+        _write_tree(request, root_tokens, top_ids, nodes + 1, node_parent, node_rank, node_depth,
+                    node_weight, tokens, parents, depths, ranks, logprobs)
+        if tid == 0:
+            sizes[request] = nodes + 1
+
+    return kernel
+
+
+build_trees_sorted_kernel = sorted_builder(False)          # version 2
+build_trees_keyed_kernel = sorted_builder(True)            # version 3
+
+
+def key_shape(depths: int, k: int, budget: int) -> tuple[int, int]:
+    """Builder version 3's keys for L = ``depths``, K = ``k``, B = ``budget``: (base, digits per
+    word), the base one more than the reachable ranks + 1 (min(K, B + 1)); or (0, 0) where the
+    reachable depths (min(L, B)) need more than two words or B exceeds MAX_KEYED_BUDGET."""
+    if not 0 < budget <= MAX_KEYED_BUDGET:
+        return 0, 0
+    base = min(k, budget + 1) + 1                             # >= 2: K >= 1
+    digits, power = 0, 1
+    while power * base < 1 << 62:
+        power *= base
+        digits += 1
+    return (base, digits) if min(depths, budget) <= min(2 * digits, KEY_DEPTHS - 1) else (0, 0)
 # --8<-- [end:build_trees_sorted_kernel]
 
 
@@ -417,11 +518,13 @@ def builder_threads(budget: int) -> int:
 # --8<-- [end:builder_threads]
 
 
-def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None, version=2):
+def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=None, out=None, version=None):
     """Host arrays get the full value checks of ddtree.tree, device arrays shape and dtype; then
-    the launch's: version, budget <= MAX_BUDGET, block size, ``out`` (a TreeBatch of width
-    W = B + 1). Returns root_tokens, top_logprobs, top_ids and budget (an int)."""
-    check_version(version, VERSIONS)
+    the launch's: version (None: the fastest that fits), budget <= MAX_BUDGET (version 3:
+    ``key_shape`` fits), block size, ``out`` (a TreeBatch of width W = B + 1). Returns
+    root_tokens, top_logprobs, top_ids, budget (an int) and the version."""
+    if version is not None:
+        check_version(version, BUILD_VERSIONS)
     budget = check_budget(budget)
     if budget > MAX_BUDGET:
         raise ValueError(f"budget must be <= {MAX_BUDGET} (the GPU builder keeps the frontier and "
@@ -458,7 +561,12 @@ def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=Non
         for name in TreeBatch._fields:
             dtype = np.float32 if name == "logprobs" else np.int64
             check_out(getattr(out, name), shape[:1] if name == "sizes" else shape, dtype, f"out.{name}")
-    return root_tokens, top_logprobs, top_ids, budget
+    keys = key_shape(top_logprobs.shape[1], top_logprobs.shape[2], budget) != (0, 0)
+    if version == 3 and not keys and budget > 0:
+        raise ValueError(f"version 3 needs budget <= {MAX_KEYED_BUDGET} and min(L, budget) depths that fit "
+                         f"two key words (key_shape), got L={top_logprobs.shape[1]}, "
+                         f"K={top_logprobs.shape[2]}, budget={budget}")
+    return root_tokens, top_logprobs, top_ids, budget, version or (3 if keys else 2)
 
 
 def staged_shape(depths: int, k: int, budget: int) -> tuple[int, int]:
@@ -470,7 +578,7 @@ def staged_shape(depths: int, k: int, budget: int) -> tuple[int, int]:
 
 # --8<-- [start:build_trees_device]
 def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threads: int | None = None,
-                       out: TreeBatch | None = None, stream=None, version: int = 2) -> TreeBatch:
+                       out: TreeBatch | None = None, stream=None, version: int | None = None) -> TreeBatch:
     """Build Bq trees at once: root_tokens (Bq,), top_logprobs and top_ids (Bq, L, K).
 
     Returns a TreeBatch of device arrays of width W = max(budget, 0) + 1, no host copies, or
@@ -478,9 +586,10 @@ def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threa
     tree, as the engine's buckets need). ``budget`` is shared by
     all requests and at most ``MAX_BUDGET``; ``threads`` forces the block size (a power of two
     <= 128); ``stream`` is where the kernel is launched (None: the default stream); ``version``
-    picks the kernel: 2 (the default) keeps the frontier sorted, 1 is the block argmax per pop.
+    picks the kernel: 1 is the block argmax per pop, 2 keeps the frontier sorted, 3 does too and
+    breaks ties by a key; None (the default) takes 3 where its keys fit (``key_shape``), else 2.
     """
-    root_tokens, top_logprobs, top_ids, budget = check_build_trees(
+    root_tokens, top_logprobs, top_ids, budget, version = check_build_trees(
         root_tokens, top_logprobs, top_ids, budget, threads=threads, out=out, version=version)
     shape = (top_logprobs.shape[0], max(budget, 0) + 1)                     # [Bq, W]
     out = out or TreeBatch(*(output(None, shape[:1] if name == "sizes" else shape,
@@ -491,8 +600,10 @@ def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threa
     if version == 1:
         build_trees_kernel[shape[0], threads or builder_threads(budget), stream](*inputs, *out)
     else:                                                     # about one frontier gap per thread
-        build_trees_sorted_kernel[shape[0], threads or pow2_threads(budget), stream](
-            *inputs, *staged_shape(top_logprobs.shape[1], top_logprobs.shape[2], budget), *out)
+        kernel = build_trees_keyed_kernel if version == 3 else build_trees_sorted_kernel
+        dims = top_logprobs.shape[1], top_logprobs.shape[2], budget
+        kernel[shape[0], threads or pow2_threads(budget), stream](
+            *inputs, *staged_shape(*dims), *(key_shape(*dims) if version == 3 else (0, 0)), *out)
     return out
 # --8<-- [end:build_trees_device]
 
@@ -507,14 +618,16 @@ def trees_from_batch(batch: TreeBatch) -> list[DraftTree]:
 
 
 # --8<-- [start:build_trees]
-def build_trees(root_tokens, top_logprobs, top_ids, budget: int, *, version: int = 2) -> list[DraftTree]:
+def build_trees(root_tokens, top_logprobs, top_ids, budget: int, *,
+                version: int | None = None) -> list[DraftTree]:
     """Bq trees, each equal to ``ddtree.tree.build_tree`` on its request (host DraftTrees)."""
     return trees_from_batch(build_trees_device(root_tokens, top_logprobs, top_ids, budget, version=version))
 # --8<-- [end:build_trees]
 
 
 # --8<-- [start:build_tree]
-def build_tree(root_token: int, top_logprobs, top_ids, budget: int, *, version: int = 2) -> DraftTree:
+def build_tree(root_token: int, top_logprobs, top_ids, budget: int, *,
+               version: int | None = None) -> DraftTree:
     """One request: top_logprobs and top_ids (L, K); the same tree as ``ddtree.tree.build_tree``."""
     root_token = check_token(root_token, "root_token")
     if not is_device_array(top_logprobs):
@@ -887,7 +1000,7 @@ def flops(operation: str = "build_trees", **dims: int) -> int:
     return _COSTS[operation](**dims)[1]
 
 
-def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int | None = None):
+def _build_case(role: str, sizes, budget: int, version: int | None = None, requests: int | None = None):
     import zlib
 
     import ddtree.tree
@@ -903,14 +1016,14 @@ def _build_case(role: str, sizes, budget: int, version: int = 2, requests: int |
         return [ddtree.tree.build_tree(int(roots[b]), logprobs[b], ids[b], budget) for b in range(requests)]
 
     dims = {"Bq": requests, "L": depths, "K": budget, "B": budget}
-    name = f"tree_build_{role}" + ("" if version == 2 else f"_v{version}")
+    name = f"tree_build_{role}" + ("" if version is None else f"_v{version}")
     return Case(name, f"best-first draft trees, {requests} request{'s' * (requests > 1)}, budget {budget}",
                 f"Bq={requests} L={depths} K={budget}",
                 setup=lambda seed: (cuda.to_device(roots), cuda.to_device(logprobs), cuda.to_device(ids),
                                     budget),
                 call=lambda inputs, **given: build_trees_device(*inputs, version=version, **given),
                 bytes=bytes_moved("build_trees", **dims), flops=flops("build_trees", **dims),
-                note=f"version={version}, 6 poisoned outputs", baseline=heap,
+                note=f"version={version or 'default'}, 6 poisoned outputs", baseline=heap,
                 baseline_name=f"ddtree.tree.build_tree x {requests}")
 
 
@@ -928,12 +1041,13 @@ def _top_case(sizes, version: int):
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets
-    (the default version), the medium budget with version 1 and for one request alone (both
-    versions), all against the numpy reference's heap on the CPU; the drafter's top-K, both
-    versions."""
+    (the default version: 3 where its keys fit, else 2), the medium budget with version 1 and
+    for one request alone (the default, versions 1 and 2), all against the numpy reference's heap
+    on the CPU; the drafter's top-K, both versions."""
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
             _build_case("large", sizes, large), _build_case("medium", sizes, medium, version=1),
             _build_case("one", sizes, medium, requests=1), _build_case("one", sizes, medium, version=1,
                                                                         requests=1),
+            _build_case("one", sizes, medium, version=2, requests=1),
             _top_case(sizes, 1), _top_case(sizes, 2)]

@@ -3,7 +3,8 @@
 Discrete results (tokens, parents, depths, ranks, sizes, masks) must be equal, and so must the
 float32 weights, bit for bit: both sides add the same two float32 numbers for every node (the
 path sum root to leaf) and break ties by the same rank-tuple rule. So everything is compared
-with assert_exact, ties included, for every kernel version (``kernel.VERSIONS``).
+with assert_exact, ties included, for every kernel version (the builder's
+``kernel.BUILD_VERSIONS``, top-K's ``kernel.VERSIONS``).
 """
 
 import dataclasses
@@ -53,7 +54,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("version", kernel.BUILD_VERSIONS)
 @pytest.mark.parametrize("depths, k, kind, budget", CASES)
 def test_build_tree_matches_reference(depths, k, kind, budget, version):
     top_logprobs, top_ids = make_candidates(np.random.default_rng([depths, k, budget]), depths, k, kind)
@@ -61,7 +62,7 @@ def test_build_tree_matches_reference(depths, k, kind, budget, version):
     assert_same_tree(kernel.build_tree(7, top_logprobs, top_ids, budget, version=version), expected)
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("version", kernel.BUILD_VERSIONS)
 def test_build_trees_batch_of_different_trees(version):
     rng = np.random.default_rng(10)
     cases = [make_candidates(rng, 4, 3, kind) for kind in ("random", "equal", "repeated")]
@@ -94,7 +95,7 @@ def max_frontier(tree: reference.DraftTree, depths: int, k: int) -> int:
     return largest
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("version", kernel.BUILD_VERSIONS)
 def test_strided_frontier_scan(version):
     # all 40 depth-1 tokens outweigh every depth-2 one: the frontier grows to 40 entries for 32
     # threads, so threads scan two slots (version 1) or two gaps (version 2) each; then 40 tied
@@ -112,7 +113,7 @@ def test_strided_frontier_scan(version):
     assert_same_tree(kernel.trees_from_batch(out)[0], expected)
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("version", kernel.BUILD_VERSIONS)
 def test_every_output_element_is_written(version):
     # prefill with values the kernel never writes: any survivor is an unwritten element
     rng = np.random.default_rng(13)
@@ -181,7 +182,7 @@ def test_device_inputs_and_out_allocate_and_copy_nothing():
                            sizes=cuda.to_device(np.zeros(2, np.int64)))
     vis = cuda.to_device(np.zeros((2, 8, 8), bool))
     with no_transfers():
-        for version in kernel.VERSIONS:
+        for version in kernel.BUILD_VERSIONS:
             assert kernel.build_trees_device(*inputs, 7, out=out, stream=cuda.default_stream(),
                                              version=version) is out
         assert kernel.visibility(out.parents, out=vis, stream=cuda.default_stream()) is vis
@@ -205,8 +206,20 @@ def test_budget_limit():
         kernel.build_tree(0, lp, ids, kernel.MAX_BUDGET + 1)
     with pytest.raises(ValueError, match="root_tokens"):
         kernel.build_trees(np.array([1, 2]), lp[None], ids[None], 3)
-    with pytest.raises(ValueError, match=r"version must be one of \(1, 2\), got 3"):
-        kernel.build_tree(0, lp, ids, 3, version=3)
+    with pytest.raises(ValueError, match=r"version must be one of \(1, 2, 3\), got 4"):
+        kernel.build_tree(0, lp, ids, 3, version=4)
+    with pytest.raises(ValueError, match="version 3 needs budget <= 256"):
+        kernel.build_tree(0, lp, ids, kernel.MAX_KEYED_BUDGET + 1, version=3)
+
+
+def test_version_3_keys_fit_where_its_tables_do():
+    # base: the reachable ranks + 1, min(K, B + 1) + 1; digits per int64 word: base^D < 2^62
+    assert kernel.key_shape(7, 32, 32) == (33, 12) and 33 ** 12 < 2 ** 62 <= 33 ** 13
+    assert kernel.key_shape(15, 512, 64) == (66, 10)                  # L = 15 <= 2 x 10 digits
+    assert kernel.key_shape(40, 64, 64) == (0, 0)                     # 40 depths > 2 x 10
+    assert kernel.key_shape(7, 32, kernel.MAX_KEYED_BUDGET + 1) == (0, 0)
+    assert kernel.key_shape(3, 1, 5) == (2, 61)                       # one rank: base 2
+    assert kernel.key_shape(3, 2, 0) == kernel.key_shape(3, 2, -1) == (0, 0)   # no tree to key
 
 
 @settings(max_examples=6, deadline=None)
@@ -214,7 +227,7 @@ def test_budget_limit():
 def test_property_matches_reference(case):
     top_logprobs, top_ids, budget = case
     expected = reference.build_tree(3, top_logprobs, top_ids, budget)
-    for version in kernel.VERSIONS:
+    for version in kernel.BUILD_VERSIONS:
         assert_same_tree(kernel.build_tree(3, top_logprobs, top_ids, budget, version=version), expected)
 
 
@@ -256,7 +269,7 @@ def check_batch_against_reference(requests, depths, vocab, k, budget, seed):
     lp, ids = np.stack(lp), np.stack(ids)
     roots = rng.integers(0, vocab, requests)
     expected = [reference.build_tree(int(roots[b]), lp[b], ids[b], budget) for b in range(requests)]
-    for version in kernel.VERSIONS:
+    for version in kernel.BUILD_VERSIONS:
         trees = kernel.build_trees(roots, lp, ids, budget, version=version)
         for b in range(requests):
             assert_same_tree(trees[b], expected[b])
