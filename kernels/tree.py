@@ -10,6 +10,8 @@ Kernels:
   frontier (``_best_candidate``: a strided scan per thread, then a shared-memory tree reduction)
   followed by one thread's bookkeeping (``_pop``).
 - ``build_trees_sorted_kernel`` (version 2): the same tree from a frontier kept sorted.
+- ``build_trees_keyed_kernel`` (version 3): version 2 with every candidate's rank tuple as an
+  integer key, so ties need no climb through the node table.
 - ``visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
 - ``top_candidates_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per drafter
   row, log-softmax (max, then a float64 sum of exp) and the K best by repeated block argmax.
@@ -28,7 +30,8 @@ Shared memory bounds the budget: ``MAX_BUDGET`` = 1024 nodes need 7 tables of 10
 (4 bytes each, ~29 KB per block, under the 48 KB of static shared memory). ``bytes_moved`` and
 ``flops`` give each operation's cost model.
 
-Versions (``version=``, default 2, the fastest; both exact, ties included). Version 1 of top-K
+Versions (``version=``; every version exact, ties included; top-K's default 2, the builder's 3
+where its keys fit, else 2). Version 1 of top-K
 makes K passes, each a scan of V and a log2(TPB)-level block argmax: K x (2 + log2 TPB) barriers.
 Version 2 sorts (log-prob, id) pairs in shared memory under the total order (log-prob
 descending, id ascending), a bitonic sort of log2(S)(log2(S) + 1)/2 barrier stages for a buffer
@@ -39,7 +42,9 @@ K <= S / 2, else version 1 runs). V = 512, K = 32: ~370 barriers and 32 scans of
 barriers) and a global load on thread 0's critical path; version 2 copies the log-probs it can
 reach (min(L, B) x min(K, B + 1) floats, when <= _STAGE) to shared memory once and keeps the
 frontier sorted, so the best of the merged frontier is known without a reduction: one barrier
-per pop (B = 32: ~260 barriers become ~33).
+per pop (B = 32: ~260 barriers become ~33). Version 3 keeps version 2's barriers; a tie (equal
+weights: the drafters' floors, the oracles' equal distractors) costs it two integer compares where
+version 2 climbs both candidates' paths.
 """
 
 from __future__ import annotations
