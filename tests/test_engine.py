@@ -183,30 +183,12 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))
 
 
-def test_device_drafter_reads_the_committed_tokens_the_device_holds():
-    """The drafter's kernels read the context from the device: a round appends what it commits
-    there, and a caller's context the device has not seen (here the same round again, from a new
-    cache) is uploaded first, so the round is the same. A one-token prompt: no prefill."""
-    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
-    prompt = golden.default_prompt("micro")[:1]
-    drafter = make_drafter("ngram", ref, prompt, 2)
-    records = []
-    for _ in range(2):
-        cache = model.new_cache()
-        records.append(engine_decode.ddtree_round(model, cache, prompt, drafter, 3, 3, None))
-        new = [int(t) for t in records[-1].tokens[records[-1].accepted[1:]]] + [records[-1].bonus]
-        n = prompt.size + len(new)
-        assert model.buffers.context_length.copy_to_host()[0] == n == model.context_count
-        assert_exact(model.buffers.committed.copy_to_host()[:n], np.concatenate([prompt, new]))
-    assert_same_round(records[0], records[1])
-    wanted = reference_decode.ddtree_round(ref, ref.new_cache(8), prompt, drafter, 3, 3, None)
-    assert_same_round(records[0], wanted)
-
-
 def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(monkeypatch):
     """With the drafter on the device, the loop launches the next round before it reads the
     current one's record, wherever the next block is certain: the rounds and tokens stay the
-    reference's. A one-token prompt, block 2, budget 1: rounds of 2 rows."""
+    reference's. The drafter's kernels read the context from the device: each round appends what
+    it commits there, and a caller's context the device has not seen is uploaded first. A
+    one-token prompt, block 2, budget 1: rounds of 2 rows."""
     model, ref = engine("micro", max_tree_nodes=8), reference("micro")
     prompt, new = golden.default_prompt("micro")[:1], 5
     expected = reference_decode.generate_ar(ref, prompt, new)
@@ -222,6 +204,13 @@ def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(mon
     for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
         assert_same_round(actual_round, wanted_round)
     assert any(pending is not None for pending in queued) and model.unread == 0
+    # the drafter's kernels read the committed tokens there: every round appended its own
+    n = prompt.size + new
+    assert model.buffers.context_length.copy_to_host()[0] == n == model.context_count
+    assert_exact(model.buffers.committed.copy_to_host()[:n], np.concatenate([prompt, tokens]))
+    # a context the device has not seen (the first round again, from a new cache) is uploaded
+    again = engine_decode.ddtree_round(model, model.new_cache(), prompt, drafter, 2, 1, None)
+    assert_same_round(again, trace.rounds[0])
 
 
 def test_sampled_ddtree_matches_numpy_ar():
