@@ -212,12 +212,16 @@ class NoisyOracleDrafter(OracleDrafter):
         ranked = tokens_of(mix(key, TOKENS), self.runners_up + 1, self.vocab_size, truth)
         if truth is None:
             return ranked
-        if uniform_of(mix(key, TOP1)) < self.top1_rate * self.decay ** (depth - 1):
+        if uniform_of(mix(key, TOP1)) < self.top1_probability(depth):
             return [truth] + ranked[: self.runners_up]
         if self.runners_up and uniform_of(mix(key, KEEP)) < self.keep_rate:
             ranked.insert(1 + int(uniform_of(mix(key, RANK)) * self.runners_up), truth)   # rank 1..runners_up
         return ranked[: self.runners_up + 1]
     # --8<-- [end:noisy_ranking]
+
+    def top1_probability(self, depth: int) -> float:
+        """How often the true token is ranked first at ``depth`` (>= 1)."""
+        return self.top1_rate * self.decay ** (depth - 1)
 
     def probabilities(self, count: int) -> list[float]:
         shares = 0.5 ** np.arange(count - 1)

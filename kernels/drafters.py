@@ -310,8 +310,8 @@ def load(drafter, vocab_size: int, buffers: DrafterBuffers, upload) -> str | Non
         if kind == "noisy":
             floats[KEEP_RATE] = drafter.keep_rate
             depths = np.arange(buffers.thresholds.size)
-            upload(np.array([drafter.top1_rate * drafter.decay ** (int(d) - 1) if d else 0.0 for d in depths],
-                            np.float64), buffers.thresholds)
+            upload(np.array([drafter.top1_probability(int(d)) if d else 0.0 for d in depths], np.float64),
+                   buffers.thresholds)
     upload(ints, buffers.ints)
     upload(floats, buffers.floats)
     buffers.loaded, buffers.kind = (drafter, constants(drafter)), kind

@@ -922,7 +922,7 @@ class Transformer:
         if cache.length + 2 * pending.rows > self.config.max_position_embeddings \
                 or self.context_count + 2 * pending.rows > self.buffers.committed.size:
             return None
-        return self.launch_round(PendingRound(pending.key, pending.phases, pending.rows, pending.followable))
+        return self.launch_round(dataclasses.replace(pending, record=None))
 
     def launch_round(self, pending: PendingRound) -> PendingRound:
         self.run_phases(pending.key, pending.phases)

@@ -71,7 +71,7 @@ def noisy_rates(vocab: int, depths: int, positions: int = 400):
             ranked = drafter.noisy_ranking(p, d)
             first[d - 1] += ranked[0] == p % vocab
             kept[d - 1] += (p % vocab) in ranked
-    expected = drafter.top1_rate * drafter.decay ** np.arange(depths)              # truth ranked first
+    expected = np.array([drafter.top1_probability(d) for d in range(1, depths + 1)])   # truth ranked first
     expected_kept = 1 - (1 - expected) * (1 - drafter.keep_rate)                   # not demoted and dropped
     return first / positions, kept / positions, expected, expected_kept
 
