@@ -26,14 +26,35 @@ I64 = 8
 
 
 # --8<-- [start:accept_kernel]
+@cuda.jit(device=True)
+def mark_walk(tokens, parents, posterior, size, accepted, count):
+    """The block's threads check nodes tid, tid + TPB, ... below ``size`` of one tree (1-D rows:
+    global or shared memory): node i is on the walk iff every edge of its path root..i matches,
+    tokens[c] == posterior[parents[c]]; then accepted[depth(i)] = i and count[0] += 1 (a shared
+    counter). No barrier: the caller fills ``accepted`` with -1 and zeroes ``count`` before, and
+    waits for every thread after."""
+    for i in range(cuda.threadIdx.x, size, cuda.blockDim.x):
+        node = i
+        depth = 0
+        on_walk = True
+        while node > 0 and on_walk:                       # climb to the root, checking each edge
+            parent = parents[node]
+            on_walk = parent >= 0 and tokens[node] == posterior[parent]
+            node = parent
+            depth += 1
+        if on_walk:
+            accepted[depth] = i
+            cuda.atomic.add(count, 0, 1)
+
+
 @cuda.jit
 def accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
     """One block per request; thread t checks nodes t, t + TPB, ... below sizes[request].
 
     Shared memory: one counter, the number of accepted nodes m. Phase 1 fills accepted[request]
-    with -1; phase 2 writes accepted[request, depth(i)] = i for every node i on the walk;
-    phase 3 (thread 0) reads the deepest one, accepted[request, m - 1], and its posterior, the
-    bonus token.
+    with -1; phase 2 (``mark_walk``) writes accepted[request, depth(i)] = i for every node i on
+    the walk; phase 3 (thread 0) reads the deepest one, accepted[request, m - 1], and its
+    posterior, the bonus token.
     """
     request = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -45,18 +66,7 @@ def accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
         accepted[request, j] = -1
     cuda.syncthreads()
 
-    for i in range(tid, sizes[request], threads):
-        node = i
-        depth = 0
-        on_walk = True
-        while node > 0 and on_walk:                       # climb to the root, checking each edge
-            parent = parents[request, node]
-            on_walk = parent >= 0 and tokens[request, node] == posterior[request, parent]
-            node = parent
-            depth += 1
-        if on_walk:
-            accepted[request, depth] = i
-            cuda.atomic.add(count, 0, 1)
+    mark_walk(tokens[request], parents[request], posterior[request], sizes[request], accepted[request], count)
     cuda.syncthreads()
 
     if tid == 0:

@@ -109,37 +109,42 @@ def launch_compact(cache_latent, cache_rope, start, accepted, count, scratch_lat
 
 
 # --8<-- [start:compact_columns_kernel]
-@cuda.jit
-def compact_columns_kernel(cache_latent, cache_rope, start, accepted, count):
-    """Version 2: thread (layer, column) of the Ly x (R + dr) columns (R latent, then dr rope)
-    runs numpy's loop for its column: slot P + j <- slot P + accepted[0, j], j = 0 .. m - 1 in
-    order (P = start[0], m = count[0]), rows in place skipped. Reads COMPACT_BATCH rows into
-    registers, then writes them. No shared memory; the grid may have spare threads (they return).
-    """
-    index = cuda.grid(1)
+@cuda.jit(device=True)
+def compact_column(cache_latent, cache_rope, index, first, accepted, kept):
+    """Column ``index`` of the Ly x (R + dr) columns (R latent, then dr rope; past them: nothing)
+    runs numpy's loop: slot first + j <- slot first + accepted[j], j = 0 .. kept - 1 in order
+    (``accepted`` a 1-D row, global or shared), rows in place skipped. Reads COMPACT_BATCH rows
+    into registers, then writes them."""
     rank = cache_latent.shape[2]
     width = rank + cache_rope.shape[2]
     layer = index // width
     column = index % width
     if layer >= cache_latent.shape[0]:
         return
-    first = start[0]
-    kept = count[0]
     values = cuda.local.array(COMPACT_BATCH, float32)
     for base in range(0, kept, COMPACT_BATCH):
         for b in range(COMPACT_BATCH):                       # reads: slots accepted[j] >= j
             j = base + b
-            if j < kept and accepted[0, j] != j:
-                source = first + accepted[0, j]
+            if j < kept and accepted[j] != j:
+                source = first + accepted[j]
                 values[b] = cache_latent[layer, source, column] if column < rank \
                     else cache_rope[layer, source, column - rank]
         for b in range(COMPACT_BATCH):                       # writes: slots j, read before now
             j = base + b
-            if j < kept and accepted[0, j] != j:
+            if j < kept and accepted[j] != j:
                 if column < rank:
                     cache_latent[layer, first + j, column] = values[b]
                 else:
                     cache_rope[layer, first + j, column - rank] = values[b]
+
+
+@cuda.jit
+def compact_columns_kernel(cache_latent, cache_rope, start, accepted, count):
+    """Version 2: thread (layer, column) of the Ly x (R + dr) columns runs numpy's loop for its
+    column (``compact_column``), P = start[0], m = count[0], the path accepted[0]. No shared
+    memory; the grid may have spare threads (they return).
+    """
+    compact_column(cache_latent, cache_rope, cuda.grid(1), start[0], accepted[0], count[0])
 # --8<-- [end:compact_columns_kernel]
 
 

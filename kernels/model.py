@@ -51,7 +51,7 @@ import dataclasses
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32, int64
 
 from ddtree.config import ModelConfig
 from ddtree.drafters import check_tokens as check_tokens_named
@@ -62,12 +62,12 @@ from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
 from ddtree.sampling import KeyedRandom, child_tokens, draw_children
 from ddtree.tree import DraftTree
 from ddtree.weights import check_weights
-from kernels.accept import accept_batch
+from kernels.accept import mark_walk
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
 from kernels.graphs import Graphs
-from kernels.kv_cache import launch_compact_columns, write_new_rows
+from kernels.kv_cache import compact_column, write_new_rows
 from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
 from kernels.mla import (
     absorb_output,
@@ -246,30 +246,76 @@ def commit_token_kernel(state, posterior, tokens, generated):
     tokens[0] = token
 
 
-@cuda.jit
-def commit_round_kernel(state, tree_tokens, tree_parents, tree_depths, sizes, accepted, lengths,
-                        bonus, root, committed, context_length, record):
-    # one thread: the round's end. The cache keeps P + m rows, the bonus is the next root, the
-    # committed tokens (n of them, the root last) gain the accepted nodes' tokens and the bonus,
-    # and record gets what the host reads back in one copy: [m, bonus, N, accepted (W), tokens
-    # (W), parents (W), depths (W)]
-    width = tree_tokens.shape[1]
-    kept = lengths[0]
-    state[LENGTH] += kept
-    root[0] = bonus[0]
-    n = context_length[0]
-    for j in range(1, kept):
-        committed[n - 1 + j] = tree_tokens[0, accepted[0, j]]
-    committed[n - 1 + kept] = bonus[0]
-    context_length[0] = n + kept
-    record[0] = lengths[0]
-    record[1] = bonus[0]
-    record[2] = sizes[0]
-    for i in range(width):
-        record[3 + i] = accepted[0, i]
-        record[3 + width + i] = tree_tokens[0, i]
-        record[3 + 2 * width + i] = tree_parents[0, i]
-        record[3 + 3 * width + i] = tree_depths[0, i]
+# --8<-- [start:round_end_kernel]
+@functools.cache
+def round_end_kernel(width: int):
+    """The round's end in one launch, for trees of ``width`` rows (W): acceptance, the cache's
+    compaction and the commit, which were three launches (``accept_batch``, compaction version 2,
+    and a bookkeeping thread)."""
+
+    @cuda.jit
+    def kernel(state, tree_tokens, tree_parents, tree_depths, sizes, posterior, accepted, lengths,
+               bonus, root, committed, context_length, record, cache_latent, cache_rope, arrivals):
+        # block b = cache columns b * TPB .. of the Ly x (R + dr) (``compact_column``). Every
+        # block stages the tree (tokens, parents, posterior) in shared memory and finds the walk
+        # itself (``mark_walk``: the same path in every block; no block waits for another). After
+        # its columns it counts itself in arrivals[0] behind a fence; the block that arrives last
+        # (every block has read P = state[LENGTH] by then) commits: accepted, m and the bonus;
+        # P += m; the bonus as the next root; the committed tokens (n of them, the root last) gain
+        # the accepted nodes' tokens and the bonus; and the record the host reads back in one
+        # copy, [m, bonus, N, accepted (W), tokens (W), parents (W), depths (W)]. It sets
+        # arrivals[0] back to 0 for the next round.
+        # shared memory: 4 x W int64 (the tree, the drawn tokens, the path), 2 counters
+        tokens = cuda.shared.array(width, int64)
+        parents = cuda.shared.array(width, int64)
+        drawn = cuda.shared.array(width, int64)
+        path = cuda.shared.array(width, int64)
+        count = cuda.shared.array(1, int32)
+        last = cuda.shared.array(1, int32)
+        tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+        first, n, size = state[LENGTH], context_length[0], sizes[0]     # read before any commit
+        if tid == 0:
+            count[0] = 0
+        for i in range(tid, width, threads):
+            tokens[i] = tree_tokens[0, i]
+            parents[i] = tree_parents[0, i]
+            drawn[i] = posterior[i]
+            path[i] = -1
+        cuda.syncthreads()
+        mark_walk(tokens, parents, drawn, size, path, count)
+        cuda.syncthreads()
+        kept = count[0]
+        compact_column(cache_latent, cache_rope, cuda.grid(1), first, path, kept)
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last[0] = cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x - 1
+        cuda.syncthreads()
+        if not last[0]:
+            return
+        bonus_token = drawn[path[kept - 1]]
+        for i in range(tid, width, threads):
+            accepted[0, i] = path[i]
+            record[3 + i] = path[i]
+            record[3 + width + i] = tokens[i]
+            record[3 + 2 * width + i] = parents[i]
+            record[3 + 3 * width + i] = tree_depths[0, i]
+            if 1 <= i < kept:
+                committed[n - 1 + i] = tokens[path[i]]
+        if tid == 0:
+            lengths[0] = kept
+            bonus[0] = bonus_token
+            state[LENGTH] = first + kept
+            root[0] = bonus_token
+            committed[n - 1 + kept] = bonus_token
+            context_length[0] = n + kept
+            record[0] = kept
+            record[1] = bonus_token
+            record[2] = size
+            arrivals[0] = 0
+
+    return kernel
+# --8<-- [end:round_end_kernel]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -436,6 +482,7 @@ class Buffers:
         self.accepted_count = poisoned((1,), np.int64)                 # m
         self.bonus = poisoned((1,), np.int64)
         self.record = poisoned((3 + 4 * t,), np.int64)                 # what the host reads per round
+        self.round_arrivals = filled((1,), 0, np.int32)                # round_end_kernel's finished blocks
         # the sampled tree (verifier="rejection"): each node's children's tokens, -1 padded, flat
         # and viewed (W, K) per round shape
         self.children = poisoned((t * (t - 1),), np.int64)             # [Tmax * Kmax]
@@ -703,10 +750,11 @@ class Transformer:
                      rejection: bool = False, drafter: str | None = None):
         """One DDTree round as named phases of launches: draft (with a ``drafter`` kind loaded on
         the device; otherwise its logits are uploaded before), top-K, build, verify, accept,
-        compact (which also commits). ``rows`` is the tree's size (W), ``depths`` (L) and ``k``
+        accept+compact (``round_end_kernel``: the walk, the cache's compaction and the commit in
+        one launch). ``rows`` is the tree's size (W), ``depths`` (L) and ``k``
         (K) the candidates per depth, ``budget`` (B) the drafted nodes. With ``rejection`` (the
         sampled tree) the phases after the host has redrawn the children: verify (logits, then
-        ``rejection_step`` per node), accept, compact."""
+        ``rejection_step`` per node), accept+compact."""
         b = self.buffers
         top_logprobs = b.top_logprobs[:depths * k].reshape((1, depths, k))           # [1, L, K]
         top_ids = b.top_ids[:depths * k].reshape((1, depths, k))
@@ -734,22 +782,19 @@ class Transformer:
                            b.draft[:max(depths, 1)], b.tree.depths[:rows], b.temperature, b.seed,
                            out=b.posterior[:rows], work=b.rejection_work[:rows], stream=stream)
 
-        def accept(stream):
-            accept_batch(tree.tokens, tree.parents, tree.sizes, b.posterior[:rows].reshape((1, rows)),
-                         out=(accepted, b.accepted_count, b.bonus), stream=stream)  # path + bonus
-
-        def compact(stream):
-            launch_compact_columns(self.cache.latent, self.cache.rope, b.prefix, accepted, b.accepted_count,
-                                   stream)
-            commit_round_kernel[1, 1, stream](
-                b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, accepted, b.accepted_count,
-                b.bonus, b.root, b.committed, b.context_length, b.record[:3 + 4 * rows])
+        def accept_compact(stream):
+            latent, rope = self.cache.latent, self.cache.rope
+            columns = latent.shape[0] * (latent.shape[2] + rope.shape[2])
+            round_end_kernel(rows)[blocks(columns, TPB), TPB, stream](
+                b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, b.posterior[:rows], accepted,
+                b.accepted_count, b.bonus, b.root, b.committed, b.context_length, b.record[:3 + 4 * rows],
+                latent, rope, b.round_arrivals)
 
         if rejection:
-            return [("verify", verify_rejection), ("accept", accept), ("compact", compact)]
+            return [("verify", verify_rejection), ("accept+compact", accept_compact)]
         drafting = [("draft", draft)] if drafter is not None and depths else []
-        return drafting + [("top-k", top_k), ("build", build), ("verify", verify), ("accept", accept),
-                           ("compact", compact)]
+        return drafting + [("top-k", top_k), ("build", build), ("verify", verify),
+                           ("accept+compact", accept_compact)]
     # --8<-- [end:round_phases]
 
     def round_sequence(self, phases):
@@ -849,7 +894,7 @@ class Transformer:
 
     def sync_context(self, context, rows: int) -> None:
         """Make buffers.committed[:n] the round's ``context`` (n tokens, the root last). After a
-        round of this engine it is there already (``commit_round_kernel`` appends what the round
+        round of this engine it is there already (``round_end_kernel`` appends what the round
         commits), so only a context the device has not seen (a generation's first round, a
         caller's own) is checked and uploaded."""
         n, capacity = len(context), self.buffers.committed.size
@@ -946,7 +991,7 @@ class Transformer:
         accepted = accepted[:kept]
         cache.length += kept
         self.device_root = bonus
-        self.context_mirror[n:n + kept - 1] = tokens[accepted[1:]]           # as commit_round_kernel
+        self.context_mirror[n:n + kept - 1] = tokens[accepted[1:]]           # as round_end_kernel
         self.context_mirror[n + kept - 1] = bonus
         self.context_count = n + kept
         return start, accepted, bonus, tokens, parents, node_depths

@@ -183,6 +183,62 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_round_end_kernel_is_accept_compact_and_commit(seed):
+    """``round_end_kernel`` (several blocks, each finding the walk itself; the last one to finish
+    commits) against the reference's accept and compact: the path, m, the bonus, the cache
+    bit for bit, P, the next root, the committed tokens, the record; arrivals back at 0."""
+    from numba import cuda
+
+    from ddtree.accept import accept
+    from ddtree.kv_cache import LatentKVCache, compact
+    from tests.test_accept import oracle_posterior, steered_tree
+
+    rng = np.random.default_rng(seed)
+    tree = steered_tree(rng, depths=4, k=3, budget=13, follow=2 + seed % 2)
+    posterior = oracle_posterior(tree)
+    size, width = tree.size, tree.size + 3                       # 3 padding rows, as in a bucket
+    layers, rank, rope_dim, prefix, context = 3, 40, 8, 6, [4, 9, 2, 11]
+    cache = LatentKVCache(layers, prefix + width + 2, rank, rope_dim)
+    cache.latent[:] = rng.standard_normal(cache.latent.shape, dtype=np.float32)
+    cache.rope[:] = rng.standard_normal(cache.rope.shape, dtype=np.float32)
+    latent, rope = cuda.to_device(cache.latent), cuda.to_device(cache.rope)
+    cache.length = prefix + width
+    path, bonus_token = accept(tree, posterior)
+    compact(cache, prefix, path)
+    kept = path.size
+
+    def padded(values, fill):
+        return np.concatenate([values, np.full(width - len(values), fill)]).astype(np.int64)
+
+    tokens, parents, depths = (padded(tree.tokens, 0), padded(tree.parents, -1), padded(tree.depths, 0))
+    committed = cuda.to_device(np.full(32, -7, np.int64))
+    committed[:len(context)] = np.array(context, np.int64)
+    state = cuda.to_device(np.array([prefix, width, 0], np.int64))
+    shapes = ((1, width), (1,), (1,), (1,), (3 + 4 * width,))
+    accepted, lengths, bonus, root, record = (cuda.to_device(np.full(s, -9, np.int64)) for s in shapes)
+    context_length = cuda.to_device(np.array([len(context)], np.int64))
+    arrivals = cuda.to_device(np.zeros(1, np.int32))
+    columns = layers * (rank + rope_dim)
+    grid = -(-columns // engine_model.TPB)
+    assert grid >= 2                                             # the last-arriving block is exercised
+    engine_model.round_end_kernel(width)[grid, engine_model.TPB](
+        state, cuda.to_device(tokens[None]), cuda.to_device(parents[None]), cuda.to_device(depths[None]),
+        cuda.to_device(np.array([size], np.int64)), cuda.to_device(padded(posterior, 3)), accepted, lengths,
+        bonus, root, committed, context_length, record, latent, rope, arrivals)
+    assert_exact(accepted.copy_to_host()[0], padded(path, -1), "accepted")
+    assert (int(lengths[0]), int(bonus[0]), int(root[0])) == (kept, bonus_token, bonus_token)
+    assert_exact(latent.copy_to_host(), cache.latent, "latent")
+    assert_exact(rope.copy_to_host(), cache.rope, "rope")
+    assert_exact(state.copy_to_host(), np.array([prefix + kept, width, 0]), "state")
+    grown = [*context, *tree.tokens[path[1:]], bonus_token]
+    assert int(context_length[0]) == len(grown)
+    assert_exact(committed.copy_to_host()[:len(grown) + 1], np.array([*grown, -7]), "committed")
+    assert_exact(record.copy_to_host(), np.concatenate([[kept, bonus_token, size], padded(path, -1),
+                                                         tokens, parents, depths]), "record")
+    assert int(arrivals[0]) == 0
+
+
 def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(monkeypatch):
     """With the drafter on the device, the loop launches the next round before it reads the
     current one's record, wherever the next block is certain: the rounds and tokens stay the

@@ -29,6 +29,10 @@ from kernels import decode as engine_decode
 from kernels.device import SIMULATOR
 from kernels.model import Transformer, candidate_count
 
+# the round's phases in every record's split, old and new (the accept and compact phases became
+# one launch, "accept+compact", on 2026-12-03)
+ROUND_PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "accept+compact", "host")
+
 STEM = "12_engine"
 RESULTS = sorted((chapter.ROOT / "docs" / "results").glob("engine-h200-*.json"))
 BLOCK, BUDGET = 4, 6                    # one small round: a tree of 7 nodes that branches
@@ -141,13 +145,14 @@ def plot_split(record) -> None:
     rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
     fig, axis = plt.subplots(figsize=(9.5, max(3.6, 0.28 * len(rows) + 1.4)))
     left = np.zeros(len(rows))
-    for phase in ("draft", "top-k", "build", "verify", "accept", "compact", "host"):
-        values = np.array([s[phase] for _, s in rows])
+    phases = [p for p in ROUND_PHASES if any(p in s for _, s in rows)]   # as the record has them
+    for phase in phases:
+        values = np.array([s.get(phase, 0.0) for _, s in rows])
         axis.barh(range(len(rows)), values, left=left, label=phase)
         left += values
     axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
     axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
-    axis.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    axis.legend(fontsize=7, ncol=len(phases), loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "split")
 

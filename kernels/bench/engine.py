@@ -11,7 +11,7 @@ Every figure side by side, measured in one run on one machine:
   is not installed);
 - target forwards per run (prefill included in both decoders), kernel launches per forward;
 - each round's time split: draft (the drafter's kernels, or its ``propose`` on the host for the
-  "(host)" rows and the "engine, host drafters" runs), top-k, build, verify, accept, compact
+  "(host)" rows and the "engine, host drafters" runs), top-k, build, verify, accept+compact
   (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
   round's wall time: copies, the wait for the record, Python); and the garbage collector's
   pauses inside the round (``GcPauses``: already counted in draft or host, shown beside them);
@@ -66,7 +66,7 @@ REPEATS = 5
 SPLIT_BUDGET = 32                      # the round split is measured at this budget
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
 DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for the tree-size sweep
-PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "host")
+PHASES = ("draft", "top-k", "build", "verify", "accept+compact", "host")
 GC = "gc"                              # the garbage collector's pauses inside the round (in draft or host)
 
 
