@@ -89,7 +89,7 @@ def one_round(setup) -> None:
         print(f"{'#':>3} {'kernel':<26} {'grid':>8} {'block':>7}  arrays (shapes)")
         for i, (name, grid, block, shapes) in enumerate(launches):
             text = ", ".join("x".join(map(str, s)) for s in shapes)
-            print(f"{i:>3} {name:<26} {dims(grid):>8} {dims(block):>7}  {text[:54]}")
+            print(f"{i:>3} {name:<26} {dims(grid):>8} {dims(block):>7}  {text[:51]}")
     print(f"{len(launches)} launches in the round ({engine.config.num_hidden_layers} layers)")
 
 
