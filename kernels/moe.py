@@ -62,8 +62,9 @@ stable), ties to the lower index, NaN last), and the expert of rank j < k is pic
 waits on a previous pick. To keep the comparisons few it ranks the bests of C = 64 columns of
 experts (column c: experts c, c + C, ...) and then only the experts of the k best columns among
 themselves (k * ceil(E / C): 48 of Kimi's 384); the top k are all there and ranked exactly
-(``_candidates``). Each ranking splits its comparisons over the block's threads (a few each) and
-adds the counts with shared-memory atomics: integers, so the ranks never depend on their order.
+(``_candidates``). With E <= C every expert is its own column: one ranking of all E. Each
+ranking splits its comparisons over the block's threads (a few each) and adds the counts with
+shared-memory atomics: integers, so the ranks never depend on their order.
 
 Expert versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per
 forward, ``kernels.model.moe_version``). Versions 1 and 2 compute each pair's dot products with
@@ -522,7 +523,11 @@ def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scalin
 
     1. ``_summed_scores``. 2. With G > 1 groups, ``_mask_groups``. 3. ``_candidates``: the k best
     columns' experts. 4. ``_ranks`` of the candidates: the candidate of rank r < k is pick r. 5.
-    Thread j < k weighs pick j (the total in slot order, as ``_weigh``).
+    Thread j < k weighs pick j (the total in slot order, as ``_weigh``). With E <= C experts
+    (COLUMNS) every expert is a column of its own, so 3 and 4 are one ``_ranks`` of all E: on the
+    H200 (exp_route2 in docs/results/router-ranks-h200-2026-12-03.txt) one token's
+    ``route_one_kernel`` took 10.0 µs instead of 13.4 on tiny, 13.8 instead of 16.6 on small;
+    Kimi's 384 experts took 99.5 instead of 59.2 ranked all at once, so they keep the columns.
 
     Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
     column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
@@ -547,9 +552,15 @@ def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scalin
     _summed_scores(parts, bias, token, score, choice)
     if n_group > 1:
         _mask_groups(choice, experts, n_group, topk_group, group_score, group_index, group_rank)
-    count = _candidates(choice, experts, top_k, best_value, best_index, column_rank,
-                        candidate_value, candidate_index)
-    _ranks(candidate_value, candidate_index, count, candidate_rank)
+    if experts <= COLUMNS:                  # a column per expert: the columns' ranks are the ranks
+        for e in range(tid, experts, cuda.blockDim.x):
+            candidate_index[e] = e
+        _ranks(choice, candidate_index, experts, candidate_rank)
+        count = experts
+    else:
+        count = _candidates(choice, experts, top_k, best_value, best_index, column_rank,
+                            candidate_value, candidate_index)
+        _ranks(candidate_value, candidate_index, count, candidate_rank)
     for i in range(tid, count, cuda.blockDim.x):
         if candidate_rank[i] < top_k:
             picked[candidate_rank[i]] = candidate_index[i]
