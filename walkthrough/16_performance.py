@@ -12,7 +12,7 @@ records under docs/results/ (nothing is measured on this machine):
   record's case replaces the earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
-* engine-small-h200-2026-12-03c.json: ``small``'s AR step against its floor, and the verify time
+* engine-small-h200-2026-12-03e.json: ``small``'s AR step against its floor, and the verify time
   against the tree's size (``python -m kernels.bench engine --floor-only``), with MoE version 3,
   linear's "lanes", attention version 5's statistics a warp per chunk, the decode-row launch
   shapes (version 5's scores and tail, one-row passes) and the fusions (residual adds inside the
@@ -51,7 +51,7 @@ BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
-SMALL = RESULTS / "engine-small-h200-2026-12-03c.json"
+SMALL = RESULTS / "engine-small-h200-2026-12-03e.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
 SWEEP_SPLIT = RESULTS / "sweep-small-h200-2026-12-01.json"   # attention split over the keys
 SWEEP_GEMM = RESULTS / "sweep-small-h200-2026-12-01b.json"   # attention version 4 (register-tiled)
