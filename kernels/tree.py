@@ -54,7 +54,7 @@ import math
 import typing
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64  # the kernels package chose GPU or simulator already
+from numba import cuda, float32, float64, int32, int64, uint64  # kernels chose GPU or simulator already
 
 from ddtree import tree as reference
 from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
@@ -789,30 +789,33 @@ def _sort_pairs(values, ids, size):
     """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob
     descending, token id ascending. Stage (span, stride): pair i compares slots low and
     low + stride and puts the better one first in spans with (low & span) == 0, last in the
-    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Bit operations and
-    while loops: a stage is a few instructions per thread (no integer division, which the GPU
-    emulates in dozens, and a strided ``range`` divides to count its steps)."""
-    span = 2
-    while span <= size:
-        stride = span // 2
-        while stride > 0:
-            pair = cuda.threadIdx.x
-            while pair < size // 2:
-                low = 2 * pair - (pair & (stride - 1))            # pair's slot in its half-span
+    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices,
+    shifts and while loops: a stage is a few instructions per thread (numba tests every signed
+    index for wraparound, a signed // 2 needs a sign fix-up, and a strided ``range`` divides to
+    count its steps)."""
+    one = uint64(1)
+    half = uint64(size) >> one
+    span = uint64(2)
+    while span <= uint64(size):
+        stride = span >> one
+        while stride > uint64(0):
+            pair = uint64(cuda.threadIdx.x)
+            while pair < half:
+                low = (pair << one) - (pair & (stride - one))      # pair's slot in its half-span
                 high = low + stride
                 high_first = values[high] > values[low] or (values[high] == values[low]
                                                             and ids[high] < ids[low])
-                if high_first == ((low & span) == 0):
+                if high_first == ((low & span) == uint64(0)):
                     value = values[low]
                     values[low] = values[high]
                     values[high] = value
                     token = ids[low]
                     ids[low] = ids[high]
                     ids[high] = token
-                pair += cuda.blockDim.x
+                pair += uint64(cuda.blockDim.x)
             cuda.syncthreads()
-            stride //= 2
-        span *= 2
+            stride >>= one
+        span <<= one
 
 
 @functools.cache
