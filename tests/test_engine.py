@@ -13,12 +13,14 @@ import functools
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from ddtree import decode as reference_decode
 from ddtree import golden
+from ddtree.accept import accept
 from ddtree.config import preset
 from ddtree.drafters import make_drafter
-from ddtree.kv_cache import CacheOverflowError
+from ddtree.kv_cache import CacheOverflowError, LatentKVCache, compact
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
@@ -40,6 +42,7 @@ from kernels.model import (
 from kernels.model import Transformer as EngineTransformer
 from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
+from tests.test_accept import oracle_posterior, steered_tree
 
 # whole-model logits: hundreds of float32 reductions deep, in other orders than numpy's BLAS;
 # 1e-4 of the largest logit is the project's whole-model bound
@@ -188,12 +191,6 @@ def test_round_end_kernel_is_accept_compact_and_commit(seed):
     """``round_end_kernel`` (several blocks, each finding the walk itself; the last one to finish
     commits) against the reference's accept and compact: the path, m, the bonus, the cache
     bit for bit, P, the next root, the committed tokens, the record; arrivals back at 0."""
-    from numba import cuda
-
-    from ddtree.accept import accept
-    from ddtree.kv_cache import LatentKVCache, compact
-    from tests.test_accept import oracle_posterior, steered_tree
-
     rng = np.random.default_rng(seed)
     tree = steered_tree(rng, depths=4, k=3, budget=13, follow=2 + seed % 2)
     posterior = oracle_posterior(tree)
