@@ -233,14 +233,15 @@ def test_route_sums_depth_slices_in_order():
 @pytest.mark.parametrize("change, width, threads", [
     (dict(), gpu.LOGIT_SLICE + 8, None),                             # 4 groups; a full and an 8-wide slice
     (dict(n_routed_experts=20, n_group=1, topk_group=1, num_experts_per_tok=4), 70, 32),   # a part block
-], ids=["groups-two-slices", "20-experts-32-threads"])
+    (dict(n_routed_experts=gpu.ROUTE_ONE_EXPERTS, n_group=1, topk_group=1, num_experts_per_tok=2), 40, None),
+], ids=["groups-two-slices", "20-experts-32-threads", "one-block-a-token"])
 def test_route_one_launch_gives_the_two_kernels_bits(change, width, threads, monkeypatch):
     """One token, or a few under ROUTE_ONE_MAX_BYTES, run ``route_one_kernel`` (the slices' sums,
     then each token's last block to arrive routes it); past it, logit_slices_kernel and
     route_ranks_kernel. The batch
     in one launch and each token alone give the two kernels' logit slices, ids and weights, bit for
     bit; every block count is back at zero, so a second launch with the same ``arrivals`` routes
-    again."""
+    again. A token with one block (E <= ROUTE_ONE_EXPERTS, D <= LOGIT_SLICE) routes without counting."""
     config = config_with(**change)
     rows = 3
     x, gate, bias = random_router(config, rows=rows, width=width, seed=width)
