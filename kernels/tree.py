@@ -264,36 +264,41 @@ def build_trees_kernel(root_tokens, top_logprobs, top_ids, budget,
 
 
 # --8<-- [start:build_trees_sorted_kernel]
+ZERO, ONE = uint64(0), uint64(1)    # builder versions 2 and 3 index shared memory with uint64
+
+
 @cuda.jit(device=True, inline="always")
-def _logprob(stage, stage_width, top_logprobs, request, depth, rank):
+def _logprob(stage, width, top_logprobs, request, depth, rank):
     """top_logprobs[request, depth, rank]: from the shared copy when it was staged (width > 0)."""
-    if stage_width > 0:
-        return stage[depth * stage_width + rank]
+    if width > ZERO:
+        return stage[depth * width + rank]
     return top_logprobs[request, depth, rank]
 
 
 @cuda.jit(device=True, inline="always")
 def _place(index, top, node, parent, rank, weight, high, low, node_parent, node_rank, node_depth,
            node_weight, node_high, node_low, front_parent, front_rank, front_weight, front_high,
-           front_low, side, keyed):
-    """Candidate (parent, rank, weight; key words high, low with ``keyed``) lands at ``index`` of
-    the merged frontier: the last index (``top``) pops next, so it becomes node ``node``; the
-    others go to frontier buffer ``side``."""
+           front_low, base, keyed):
+    """Candidate (parent, rank: int32; weight; key words high, low with ``keyed``) lands at
+    ``index`` of the merged frontier: the last index (``top``) pops next, so it becomes node
+    ``node``; the others go to the frontier buffer that starts at ``base`` (index, top, node and
+    base are uint64)."""
     if index == top:
         node_parent[node] = parent
         node_rank[node] = rank
-        node_depth[node] = node_depth[parent] + 1
+        node_depth[node] = node_depth[uint64(parent)] + 1
         node_weight[node] = weight
         if keyed:
             node_high[node] = high
             node_low[node] = low
     else:
-        front_parent[side, index] = parent
-        front_rank[side, index] = rank
-        front_weight[side, index] = weight
+        slot = base + index
+        front_parent[slot] = parent
+        front_rank[slot] = rank
+        front_weight[slot] = weight
         if keyed:
-            front_high[side, index] = high
-            front_low[side, index] = low
+            front_high[slot] = high
+            front_low[slot] = low
 
 
 @cuda.jit(device=True, inline="always")
@@ -310,6 +315,8 @@ def sorted_builder(keyed: bool):
     slots = KEY_SLOTS if keyed else _SLOTS
     key_slots = KEY_SLOTS if keyed else 1                     # version 2 keeps no keys
     unit_slots = KEY_DEPTHS if keyed else 1
+    front_slots, front_key_slots = 2 * slots, 2 * key_slots   # two frontier buffers, one after the other
+    other_side = uint64(slots)                                # the second buffer's first slot
 
     @cuda.jit(device=True, inline="always")
     def before(weight_a, parent_a, rank_a, high_a, low_a, weight_b, parent_b, rank_b, high_b, low_b,
@@ -324,7 +331,7 @@ def sorted_builder(keyed: bool):
                tokens, parents, depths, ranks, logprobs, sizes):
         """One block per request; the frontier is kept sorted, so a pop costs one barrier.
 
-        The frontier (every live candidate but the next pop) sits in ``front_*[side, :rest]`` in
+        The frontier (every live candidate but the next pop) sits in ``front_*[side + :rest]`` in
         pop order reversed (index rest - 1 pops first), and the candidate that pops next is
         already written as node ``nodes`` of the node table. Pop ``nodes``: every thread computes
         its two new candidates (next sibling, first child), and thread t takes gap t of the
@@ -342,37 +349,46 @@ def sorted_builder(keyed: bool):
         its depth (so a prefix comes first). Comparing two keys is comparing the tuples. A
         sibling's key is its node's plus one unit of the node's depth, a first child's plus one
         unit of the next depth.
+
+        Every shared-memory index of the pop loop is a uint64 (``ZERO``, ``ONE``): numba tests a
+        signed index for wraparound before each load and store, and the pop is one warp's chain
+        of dependent instructions (``docs/results/ncu-round-h200-2026-12-03.txt``); the two
+        frontier buffers are one flat array each, the second at ``other_side``.
         """
         request = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
+        tid = uint64(cuda.threadIdx.x)
+        threads = uint64(cuda.blockDim.x)
         node_parent = cuda.shared.array(slots, int32)
         node_rank = cuda.shared.array(slots, int32)
         node_depth = cuda.shared.array(slots, int32)
         node_weight = cuda.shared.array(slots, float32)
-        front_parent = cuda.shared.array((2, slots), int32)   # two buffers: read one, write the other
-        front_rank = cuda.shared.array((2, slots), int32)
-        front_weight = cuda.shared.array((2, slots), float32)
+        front_parent = cuda.shared.array(front_slots, int32)  # two buffers: read one, write the other
+        front_rank = cuda.shared.array(front_slots, int32)
+        front_weight = cuda.shared.array(front_slots, float32)
         node_high = cuda.shared.array(key_slots, int64)
         node_low = cuda.shared.array(key_slots, int64)
-        front_high = cuda.shared.array((2, key_slots), int64)
-        front_low = cuda.shared.array((2, key_slots), int64)
+        front_high = cuda.shared.array(front_key_slots, int64)
+        front_low = cuda.shared.array(front_key_slots, int64)
         unit = cuda.shared.array(unit_slots, int64)           # version 3: one digit at depth d
         stage = cuda.shared.array(_STAGE, float32)
 
         if stage_width > 0:                                   # STAGE_BATCH loads in flight per thread
             staged = cuda.local.array(STAGE_BATCH, float32)
             total = stage_depths * stage_width
-            for base in range(tid, total, cuda.blockDim.x * STAGE_BATCH):
+            for base in range(cuda.threadIdx.x, total, cuda.blockDim.x * STAGE_BATCH):
                 for b in range(STAGE_BATCH):
                     i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
                     staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
                 for b in range(STAGE_BATCH):
                     if base + b * cuda.blockDim.x < total:
                         stage[base + b * cuda.blockDim.x] = staged[b]
-        depth_limit = top_logprobs.shape[1]                   # L
-        rank_limit = top_logprobs.shape[2]                    # K
-        nodes = 1 if budget > 0 and depth_limit > 0 else 0    # node 1 = (depth 1, rank 0), pops first
-        if tid == 0:
+        width = uint64(max(stage_width, 0))
+        depth_limit = uint64(top_logprobs.shape[1])           # L
+        rank_limit = uint64(top_logprobs.shape[2])            # K
+        digits = uint64(key_digits)
+        limit = uint64(max(budget, 0))
+        nodes = ONE if limit > ZERO and depth_limit > ZERO else ZERO   # node 1 = (depth 1, rank 0) pops first
+        if tid == ZERO:
             if keyed:                                         # unit[d] = base^(D - d), then base^(2D - d)
                 power = int64(1)
                 for d in range(2 * key_digits, 0, -1):
@@ -384,20 +400,20 @@ def sorted_builder(keyed: bool):
             node_rank[0] = -1
             node_depth[0] = 0
             node_weight[0] = float32(0.0)
-            if nodes == 1:
-                _place(0, 0, 1, 0, 0, node_weight[0] + top_logprobs[request, 0, 0],
-                       unit[1] if keyed else 0, 0, node_parent, node_rank, node_depth, node_weight,
-                       node_high, node_low, front_parent, front_rank, front_weight, front_high, front_low,
-                       0, keyed)
+            if nodes == ONE:
+                _place(ZERO, ZERO, ONE, int32(0), int32(0), node_weight[0] + top_logprobs[request, 0, 0],
+                       unit[1] if keyed else int64(0), int64(0), node_parent, node_rank, node_depth,
+                       node_weight, node_high, node_low, front_parent, front_rank, front_weight, front_high,
+                       front_low, ZERO, keyed)
         cuda.syncthreads()
-        rest = 0                                              # frontier entries besides the next pop
-        side = 0
-        while 0 < nodes < budget:
+        rest = ZERO                                           # frontier entries besides the next pop
+        side = ZERO                                           # this pop reads at side, writes at the other
+        while ZERO < nodes < limit:
             node = nodes                                      # pop it: its sibling and child join
-            parent = node_parent[node]
-            rank = node_rank[node]
-            depth = node_depth[node]
-            sibling = rank + 1 < rank_limit
+            parent = uint64(node_parent[node])
+            rank = uint64(node_rank[node])
+            depth = uint64(node_depth[node])
+            sibling = rank + ONE < rank_limit
             child = depth < depth_limit
             sibling_weight = float32(0.0)
             child_weight = float32(0.0)
@@ -405,83 +421,91 @@ def sorted_builder(keyed: bool):
             if keyed:                                         # one unit more at depth, or at depth + 1
                 sibling_high = child_high = node_high[node]
                 sibling_low = child_low = node_low[node]
-                if depth <= key_digits:
+                if depth <= digits:
                     sibling_high += unit[depth]
                 else:
                     sibling_low += unit[depth]
                 if child:
-                    if depth + 1 <= key_digits:
-                        child_high += unit[depth + 1]
+                    if depth + ONE <= digits:
+                        child_high += unit[depth + ONE]
                     else:
-                        child_low += unit[depth + 1]
+                        child_low += unit[depth + ONE]
             if sibling:
-                sibling_weight = node_weight[parent] + _logprob(stage, stage_width, top_logprobs, request,
-                                                                depth - 1, rank + 1)
+                sibling_weight = node_weight[parent] + _logprob(stage, width, top_logprobs, request,
+                                                                depth - ONE, rank + ONE)
             if child:
-                child_weight = node_weight[node] + _logprob(stage, stage_width, top_logprobs, request, depth,
-                                                            0)
+                child_weight = node_weight[node] + _logprob(stage, width, top_logprobs, request, depth, ZERO)
+            # the new candidates as (parent, rank) int32 pairs: what the node table and buffers hold
+            sibling_parent, sibling_rank = int32(parent), int32(rank + ONE)
+            child_parent, child_rank = int32(node), int32(0)
             sibling_first = sibling and child and before(
-                sibling_weight, parent, rank + 1, sibling_high, sibling_low, child_weight, node, 0,
-                child_high, child_low, node_parent, node_rank, node_depth)
-            total = rest + int(sibling) + int(child)
-            if total == 0:                                    # the heap is empty (same in every thread)
+                sibling_weight, sibling_parent, sibling_rank, sibling_high, sibling_low, child_weight,
+                child_parent, child_rank, child_high, child_low, node_parent, node_rank, node_depth)
+            total = rest + (ONE if sibling else ZERO) + (ONE if child else ZERO)
+            if total == ZERO:                                 # the heap is empty (same in every thread)
                 break
+            top = total - ONE
+            other = other_side - side
             gap = tid
             while gap <= rest:                                # (a while loop: no division per pop)
                 # a new candidate goes to gap t when it pops before old entry t - 1 (nothing below
                 # gap 0) and after old entry t (nothing above gap rest): the frontier is sorted
                 sibling_here = sibling
                 child_here = child
-                if gap > 0:
-                    below_parent = front_parent[side, gap - 1]
-                    below_rank = front_rank[side, gap - 1]
-                    below_weight = front_weight[side, gap - 1]
-                    below_high = front_high[side, gap - 1] if keyed else int64(0)
-                    below_low = front_low[side, gap - 1] if keyed else int64(0)
+                if gap > ZERO:
+                    below = side + gap - ONE
+                    below_parent = front_parent[below]
+                    below_rank = front_rank[below]
+                    below_weight = front_weight[below]
+                    below_high = front_high[below] if keyed else int64(0)
+                    below_low = front_low[below] if keyed else int64(0)
                     sibling_here = sibling_here and before(
-                        sibling_weight, parent, rank + 1, sibling_high, sibling_low, below_weight,
+                        sibling_weight, sibling_parent, sibling_rank, sibling_high, sibling_low, below_weight,
                         below_parent, below_rank, below_high, below_low, node_parent, node_rank, node_depth)
                     child_here = child_here and before(
-                        child_weight, node, 0, child_high, child_low, below_weight, below_parent, below_rank,
-                        below_high, below_low, node_parent, node_rank, node_depth)
+                        child_weight, child_parent, child_rank, child_high, child_low, below_weight,
+                        below_parent, below_rank, below_high, below_low, node_parent, node_rank, node_depth)
                 if gap < rest:                                # old entry gap moves up past the new
-                    old_parent = front_parent[side, gap]      # ones that pop after it
-                    old_rank = front_rank[side, gap]
-                    old_weight = front_weight[side, gap]
-                    old_high = front_high[side, gap] if keyed else int64(0)
-                    old_low = front_low[side, gap] if keyed else int64(0)
+                    old = side + gap                          # ones that pop after it
+                    old_parent = front_parent[old]
+                    old_rank = front_rank[old]
+                    old_weight = front_weight[old]
+                    old_high = front_high[old] if keyed else int64(0)
+                    old_low = front_low[old] if keyed else int64(0)
                     over_sibling = sibling and before(old_weight, old_parent, old_rank, old_high, old_low,
-                                                      sibling_weight, parent, rank + 1, sibling_high,
-                                                      sibling_low, node_parent, node_rank, node_depth)
+                                                      sibling_weight, sibling_parent, sibling_rank,
+                                                      sibling_high, sibling_low, node_parent, node_rank,
+                                                      node_depth)
                     over_child = child and before(old_weight, old_parent, old_rank, old_high, old_low,
-                                                  child_weight, node, 0, child_high, child_low, node_parent,
-                                                  node_rank, node_depth)
+                                                  child_weight, child_parent, child_rank, child_high,
+                                                  child_low, node_parent, node_rank, node_depth)
                     sibling_here = sibling_here and over_sibling
                     child_here = child_here and over_child
-                    _place(gap + int(over_sibling) + int(over_child), total - 1, node + 1, old_parent,
-                           old_rank, old_weight, old_high, old_low, node_parent, node_rank, node_depth,
-                           node_weight, node_high, node_low, front_parent, front_rank, front_weight,
-                           front_high, front_low, 1 - side, keyed)
+                    _place(gap + (ONE if over_sibling else ZERO) + (ONE if over_child else ZERO), top,
+                           node + ONE, old_parent, old_rank, old_weight, old_high, old_low, node_parent,
+                           node_rank, node_depth, node_weight, node_high, node_low, front_parent, front_rank,
+                           front_weight, front_high, front_low, other, keyed)
                 if sibling_here:                              # above the child if it pops first
-                    _place(gap + int(sibling_first), total - 1, node + 1, parent, rank + 1, sibling_weight,
-                           sibling_high, sibling_low, node_parent, node_rank, node_depth, node_weight,
-                           node_high, node_low, front_parent, front_rank, front_weight, front_high, front_low,
-                           1 - side, keyed)
+                    _place(gap + (ONE if sibling_first else ZERO), top, node + ONE, sibling_parent,
+                           sibling_rank, sibling_weight, sibling_high, sibling_low, node_parent, node_rank,
+                           node_depth, node_weight, node_high, node_low, front_parent, front_rank,
+                           front_weight, front_high, front_low, other, keyed)
                 if child_here:
-                    _place(gap + int(sibling and not sibling_first), total - 1, node + 1, node, 0,
-                           child_weight, child_high, child_low, node_parent, node_rank, node_depth,
-                           node_weight, node_high, node_low, front_parent, front_rank, front_weight,
-                           front_high, front_low, 1 - side, keyed)
-                gap += cuda.blockDim.x
-            rest = total - 1
-            side = 1 - side
-            nodes += 1
+                    _place(gap + (ONE if sibling and not sibling_first else ZERO), top, node + ONE,
+                           child_parent, child_rank, child_weight, child_high, child_low, node_parent,
+                           node_rank, node_depth, node_weight, node_high, node_low, front_parent, front_rank,
+                           front_weight, front_high, front_low, other, keyed)
+                gap += threads
+            rest = top
+            side = other
+            nodes += ONE
             cuda.syncthreads()                                # the merged frontier and the node are in
         cuda.syncthreads()
-        _write_tree(request, root_tokens, top_ids, nodes + 1, node_parent, node_rank, node_depth,
-                    node_weight, tokens, parents, depths, ranks, logprobs)
-        if tid == 0:
-            sizes[request] = nodes + 1
+        size = int64(nodes) + 1
+        _write_tree(request, root_tokens, top_ids, size, node_parent, node_rank, node_depth, node_weight,
+                    tokens, parents, depths, ranks, logprobs)
+        if tid == ZERO:
+            sizes[request] = size
 
     return kernel
 
