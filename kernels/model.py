@@ -254,17 +254,17 @@ def round_end_kernel(width: int):
     and a bookkeeping thread)."""
 
     @cuda.jit
-    def kernel(state, tree_tokens, tree_parents, tree_depths, sizes, posterior, accepted, lengths,
-               bonus, root, committed, context_length, record, cache_latent, cache_rope, arrivals):
+    def kernel(state, tree_tokens, tree_parents, tree_depths, sizes, posterior, root, committed,
+               context_length, record, cache_latent, cache_rope, arrivals):
         # block b = cache columns b * TPB .. of the Ly x (R + dr) (``compact_column``). Every
         # block stages the tree (tokens, parents, posterior) in shared memory and finds the walk
         # itself (``mark_walk``: the same path in every block; no block waits for another). After
         # its columns it counts itself in arrivals[0] behind a fence; the block that arrives last
-        # (every block has read P = state[LENGTH] by then) commits: accepted, m and the bonus;
-        # P += m; the bonus as the next root; the committed tokens (n of them, the root last) gain
-        # the accepted nodes' tokens and the bonus; and the record the host reads back in one
-        # copy, [m, bonus, N, accepted (W), tokens (W), parents (W), depths (W)]. It sets
-        # arrivals[0] back to 0 for the next round.
+        # (every block has read P = state[LENGTH] by then) commits: P += m; the bonus as the next
+        # root; the committed tokens (n of them, the root last) gain the accepted nodes' tokens and
+        # the bonus; and the record the host reads back in one copy, [m, bonus, N, accepted (W),
+        # tokens (W), parents (W), depths (W)] (the round's only copy of the path, m and the
+        # bonus). It sets arrivals[0] back to 0 for the next round.
         # shared memory: 4 x W int64 (the tree, the drawn tokens, the path), 2 counters
         tokens = cuda.shared.array(width, int64)
         parents = cuda.shared.array(width, int64)
@@ -295,7 +295,6 @@ def round_end_kernel(width: int):
             return
         bonus_token = drawn[path[kept - 1]]
         for i in range(tid, width, threads):
-            accepted[0, i] = path[i]
             record[3 + i] = path[i]
             record[3 + width + i] = tokens[i]
             record[3 + 2 * width + i] = parents[i]
@@ -303,8 +302,6 @@ def round_end_kernel(width: int):
             if 1 <= i < kept:
                 committed[n - 1 + i] = tokens[path[i]]
         if tid == 0:
-            lengths[0] = kept
-            bonus[0] = bonus_token
             state[LENGTH] = first + kept
             root[0] = bonus_token
             committed[n - 1 + kept] = bonus_token
@@ -478,9 +475,6 @@ class Buffers:
         self.draft = poisoned((t - 1, c.vocab_size))                   # [L, V] drafter logits
         self.top_logprobs = poisoned(((t - 1) ** 2,))                  # [L*K] flat, viewed (L, K)
         self.top_ids = poisoned(((t - 1) ** 2,), np.int64)
-        self.accepted = poisoned((t,), np.int64)                       # [T]
-        self.accepted_count = poisoned((1,), np.int64)                 # m
-        self.bonus = poisoned((1,), np.int64)
         self.record = poisoned((3 + 4 * t,), np.int64)                 # what the host reads per round
         self.round_arrivals = filled((1,), 0, np.int32)                # round_end_kernel's finished blocks
         # the sampled tree (verifier="rejection"): each node's children's tokens, -1 padded, flat
@@ -760,7 +754,6 @@ class Transformer:
         top_ids = b.top_ids[:depths * k].reshape((1, depths, k))
         tree = TreeBatch(*(b.rows(name, rows) for name in TreeBatch._fields[:-1]),
                          sizes=b.tree.sizes)                                        # [1, W] each
-        accepted = b.accepted[:rows].reshape((1, rows))                              # [1, W]
 
         def draft(stream):
             propose(b.drafter, b.committed, b.context_length, out=b.draft[:depths], stream=stream)
@@ -786,8 +779,8 @@ class Transformer:
             latent, rope = self.cache.latent, self.cache.rope
             columns = latent.shape[0] * (latent.shape[2] + rope.shape[2])
             round_end_kernel(rows)[blocks(columns, TPB), TPB, stream](
-                b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, b.posterior[:rows], accepted,
-                b.accepted_count, b.bonus, b.root, b.committed, b.context_length, b.record[:3 + 4 * rows],
+                b.state, tree.tokens, tree.parents, tree.depths, tree.sizes, b.posterior[:rows], b.root,
+                b.committed, b.context_length, b.record[:3 + 4 * rows],
                 latent, rope, b.round_arrivals)
 
         if rejection:
