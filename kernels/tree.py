@@ -70,8 +70,9 @@ F32, I64 = 4, 8
 _STAGE = 1536                    # builder version 2: staged log-probs, L' x K' floats (6 KB)
 STAGE_BATCH = 8                  # ... copied 8 per thread at a time (their loads overlap)
 TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
+SELECT_VOCAB = 2048              # top-K version 3: rows of at most this many tokens (24 KB of shared memory)
 _NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
-VERSIONS = (1, 2)                # kernel versions of top_candidates
+VERSIONS = (1, 2, 3)             # kernel versions of top_candidates
 BUILD_VERSIONS = (1, 2, 3)       # kernel versions of build_trees_device
 KEY_SLOTS = 257                  # builder version 3: nodes and frontier entries (its keys: 16 B more each)
 MAX_KEYED_BUDGET = KEY_SLOTS - 1
@@ -915,6 +916,76 @@ def top_candidates_sort_kernel(threads: int, slots: int):
 # --8<-- [end:top_candidates_sort_kernel]
 
 
+# --8<-- [start:top_candidates_select_kernel]
+@functools.cache
+def top_candidates_select_kernel(threads: int, slots: int):
+    """Version 3 of the top-K kernel, for blocks of ``threads`` threads and rows of V <= ``slots``
+    tokens (both powers of two): a threshold, then ranks by counting."""
+
+    @cuda.jit
+    def kernel(logits, top_logprobs, top_ids):
+        # one block = one drafter row; max and float64 log-sum as version 1; log-prob of token s
+        # in values[s]. Group g < K holds the tokens s = g mod K; each group's best is at least
+        # the threshold = the least of the K groups' bests, so K tokens reach it: every token
+        # below it ranks K or later. The tokens that reach it (``candidates``, appended in any
+        # order) count the candidates that come before them (log-prob descending, id
+        # ascending) and stop at K; a count c < K is the token's rank, written at c. No other
+        # token comes before a candidate, so c is its rank in the row.
+        red = cuda.shared.array(threads, float32)
+        red64 = cuda.shared.array(threads, float64)
+        values = cuda.shared.array(slots, float32)            # [V] log-probs, token s at s
+        candidates = cuda.shared.array(slots, int32)          # [C] tokens at or above the threshold
+        bests = cuda.shared.array(slots, float32)             # [K] each group's best
+        count = cuda.shared.array(1, int32)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        vocab = logits.shape[1]
+        k = top_ids.shape[1]
+        local_max = float32(-math.inf)
+        for v in range(tid, vocab, threads):
+            local_max = max(local_max, logits[row, v])
+        red[tid] = local_max
+        block_max(red)
+        row_max = red[0]
+        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        for v in range(tid, vocab, threads):
+            values[v] = (logits[row, v] - row_max) - log_sum              # float32, as numpy
+        if tid == 0:
+            count[0] = 0
+        cuda.syncthreads()
+        for group in range(tid, k, threads):
+            best = values[group]
+            for v in range(group + k, vocab, k):
+                best = max(best, values[v])
+            bests[group] = best
+        cuda.syncthreads()
+        threshold = bests[0]
+        for group in range(1, k):
+            threshold = min(threshold, bests[group])
+        for v in range(tid, vocab, threads):
+            if values[v] >= threshold:
+                candidates[cuda.atomic.add(count, 0, 1)] = v
+        cuda.syncthreads()
+        total = count[0]
+        for c in range(tid, total, threads):
+            token = candidates[c]
+            value = values[token]
+            rank = 0
+            for other in range(total):
+                before = candidates[other]
+                other_value = values[before]
+                if other_value > value or (other_value == value and before < token):
+                    rank += 1
+                    if rank == k:
+                        break
+            if rank < k:
+                top_logprobs[row, rank] = value
+                top_ids[row, rank] = token
+
+    return kernel
+# --8<-- [end:top_candidates_select_kernel]
+
+
 def check_top_candidates(logits, k, *, out=None, version=2, chunk=None):
     """Host logits get the reference's checks (NaN, +inf, a finite value per row); device logits
     must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
@@ -964,7 +1035,10 @@ def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 2, c
     if depths:
         threads = pow2_threads(vocab, 1024)
         slots = sort_slots(vocab, chunk)
-        if version == 2 and (vocab <= slots or k <= slots // 2):
+        if version == 3 and vocab <= min(slots, SELECT_VOCAB):
+            threads = pow2_threads(vocab, 512)
+            kernel = top_candidates_select_kernel(threads, slots)
+        elif version >= 2 and (vocab <= slots or k <= slots // 2):
             threads = pow2_threads(slots // 2, 512)           # a pair per thread; 1024 run out of registers
             kernel = top_candidates_sort_kernel(threads, slots)
         else:
