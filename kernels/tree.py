@@ -986,7 +986,7 @@ def top_candidates_select_kernel(threads: int, slots: int):
 # --8<-- [end:top_candidates_select_kernel]
 
 
-def check_top_candidates(logits, k, *, out=None, version=2, chunk=None):
+def check_top_candidates(logits, k, *, out=None, version=3, chunk=None):
     """Host logits get the reference's checks (NaN, +inf, a finite value per row); device logits
     must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
     (L, K) float32, top_ids (L, K) int64); ``version`` in VERSIONS; ``chunk``: None or a power of
@@ -1019,13 +1019,14 @@ def sort_slots(vocab: int, chunk: int | None = None) -> int:
 
 
 # --8<-- [start:top_candidates]
-def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 2, chunk: int | None = None):
+def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 3, chunk: int | None = None):
     """Drafter logits (L, V) -> the K best per depth: (top_logprobs (L, K) float32, top_ids (L, K)
     int64), sorted descending, equal log-probs lower id first: ``ddtree.tree.top_candidates``.
 
     ``out``: a pair of device arrays to write into; ``stream``: where the kernel is launched.
-    ``version``: 2 (the default) sorts, 1 picks the K best one block argmax at a time; a row
-    longer than the sort buffer (``chunk``, default TOPK_CHUNK) with K > chunk / 2 runs version 1.
+    ``version``: 3 (the default) ranks the tokens at or above a threshold by counting, 2 sorts, 1
+    picks the K best one block argmax at a time. A row longer than SELECT_VOCAB or than the sort
+    buffer (``chunk``, default TOPK_CHUNK) runs version 2, and with K > chunk / 2 version 1.
     """
     logits = check_top_candidates(logits, k, out=out, version=version, chunk=chunk)
     depths, vocab = logits.shape
@@ -1149,11 +1150,11 @@ def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: batched tree builds at three budgets
     (the default version: 3 where its keys fit, else 2), the medium budget with version 1 and
     for one request alone (the default, versions 1 and 2), all against the numpy reference's heap
-    on the CPU; the drafter's top-K, both versions."""
+    on the CPU; the drafter's top-K, every version."""
     small, medium, large = sizes.budgets
     return [_build_case("small", sizes, small), _build_case("medium", sizes, medium),
             _build_case("large", sizes, large), _build_case("medium", sizes, medium, version=1),
             _build_case("one", sizes, medium, requests=1), _build_case("one", sizes, medium, version=1,
                                                                         requests=1),
             _build_case("one", sizes, medium, version=2, requests=1),
-            _top_case(sizes, 1), _top_case(sizes, 2)]
+            *(_top_case(sizes, version) for version in VERSIONS)]
