@@ -16,6 +16,8 @@ Kernels:
 - ``top_candidates_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per drafter
   row, log-softmax (max, then a float64 sum of exp) and the K best by repeated block argmax.
 - ``top_candidates_sort_kernel`` (version 2): the same log-softmax, then a bitonic sort.
+- ``top_candidates_select_kernel`` (version 3): the same log-softmax, then a threshold that only
+  the tokens that can rank under K reach, and their ranks by counting.
 - ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
   by depth (what the engine's attention enumerates instead of a mask).
 
@@ -38,7 +40,13 @@ descending, id ascending), a bitonic sort of log2(S)(log2(S) + 1)/2 barrier stag
 of S = next power of two >= V pairs (at most TOPK_CHUNK = 4096, 32 KB), whatever K is; a longer
 row streams through the buffer, a token entering only if it beats the K-th best so far (needs
 K <= S / 2, else version 1 runs). V = 512, K = 32: ~370 barriers and 32 scans of the row become
-~65 barriers and one scan. Version 1 of the builder pays per pop one block argmax (2 + log2 TPB
+~65 barriers and one scan. Version 3 (rows of at most SELECT_VOCAB tokens, all in shared memory)
+needs none of the sort's stages: split the row into K groups (token s in group s mod K); each
+group's best is a distinct token, so K tokens reach the least of the K bests, and a token below it
+ranks K or later. Only the tokens at or above it (about 3K on random rows; a drafter's floor
+row, where most tokens tie at the floor, keeps nearly all) count the candidates that come before
+them, stopping at K: a count under K is the token's rank. Three barriers after the log-softmax
+instead of ~45 stages. Version 1 of the builder pays per pop one block argmax (2 + log2 TPB
 barriers) and a global load on thread 0's critical path; version 2 copies the log-probs it can
 reach (min(L, B) x min(K, B + 1) floats, when <= _STAGE) to shared memory once and keeps the
 frontier sorted, so the best of the merged frontier is known without a reduction: one barrier
