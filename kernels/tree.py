@@ -745,13 +745,7 @@ def top_candidates_kernel(threads: int):
         red64 = cuda.shared.array(threads, float64)
         best = cuda.shared.array(threads, int32)
         row = cuda.blockIdx.x
-        local_max = float32(-math.inf)
-        for v in range(cuda.threadIdx.x, logits.shape[1], threads):
-            local_max = max(local_max, logits[row, v])
-        red[cuda.threadIdx.x] = local_max
-        block_max(red)
-        row_max = red[0]
-        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        row_max, log_sum = _max_log_sum(logits, row, red, red64)
         previous_value = float32(math.inf)
         previous_index = -1
         for pick in range(top_ids.shape[1]):
@@ -762,6 +756,19 @@ def top_candidates_kernel(threads: int):
                 top_ids[row, pick] = previous_index
 
     return kernel
+
+
+@cuda.jit(device=True)
+def _max_log_sum(logits, row, red, red64):
+    """The row's max (float32) and ``_log_sum_exp``: a token's log-prob is then
+    (logits[row, v] - max) - log_sum in float32, numpy's steps."""
+    local_max = float32(-math.inf)
+    for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        local_max = max(local_max, logits[row, v])
+    red[cuda.threadIdx.x] = local_max
+    block_max(red)
+    row_max = red[0]
+    return row_max, _log_sum_exp(logits, row, row_max, red64)
 
 
 @cuda.jit(device=True)
@@ -873,13 +880,7 @@ def top_candidates_sort_kernel(threads: int, slots: int):
         tid = cuda.threadIdx.x
         vocab = logits.shape[1]
         k = top_ids.shape[1]
-        local_max = float32(-math.inf)
-        for v in range(tid, vocab, threads):
-            local_max = max(local_max, logits[row, v])
-        red[tid] = local_max
-        block_max(red)
-        row_max = red[0]
-        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        row_max, log_sum = _max_log_sum(logits, row, red, red64)
         for s in range(tid, slots, threads):
             if s < vocab:
                 values[s] = (logits[row, s] - row_max) - log_sum            # float32, as numpy
@@ -949,13 +950,7 @@ def top_candidates_select_kernel(threads: int, slots: int):
         tid = cuda.threadIdx.x
         vocab = logits.shape[1]
         k = top_ids.shape[1]
-        local_max = float32(-math.inf)
-        for v in range(tid, vocab, threads):
-            local_max = max(local_max, logits[row, v])
-        red[tid] = local_max
-        block_max(red)
-        row_max = red[0]
-        log_sum = _log_sum_exp(logits, row, row_max, red64)
+        row_max, log_sum = _max_log_sum(logits, row, red, red64)
         for v in range(tid, vocab, threads):
             values[v] = (logits[row, v] - row_max) - log_sum              # float32, as numpy
         if tid == 0:
