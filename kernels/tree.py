@@ -16,8 +16,6 @@ Kernels:
 - ``top_candidates_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per drafter
   row, log-softmax (max, then a float64 sum of exp) and the K best by repeated block argmax.
 - ``top_candidates_sort_kernel`` (version 2): the same log-softmax, then a bitonic sort.
-- ``top_candidates_select_kernel`` (version 3): the same log-softmax, then a threshold that only
-  the tokens that can rank under K reach, and their ranks by counting.
 - ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
   by depth (what the engine's attention enumerates instead of a mask).
 
@@ -40,13 +38,7 @@ descending, id ascending), a bitonic sort of log2(S)(log2(S) + 1)/2 barrier stag
 of S = next power of two >= V pairs (at most TOPK_CHUNK = 4096, 32 KB), whatever K is; a longer
 row streams through the buffer, a token entering only if it beats the K-th best so far (needs
 K <= S / 2, else version 1 runs). V = 512, K = 32: ~370 barriers and 32 scans of the row become
-~65 barriers and one scan. Version 3 (rows of at most SELECT_VOCAB tokens, all in shared memory)
-needs none of the sort's stages: split the row into K groups (token s in group s mod K); each
-group's best is a distinct token, so K tokens reach the least of the K bests, and a token below it
-ranks K or later. Only the tokens at or above it (about 3K on random rows; a drafter's floor
-row, where most tokens tie at the floor, keeps nearly all) count the candidates that come before
-them, stopping at K: a count under K is the token's rank. Three barriers after the log-softmax
-instead of ~45 stages. Version 1 of the builder pays per pop one block argmax (2 + log2 TPB
+~65 barriers and one scan. Version 1 of the builder pays per pop one block argmax (2 + log2 TPB
 barriers) and a global load on thread 0's critical path; version 2 copies the log-probs it can
 reach (min(L, B) x min(K, B + 1) floats, when <= _STAGE) to shared memory once and keeps the
 frontier sorted, so the best of the merged frontier is known without a reduction: one barrier
@@ -78,9 +70,8 @@ F32, I64 = 4, 8
 _STAGE = 1536                    # builder version 2: staged log-probs, L' x K' floats (6 KB)
 STAGE_BATCH = 8                  # ... copied 8 per thread at a time (their loads overlap)
 TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
-SELECT_VOCAB = 2048              # top-K version 3: rows of at most this many tokens (24 KB of shared memory)
 _NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
-VERSIONS = (1, 2, 3)             # kernel versions of top_candidates
+VERSIONS = (1, 2)                # kernel versions of top_candidates
 BUILD_VERSIONS = (1, 2, 3)       # kernel versions of build_trees_device
 KEY_SLOTS = 257                  # builder version 3: nodes and frontier entries (its keys: 16 B more each)
 MAX_KEYED_BUDGET = KEY_SLOTS - 1
@@ -925,71 +916,7 @@ def top_candidates_sort_kernel(threads: int, slots: int):
 # --8<-- [end:top_candidates_sort_kernel]
 
 
-# --8<-- [start:top_candidates_select_kernel]
-@functools.cache
-def top_candidates_select_kernel(threads: int, slots: int):
-    """Version 3 of the top-K kernel, for blocks of ``threads`` threads and rows of V <= ``slots``
-    tokens (both powers of two): a threshold, then ranks by counting."""
-
-    @cuda.jit
-    def kernel(logits, top_logprobs, top_ids):
-        # one block = one drafter row; max and float64 log-sum as version 1; log-prob of token s
-        # in values[s]. Group g < K holds the tokens s = g mod K; each group's best is at least
-        # the threshold = the least of the K groups' bests, so K tokens reach it: every token
-        # below it ranks K or later. The tokens that reach it (``candidates``, appended in any
-        # order) count the candidates that come before them (log-prob descending, id
-        # ascending) and stop at K; a count c < K is the token's rank, written at c. No other
-        # token comes before a candidate, so c is its rank in the row.
-        red = cuda.shared.array(threads, float32)
-        red64 = cuda.shared.array(threads, float64)
-        values = cuda.shared.array(slots, float32)            # [V] log-probs, token s at s
-        candidates = cuda.shared.array(slots, int32)          # [C] tokens at or above the threshold
-        bests = cuda.shared.array(slots, float32)             # [K] each group's best
-        count = cuda.shared.array(1, int32)
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        vocab = logits.shape[1]
-        k = top_ids.shape[1]
-        row_max, log_sum = _max_log_sum(logits, row, red, red64)
-        for v in range(tid, vocab, threads):
-            values[v] = (logits[row, v] - row_max) - log_sum              # float32, as numpy
-        if tid == 0:
-            count[0] = 0
-        cuda.syncthreads()
-        for group in range(tid, k, threads):
-            best = values[group]
-            for v in range(group + k, vocab, k):
-                best = max(best, values[v])
-            bests[group] = best
-        cuda.syncthreads()
-        threshold = bests[0]
-        for group in range(1, k):
-            threshold = min(threshold, bests[group])
-        for v in range(tid, vocab, threads):
-            if values[v] >= threshold:
-                candidates[cuda.atomic.add(count, 0, 1)] = v
-        cuda.syncthreads()
-        total = count[0]
-        for c in range(tid, total, threads):
-            token = candidates[c]
-            value = values[token]
-            rank = 0
-            for other in range(total):
-                before = candidates[other]
-                other_value = values[before]
-                if other_value > value or (other_value == value and before < token):
-                    rank += 1
-                    if rank == k:
-                        break
-            if rank < k:
-                top_logprobs[row, rank] = value
-                top_ids[row, rank] = token
-
-    return kernel
-# --8<-- [end:top_candidates_select_kernel]
-
-
-def check_top_candidates(logits, k, *, out=None, version=3, chunk=None):
+def check_top_candidates(logits, k, *, out=None, version=2, chunk=None):
     """Host logits get the reference's checks (NaN, +inf, a finite value per row); device logits
     must be (L, V) float32 (values unchecked: that would need a copy). ``out``: (top_logprobs
     (L, K) float32, top_ids (L, K) int64); ``version`` in VERSIONS; ``chunk``: None or a power of
@@ -1022,14 +949,13 @@ def sort_slots(vocab: int, chunk: int | None = None) -> int:
 
 
 # --8<-- [start:top_candidates]
-def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 3, chunk: int | None = None):
+def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 2, chunk: int | None = None):
     """Drafter logits (L, V) -> the K best per depth: (top_logprobs (L, K) float32, top_ids (L, K)
     int64), sorted descending, equal log-probs lower id first: ``ddtree.tree.top_candidates``.
 
     ``out``: a pair of device arrays to write into; ``stream``: where the kernel is launched.
-    ``version``: 3 (the default) ranks the tokens at or above a threshold by counting, 2 sorts, 1
-    picks the K best one block argmax at a time. A row longer than SELECT_VOCAB or than the sort
-    buffer (``chunk``, default TOPK_CHUNK) runs version 2, and with K > chunk / 2 version 1.
+    ``version``: 2 (the default) sorts, 1 picks the K best one block argmax at a time; a row
+    longer than the sort buffer (``chunk``, default TOPK_CHUNK) with K > chunk / 2 runs version 1.
     """
     logits = check_top_candidates(logits, k, out=out, version=version, chunk=chunk)
     depths, vocab = logits.shape
@@ -1039,10 +965,7 @@ def top_candidates(logits, k: int, *, out=None, stream=None, version: int = 3, c
     if depths:
         threads = pow2_threads(vocab, 1024)
         slots = sort_slots(vocab, chunk)
-        if version == 3 and vocab <= min(slots, SELECT_VOCAB):
-            threads = pow2_threads(vocab, 512)
-            kernel = top_candidates_select_kernel(threads, slots)
-        elif version >= 2 and (vocab <= slots or k <= slots // 2):
+        if version == 2 and (vocab <= slots or k <= slots // 2):
             threads = pow2_threads(slots // 2, 512)           # a pair per thread; 1024 run out of registers
             kernel = top_candidates_sort_kernel(threads, slots)
         else:

@@ -38,7 +38,7 @@ CASE_NAMES = [
     "moe_route", "moe_route_v1", "moe_reduced", "moe_reduced_v3",
     "tree_build_small", "tree_build_medium", "tree_build_large",
     "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1", "tree_build_one_v2",
-    "top_candidates_v1", "top_candidates_v2", "top_candidates_v3",
+    "top_candidates_v1", "top_candidates_v2",
     "accept_batch", "kv_compact", "kv_compact_v1", "sample", "rejection_step",
 ]
 
