@@ -212,6 +212,7 @@ LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)   # ... a dense Sw
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
+SLOT_ROWS = 1               # version 3: up to this many tokens run a block per (token, slot) pair
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -779,9 +780,9 @@ _pass_rows = listed_rows(ROWS_PER_PASS)
 def block_pairs(per_pass: int, by_slot: bool):
     """The device function pass_of(lists, first, per_expert, per_row, rows, pairs) -> (expert,
     count) of version 3's block y = blockIdx.y: its expert and its pass from ``first`` on
-    (``listed_rows``; count 0: the expert's pairs are done). ``by_slot`` (one token): ``lists``
-    holds the token's ids (1, k) instead, and block y serves its slot y alone, pair y, the expert
-    ids[0, y]: k blocks along y, where the lists need E (all but k of them idle)."""
+    (``listed_rows``; count 0: the expert's pairs are done). ``by_slot`` (a few tokens):
+    ``lists`` holds the tokens' ids flat, (1, T k), instead, and block y serves pair y alone, the
+    expert ids[0, y]: T k blocks along y, where the lists need E passes (and a launch of their own)."""
     rows_of = listed_rows(per_pass)
 
     @cuda.jit(device=True)
@@ -1070,28 +1071,32 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
 
 
 def by_slot(rows: int, experts: int, version: int) -> bool:
-    """Whether version 3 runs a block per slot (``block_pairs``): for one token among several
-    experts (a decode row's routed experts; not a dense SwiGLU's one)."""
-    return version == 3 and rows == 1 and experts > 1
+    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``): for up to
+    SLOT_ROWS tokens among several experts (a decode row's routed experts, a small tree's; not a
+    dense SwiGLU's one)."""
+    return version == 3 and rows <= SLOT_ROWS and experts > 1
 
 
 def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False) -> None:
     """Version 2's (or 3's) two grouped expert kernels on device arrays: x (T, D), stacks as
     ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows.
-    ``slotted`` (``by_slot``): ``lists`` is the token's ids (1, k) instead, and the kernels run a
-    block per slot along y."""
+    ``slotted`` (``by_slot``): ``lists`` is the tokens' ids (T, k) instead, and the kernels run a
+    block per pair along y, each a pass of one pair (the same sums as in a pass of the lists)."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
     # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
     # per pass of ROWS_PER_PASS of them (version 3 at one row: of one; blocks past the expert's
     # last pair return), in the simulator one block per expert walks all its passes; by slot, one
-    # per slot
+    # per pair, with a decode row's launch shape
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
+    if slotted:
+        lists = lists.reshape((1, rows * slots))            # [1, T k]: pair p's expert at p
+        experts = rows * slots
     if version == 3:
-        warps, columns, unroll = lane_shape(rows, dense=experts == 1 and not slotted)
-        per_pass = pass_rows(rows)                          # a decode row's kernels: passes of one
-        per_expert = row_passes(rows, per_pass)
+        warps, columns, unroll = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
+        per_pass = 1 if slotted else pass_rows(rows)        # a decode row's kernels: passes of one
+        per_expert = 1 if slotted else row_passes(rows, per_pass)
         hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass, slotted)
         grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
         hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert,
