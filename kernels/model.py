@@ -25,10 +25,11 @@ runs in an order fixed by its own row (``linear`` version "warps", run as its fa
 with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are
 bit-identical to the AR logits at the same position, so DDTree == AR holds exactly in the engine,
 for any weights.
-The MoE kernels' version depends on the forward's row count (``moe_version``: per pair for few
-rows, grouped by expert for many); both versions give the same bits, so an AR step and a large
-tree's verify still agree row for row. Where experts are large (small, Kimi) every forward runs
-version 3 instead (``moe_warps``: other bits, the same in every forward).
+Every forward runs the MoE kernels' version 3 (``moe_warps``, the default): each dot product in
+"warps"' order, the same bits whether a few tokens run a block per (token, slot) pair or many run
+grouped by expert, so an AR step and a large tree's verify agree row for row. With ``moe_warps``
+False the version depends on the forward's row count instead (``moe_version``: 1 per pair for few
+rows, 2 grouped by expert for many, the same bits as each other, not version 3's).
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Four differences of form, none of them changing a bit:
@@ -521,10 +522,13 @@ class Transformer:
     ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
     fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
     everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
-    ``moe_warps`` True runs MoE version 3 in every forward instead (grouped by expert, each dot
-    product in "warps"' order, a warp's W loads coalesced; ``moe_grouped_from_rows`` then unused);
-    None (the default) takes it with ``large_experts`` (small, Kimi). Its bits differ from versions
-    1 and 2, so two engines with different ``moe_warps`` may differ in the last bits.
+    ``moe_warps`` True (None, the default, takes it) runs MoE version 3 in every forward instead
+    (each dot product in "warps"' order, a warp's W loads coalesced; ``moe_grouped_from_rows`` then
+    unused); False runs versions 1 and 2. Version 3's bits differ from theirs, so two engines with
+    different ``moe_warps`` may differ in the last bits. On the H200 version 3 made tiny's AR 3779
+    tok/s against 3457, tiny-b's 4954 against 4435, and DDTree within 3% at budgets 16 and 32,
+    13 to 18% faster at 64 (``engine-h200-2026-12-03k.md`` against ``-03j``, a block per pair up
+    to ``kernels.moe.SLOT_ROWS`` tokens); small and Kimi had taken it from the start.
     ``linear_version``: the projections' and lm_head's ``kernels.linear`` order, one of
     LINEAR_VERSIONS. "warps" (the default) runs as "lanes", its twin with the same bits: a warp
     per few output columns, lane l summing k = l, l + 32, ..., each lane with a run of W loads in
@@ -573,7 +577,7 @@ class Transformer:
             raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "
                              f"got {moe_grouped_from_rows!r}")
         if moe_warps is None:
-            moe_warps = large_experts(config)
+            moe_warps = True
         if not isinstance(moe_warps, bool):
             raise ValueError(f"moe_warps must be None, True or False, got {moe_warps!r}")
         if linear_version not in LINEAR_VERSIONS:

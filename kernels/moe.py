@@ -91,9 +91,11 @@ LANE_WIDE_FROM_ROWS rows on; a decode token's kernels keep one row's sums in reg
 version 2 on the H200 (``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's
 MoE layer 201 against 396 µs at one token, 1879 against 2648 at 72 (the first draft, without
 ``kernels.linear.index`` on its indices, was slower than version 2 from 72 rows on); 169 µs at
-one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``). At one token
-version 3 runs a block per slot from the router's ids (``block_pairs``, ``by_slot``): k blocks
-along y instead of E, and no lists (one launch fewer); each pair's sums are the lists' ones.
+one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``). At one token,
+and for up to SLOT_ROWS tokens where an expert's weights are small (tiny's), version 3 runs a
+block per (token, slot) pair from the router's ids (``block_pairs``, ``by_slot``): T k blocks
+along y instead of E's passes, and no lists (one launch fewer); each pair's sums are the lists'
+ones.
 
 A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
 "expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1
@@ -212,7 +214,8 @@ LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)   # ... a dense Sw
 LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
-SLOT_ROWS = 1               # version 3: up to this many tokens run a block per (token, slot) pair
+SLOT_ROWS = 64              # version 3: up to this many tokens run a block per (token, slot) pair ...
+SLOT_EXPERT_BYTES = 4 << 20  # ... where an expert's weights take fewer bytes (each pair reads them)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -1070,11 +1073,14 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
                                                                            weights, accumulate, out)
 
 
-def by_slot(rows: int, experts: int, version: int) -> bool:
-    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``): for up to
-    SLOT_ROWS tokens among several experts (a decode row's routed experts, a small tree's; not a
-    dense SwiGLU's one)."""
-    return version == 3 and rows <= SLOT_ROWS and experts > 1
+def by_slot(rows: int, experts: int, version: int, expert_bytes: int) -> bool:
+    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
+    experts (not a dense SwiGLU's one): for one token, and for up to SLOT_ROWS tokens where one
+    expert's weights (``expert_bytes``) are under SLOT_EXPERT_BYTES, since every pair then reads
+    its expert's weights again. Tiny's 0.4 MB experts: a 17-row forward took 325.9 µs so
+    (``profile-h200-2026-12-03h.md``) against 342.7 with the lists (``-03g.md``), in graph replay."""
+    few = rows == 1 or (rows <= SLOT_ROWS and expert_bytes < SLOT_EXPERT_BYTES)
+    return version == 3 and experts > 1 and few
 
 
 def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False) -> None:
@@ -1125,8 +1131,8 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream,
                       out_queue)
         return
-    experts = scratch.lists.shape[1]
-    if by_slot(x.shape[0], experts, version):                 # no lists: a block per slot
+    experts, features, width = params.gate_proj.shape
+    if by_slot(x.shape[0], experts, version, 3 * features * width * F32):    # no lists: a block per pair
         _launch_grouped(x, stacks, scratch.ids, scratch.hidden, scratch.down, stream, version, slotted=True)
     else:
         expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)

@@ -117,9 +117,9 @@ def test_moe_version_per_bucket():
     assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [72] * 3
     assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
     assert [large_experts(preset(name)) for name in ("micro", "tiny", "tiny-b", "small", "kimi-k2.6")] \
-        == [False, False, False, True, True]                  # the engine's default moe_warps
+        == [False, False, False, True, True]
     assert {moe_version(rows, 1, warps=True) for rows in (1, 2, 128)} == {3}
-    assert engine("micro", max_tree_nodes=8).moe_warps is False
+    assert engine("micro", max_tree_nodes=8).moe_warps is True            # version 3: the default
     assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
     assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
 
@@ -147,8 +147,8 @@ def test_projection_version_per_bucket():
 # prefill of each kind runs once (emit_token=True in the AR test, with a padding row;
 # emit_token=False in the greedy DDTree test; the sampled and rejection tests' prefill would launch
 # exactly the greedy one's: a prefill emits no token, so it never samples).
-# With Tmax = 8 these engines' forwards all run MoE version 1 (below MOE_GROUPED_FROM_ROWS rows);
-# test_moe_versions_give_the_engine_the_same_logits runs version 2 beside it.
+# These engines' forwards run MoE version 3 (the default: a block per (token, slot) pair, micro's
+# experts are small); test_moe_versions_give_the_engine_the_same_logits runs versions 1 and 2.
 
 
 def test_prompt_then_ar_steps_match_numpy():
@@ -305,11 +305,11 @@ def test_rejection_verifier_matches_numpy():
 
 @pytest.mark.parametrize("option, value", [
     ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
-    ("moe_warps", True), ("linear_version", "tiles")])
+    ("moe_warps", False), ("linear_version", "tiles")])
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
     2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
-    GEMMs), MoE version 3 ("warps"' sums) in every forward, or linear's "tiles" order (run as
+    GEMMs), MoE versions 1 and 2 instead of version 3, or linear's "tiles" order (run as
     "tiles", "stream" and "tiles_gemm") for every projection and the lm_head. A branching DDTree
     round gives the engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR
     forwards, and one verify forward (one round)."""
@@ -344,8 +344,8 @@ def test_moe_versions_give_the_engine_the_same_logits():
     experts 0 and 1, so those experts serve several pairs."""
     config = preset("micro")
     weights = init_weights(config, golden.WEIGHT_SEED)
-    grouped = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=1)
-    per_pair = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=9)
+    grouped = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=1, moe_warps=False)
+    per_pair = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=9, moe_warps=False)
     prompt = golden.default_prompt("micro")[:4]
     logits = grouped.logits(prompt)
     assert np.array_equal(per_pair.logits(prompt).view(np.uint32), logits.view(np.uint32))
@@ -589,12 +589,12 @@ def test_unfused_attention_engine_equals_golden_and_ar():
 
 
 @pytest.mark.gpu
-def test_moe_warps_engine_equals_golden_and_ar():
-    """MoE version 3 ("warps"' sums, ``moe_warps=True``) in every forward of the engine on tiny:
-    the golden AR tokens and logits, every drafter's DDTree tokens, and a 300-token n-gram DDTree
-    generation with budget 64 (verify buckets of up to 72 rows: experts with several pairs per
-    pass) equal to its own AR."""
-    assert_option_keeps_golden_and_ddtree(300, budget=64, moe_warps=True)
+def test_moe_versions_1_and_2_engine_equals_golden_and_ar():
+    """MoE versions 1 and 2 (``moe_warps=False``: per pair below 72 rows, grouped from there) in
+    every forward of the engine on tiny: the golden AR tokens and logits, every drafter's DDTree
+    tokens, and a 300-token n-gram DDTree generation with budget 64 (verify buckets of up to 72
+    rows: version 2's passes of several pairs) equal to its own AR."""
+    assert_option_keeps_golden_and_ddtree(300, budget=64, moe_warps=False)
 
 
 @pytest.mark.gpu
