@@ -84,7 +84,7 @@ from kernels.mla import (
     paths_unfused,
     unfused_chunks,
 )
-from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
+from kernels.moe import LARGE_EXPERT_BYTES, DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
 from kernels.sampling import rejection_step, sample
@@ -96,7 +96,6 @@ MOE_GROUPED_FROM_ROWS = 72      # forwards of this many rows or more run MoE ver
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
 GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm" ...
 GEMM_MIN_WEIGHTS = 1 << 20      # ... where the weight has this many elements (projection_version)
-GROUPED_EXPERT_BYTES = 4 << 20  # ... at every row count where an expert's weights are this large
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
@@ -168,9 +167,9 @@ def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, 
 
 
 def large_experts(config: ModelConfig) -> bool:
-    """Whether one expert's weights (gate, up and down, fp32) take GROUPED_EXPERT_BYTES or more
-    (small's 34.6 MB and Kimi's 176 MB do, tiny's 0.4 MB do not)."""
-    return 3 * config.hidden_size * config.moe_intermediate_size * 4 >= GROUPED_EXPERT_BYTES
+    """Whether one expert's weights (gate, up and down, fp32) take ``kernels.moe``'s
+    LARGE_EXPERT_BYTES or more (small's 34.6 MB and Kimi's 176 MB do, tiny's 0.4 MB do not)."""
+    return 3 * config.hidden_size * config.moe_intermediate_size * 4 >= LARGE_EXPERT_BYTES
 
 
 def moe_grouped_from(config: ModelConfig) -> int:
@@ -178,8 +177,8 @@ def moe_grouped_from(config: ModelConfig) -> int:
     with ``large_experts``, else MOE_GROUPED_FROM_ROWS. On the H200
     (``docs/results/profile-h200-2026-12-01b.md``), small's experts ran faster grouped at every T,
     one row included (its expert kernels 2.8 ms against 3.4, the two extra launches counted);
-    tiny's and tiny-b's, below 72 rows, did not (``moe-crossover-h200-2026-12-03.md``). (With
-    ``large_experts`` the engine's default is version 3 anyway: ``moe_warps``.)"""
+    tiny's and tiny-b's, below 72 rows, did not (``moe-crossover-h200-2026-12-03.md``). (It
+    matters with ``moe_warps=False`` only: the default runs version 3.)"""
     return 1 if large_experts(config) else MOE_GROUPED_FROM_ROWS
 # --8<-- [end:moe_version]
 

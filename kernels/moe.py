@@ -215,7 +215,8 @@ LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
 SLOT_ROWS = 64              # version 3: up to this many tokens run a block per (token, slot) pair ...
-SLOT_EXPERT_BYTES = 4 << 20  # ... where an expert's weights take fewer bytes (each pair reads them)
+LARGE_EXPERT_BYTES = 4 << 20  # ... unless an expert's weights take this many bytes: then they are read
+                              # once per pass of its pairs, never once per pair (kernels.model too)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -1076,10 +1077,10 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
 def by_slot(rows: int, experts: int, version: int, expert_bytes: int) -> bool:
     """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
     experts (not a dense SwiGLU's one): for one token, and for up to SLOT_ROWS tokens where one
-    expert's weights (``expert_bytes``) are under SLOT_EXPERT_BYTES, since every pair then reads
+    expert's weights (``expert_bytes``) are under LARGE_EXPERT_BYTES, since every pair then reads
     its expert's weights again. Tiny's 0.4 MB experts: a 17-row forward took 325.9 µs so
     (``profile-h200-2026-12-03h.md``) against 342.7 with the lists (``-03g.md``), in graph replay."""
-    few = rows == 1 or (rows <= SLOT_ROWS and expert_bytes < SLOT_EXPERT_BYTES)
+    few = rows == 1 or (rows <= SLOT_ROWS and expert_bytes < LARGE_EXPERT_BYTES)
     return version == 3 and experts > 1 and few
 
 

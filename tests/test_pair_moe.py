@@ -466,7 +466,7 @@ def test_version_3_by_slot_gives_the_lists_bits(monkeypatch):
     """Version 3 with a block per (token, slot) pair for T <= SLOT_ROWS tokens (no lists) gives
     the lists' passes' bits: 6 tokens, 18 pairs, some experts with several. Large experts take the
     lists past one token."""
-    assert not gpu.by_slot(2, 64, 3, gpu.SLOT_EXPERT_BYTES) and gpu.by_slot(1, 64, 3, gpu.SLOT_EXPERT_BYTES)
+    assert not gpu.by_slot(2, 64, 3, gpu.LARGE_EXPERT_BYTES) and gpu.by_slot(1, 64, 3, gpu.LARGE_EXPERT_BYTES)
     config = config_with(moe_intermediate_size=45)
     params = gpu.device_params(random_params(config, 21, seed=9))
     x = to_device(np.random.default_rng(9).standard_normal((6, 21)).astype(np.float32))
