@@ -518,12 +518,12 @@ class Transformer:
     of every row against every key as one GEMM, P V as another in chunks at fixed positions; Z, G
     and ``attention_gemm`` left at None); None (the default) takes it where
     ``kernels.mla.paths_unfused`` does.
-    ``moe_grouped_from_rows``: forwards of at least this many rows run the MoE kernels' version 2,
-    fewer rows version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2
-    everywhere, more than Tmax version 1). Both versions round alike: any value gives the same bits.
-    ``moe_warps`` True (None, the default, takes it) runs MoE version 3 in every forward instead
-    (each dot product in "warps"' order, a warp's W loads coalesced; ``moe_grouped_from_rows`` then
-    unused); False runs versions 1 and 2. Version 3's bits differ from theirs, so two engines with
+    ``moe_warps`` True (None, the default, takes it) runs MoE version 3 in every forward (each dot
+    product in "warps"' order, a warp's W loads coalesced); False runs versions 1 and 2, chosen by
+    ``moe_grouped_from_rows``: forwards of at least this many rows run version 2, fewer rows
+    version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2 everywhere,
+    more than Tmax version 1; both round alike: any value gives the same bits, and with
+    ``moe_warps`` True the value is unused). Version 3's bits differ from theirs, so two engines with
     different ``moe_warps`` may differ in the last bits. On the H200 version 3 made tiny's AR 3779
     tok/s against 3457, tiny-b's 4954 against 4435, and DDTree within 3% at budgets 16 and 32,
     13 to 18% faster at 64 (``engine-h200-2026-12-03k.md`` against ``-03j``, a block per pair up
