@@ -331,7 +331,7 @@ def sorted_builder(keyed: bool):
                tokens, parents, depths, ranks, logprobs, sizes):
         """One block per request; the frontier is kept sorted, so a pop costs one barrier.
 
-        The frontier (every live candidate but the next pop) sits in ``front_*[side + :rest]`` in
+        The frontier (every live candidate but the next pop) sits in ``front_*[side:side + rest]`` in
         pop order reversed (index rest - 1 pops first), and the candidate that pops next is
         already written as node ``nodes`` of the node table. Pop ``nodes``: every thread computes
         its two new candidates (next sibling, first child), and thread t takes gap t of the

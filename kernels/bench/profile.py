@@ -222,8 +222,8 @@ def main(argv=None) -> int:
                         help="forwards of at least this many rows run the MoE kernels' version 2, "
                         "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
     parser.add_argument("--moe-warps", action=argparse.BooleanOptionalAction, default=None,
-                        help="the MoE kernels' version 3 in every forward (\"warps\"' sums; default: "
-                        "the engine's choice, kernels.model.large_experts)")
+                        help="the MoE kernels' version 3 in every forward (\"warps\"' sums; the "
+                        "engine's default); --no-moe-warps: versions 1 and 2 by row count")
     parser.add_argument("--linear-version", default=None,
                         help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)
