@@ -155,7 +155,6 @@ from kernels.graphs import fork, join
 from kernels.linear import (
     LANES,
     LANES_PADDED,
-    LANES_SIMULATED,
     MAX_SLICES,
     ROWS_PER_PASS,
     k_slices,
@@ -209,10 +208,13 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass
 # token (116.9 µs against 120.0 for the earlier (4, 4, 8) and (4, 2, 8)) and within 1% of the
 # fastest dense SwiGLU shape (docs/results/decode-shapes-h200-2026-12-02.txt). The simulator runs
 # linear's "lanes" shape (one warp per block: each thread is a Python thread).
-LANE_ONE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)
-LANE_ONE_DENSE = LANES_SIMULATED if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
-LANE_NARROW = LANES_SIMULATED if SIMULATOR else (4, 4, 4)
-LANE_WIDE = LANES_SIMULATED if SIMULATOR else (4, 8, 2)
+# the simulator's shape: one warp a block (each thread a Python thread), 16 outputs a warp (half
+# the blocks of linear's LANES_SIMULATED: the engine's tests on micro, 91 -> 60 s on 2 cores)
+LANES_SIMULATED_MOE = (1, 16, 2)
+LANE_ONE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)
+LANE_ONE_DENSE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
+LANE_NARROW = LANES_SIMULATED_MOE if SIMULATOR else (4, 4, 4)
+LANE_WIDE = LANES_SIMULATED_MOE if SIMULATOR else (4, 8, 2)
 LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
 SLOT_ROWS = 64              # version 3: up to this many tokens run a block per (token, slot) pair ...
 LARGE_EXPERT_BYTES = 4 << 20  # ... unless an expert's weights take this many bytes: then they are read

@@ -376,7 +376,7 @@ def test_version_3_shape_by_rows():
     ``pass_rows``; ONE_DENSE for a dense SwiGLU's), NARROW for a few rows, WIDE for many; the
     simulator always runs its own."""
     if gpu.SIMULATOR:
-        assert {gpu.lane_shape(r) for r in (1, 8, 72)} == {gpu.LANES_SIMULATED}
+        assert {gpu.lane_shape(r) for r in (1, 8, 72)} == {gpu.LANES_SIMULATED_MOE}
         return
     assert (gpu.lane_shape(1), gpu.lane_shape(8), gpu.lane_shape(72)) == (gpu.LANE_ONE, gpu.LANE_NARROW,
                                                                           gpu.LANE_WIDE)
