@@ -87,6 +87,8 @@ def check_candidates(top_logprobs, top_ids):
     lp = lp.astype(np.float32)
     if np.isnan(lp).any() or np.isposinf(lp).any():
         raise ValueError("top_logprobs must not contain NaN or +inf")
+    if np.any(lp > 0):
+        raise ValueError("top_logprobs must be log-probabilities, <= 0 (a log-softmax's output)")
     if not np.all(lp[..., 1:] <= lp[..., :-1]):
         raise ValueError("top_logprobs rows must be sorted in descending (non-increasing) order")
     if ids.size and ids.min() < 0:

@@ -224,6 +224,8 @@ def bad_case(name):
         lp[1, 2] = np.nan
     elif name == "plus inf":
         lp[0, 0] = np.inf
+    elif name == "positive":
+        lp[0, 0] = 0.5
     elif name == "unsorted":
         lp[1] = lp[1, ::-1]
     elif name == "float ids":
@@ -245,7 +247,8 @@ def bad_case(name):
 
 BAD_INPUTS = {
     "shapes differ": "same .*shape", "k zero": "K >= 1", "one dimension": "same .*shape",
-    "nan": "NaN", "plus inf": r"\+inf", "unsorted": "descending", "float ids": "top_ids must be an integer",
+    "nan": "NaN", "plus inf": r"\+inf", "positive": "<= 0", "unsorted": "descending",
+    "float ids": "top_ids must be an integer",
     "negative id": "top_ids must be non-negative", "duplicate ids": "distinct",
     "float budget": "budget must be an integer", "bool budget": "budget must be an integer",
     "negative root": "root_token", "integer logprobs": "top_logprobs must be a float",
