@@ -19,9 +19,10 @@ Two rules make every implementation (this one and ``kernels.tree``) give the sam
 * **Ties**: among equal weights the candidate with the lexicographically smallest rank tuple
   pops first; a tuple that is a prefix of a longer one is the smaller (the reference's rule).
 
-With log-probs <= 0 (any log-softmax output), a candidate never weighs more than the entry that
-generated it, and with the tie rule that entry also sorts first; so the pops come out in exactly
-the order of ``sorted(all candidates, key=(-weight, rank tuple))``, cut after B.
+With log-probs <= 0 (any log-softmax output; ``check_candidates`` rejects others), a candidate
+never weighs more than the entry that generated it, and with the tie rule that entry also sorts
+first; so the pops come out in exactly the order of ``sorted(all candidates, key=(-weight, rank
+tuple))``, cut after B.
 """
 
 from __future__ import annotations

@@ -72,10 +72,9 @@ STAGE_BATCH = 8                  # ... copied 8 per thread at a time (their load
 TOPK_CHUNK = 4096                # top-K version 2: (log-prob, id) pairs sorted in shared memory (32 KB)
 _NO_TOKEN = 2**31 - 1            # an empty sort slot: (-inf, _NO_TOKEN) sorts after every real token
 VERSIONS = (1, 2)                # kernel versions of top_candidates
-BUILD_VERSIONS = (1, 2, 3, 4)    # kernel versions of build_trees_device
+BUILD_VERSIONS = (1, 2, 3)       # kernel versions of build_trees_device
 KEY_SLOTS = 257                  # builder version 3: nodes and frontier entries (its keys: 16 B more each)
 MAX_KEYED_BUDGET = KEY_SLOTS - 1
-TWO_KEY_TABLES = 2 * KEY_SLOTS   # builder version 4: two tables of KEY_SLOTS entries, one after the other
 KEY_DEPTHS = 128                 # ... and the depths its keys can hold (2 x the digits per word, + 1)
 
 
@@ -196,34 +195,27 @@ def _pop(slot, node, top_logprobs, request, node_parent, node_rank, node_depth, 
     state[0] = live
 
 
-@cuda.jit(device=True, inline="always")
-def _write_node(request, i, size, root_tokens, top_ids, parent, depth, rank, weight,
-                tokens, parents, depths, ranks, logprobs):
-    """Column ``i`` of row ``request``: node i (parent, depth, rank, weight) while i < ``size``,
-    else padding (token 0, parent -1, depth 0, rank -1, log-prob -inf)."""
-    if i < size:
-        parents[request, i] = parent
-        depths[request, i] = depth
-        ranks[request, i] = rank
-        logprobs[request, i] = weight
-        tokens[request, i] = root_tokens[request] if i == 0 else top_ids[request, depth - 1, rank]
-    else:
-        tokens[request, i] = 0
-        parents[request, i] = -1
-        depths[request, i] = 0
-        ranks[request, i] = -1
-        logprobs[request, i] = _NEG_INF
-
-
 @cuda.jit(device=True)
 def _write_tree(request, root_tokens, top_ids, size, node_parent, node_rank, node_depth, node_weight,
                 tokens, parents, depths, ranks, logprobs):
-    """Row ``request`` of the outputs (W): the ``size`` nodes in pop order, then padding;
-    threads stride over the columns."""
+    """Row ``request`` of the outputs (W): the ``size`` nodes in pop order, then padding (token 0,
+    parent -1, depth 0, rank -1, log-prob -inf); threads stride over the columns."""
     for i in range(cuda.threadIdx.x, tokens.shape[1], cuda.blockDim.x):
-        node = min(i, size - 1)                          # a padding column reads no table entry
-        _write_node(request, i, size, root_tokens, top_ids, node_parent[node], node_depth[node],
-                    node_rank[node], node_weight[node], tokens, parents, depths, ranks, logprobs)
+        if i < size:
+            parents[request, i] = node_parent[i]
+            depths[request, i] = node_depth[i]
+            ranks[request, i] = node_rank[i]
+            logprobs[request, i] = node_weight[i]
+            if i == 0:
+                tokens[request, i] = root_tokens[request]
+            else:
+                tokens[request, i] = top_ids[request, node_depth[i] - 1, node_rank[i]]
+        else:
+            tokens[request, i] = 0
+            parents[request, i] = -1
+            depths[request, i] = 0
+            ranks[request, i] = -1
+            logprobs[request, i] = _NEG_INF
 
 
 @cuda.jit
@@ -310,33 +302,6 @@ def _place(index, top, node, parent, rank, weight, high, low, node_parent, node_
 
 
 @cuda.jit(device=True, inline="always")
-def _stage_logprobs(top_logprobs, request, stage_depths, stage_width, stage):
-    """Copy top_logprobs[request, :stage_depths, :stage_width] to ``stage`` (index depth * width +
-    rank; nothing when ``stage_width`` is 0), STAGE_BATCH loads in flight per thread. The caller
-    waits at a barrier before reading it."""
-    if stage_width > 0:
-        staged = cuda.local.array(STAGE_BATCH, float32)
-        total = stage_depths * stage_width
-        for base in range(cuda.threadIdx.x, total, cuda.blockDim.x * STAGE_BATCH):
-            for b in range(STAGE_BATCH):
-                i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
-                staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
-            for b in range(STAGE_BATCH):
-                if base + b * cuda.blockDim.x < total:
-                    stage[base + b * cuda.blockDim.x] = staged[b]
-
-
-@cuda.jit(device=True, inline="always")
-def _key_units(key_base, key_digits, unit):
-    """(one thread) unit[d]: one digit at depth d of a rank-tuple key (versions 3 and 4), base^(D -
-    d) in the high word for d <= D = ``key_digits``, then base^(2D - d) in the low word."""
-    power = int64(1)
-    for d in range(2 * key_digits, 0, -1):
-        unit[d] = power
-        power = int64(1) if d == key_digits + 1 else power * key_base
-
-
-@cuda.jit(device=True, inline="always")
 def _key_before(weight_a, high_a, low_a, weight_b, high_b, low_b):
     """Version 3's order: heavier first, then the smaller key (high word, then low word)."""
     if weight_a != weight_b:
@@ -407,7 +372,16 @@ def sorted_builder(keyed: bool):
         unit = cuda.shared.array(unit_slots, int64)           # version 3: one digit at depth d
         stage = cuda.shared.array(_STAGE, float32)
 
-        _stage_logprobs(top_logprobs, request, stage_depths, stage_width, stage)
+        if stage_width > 0:                                   # STAGE_BATCH loads in flight per thread
+            staged = cuda.local.array(STAGE_BATCH, float32)
+            total = stage_depths * stage_width
+            for base in range(cuda.threadIdx.x, total, cuda.blockDim.x * STAGE_BATCH):
+                for b in range(STAGE_BATCH):
+                    i = min(base + b * cuda.blockDim.x, total - 1)    # past the end: re-read the last
+                    staged[b] = top_logprobs[request, i // stage_width, i % stage_width]
+                for b in range(STAGE_BATCH):
+                    if base + b * cuda.blockDim.x < total:
+                        stage[base + b * cuda.blockDim.x] = staged[b]
         width = uint64(max(stage_width, 0))
         depth_limit = uint64(top_logprobs.shape[1])           # L
         rank_limit = uint64(top_logprobs.shape[2])            # K
@@ -415,8 +389,11 @@ def sorted_builder(keyed: bool):
         limit = uint64(max(budget, 0))
         nodes = ONE if limit > ZERO and depth_limit > ZERO else ZERO   # node 1 = (depth 1, rank 0) pops first
         if tid == ZERO:
-            if keyed:
-                _key_units(key_base, key_digits, unit)
+            if keyed:                                         # unit[d] = base^(D - d), then base^(2D - d)
+                power = int64(1)
+                for d in range(2 * key_digits, 0, -1):
+                    unit[d] = power
+                    power = int64(1) if d == key_digits + 1 else power * key_base
                 node_high[0] = 0
                 node_low[0] = 0
             node_parent[0] = -1
@@ -552,203 +529,6 @@ def key_shape(depths: int, k: int, budget: int) -> tuple[int, int]:
 # --8<-- [end:build_trees_sorted_kernel]
 
 
-# --8<-- [start:build_trees_levels_kernel]
-@cuda.jit(device=True, inline="always")
-def _child_key(high, low, rank, depth, digits, unit):
-    """The key of a node's child of rank ``rank`` at ``depth``: the node's key and one digit, rank
-    + 1, at the child's depth (in the high word up to ``digits``, then in the low word)."""
-    if depth <= digits:
-        return high + (rank + 1) * unit[depth], low
-    return high, low + (rank + 1) * unit[depth]
-
-
-@cuda.jit(device=True, inline="always")
-def _children_before(weight, high, low, count, parent_weight, parent_high, parent_low, depth, digits, unit,
-                     stage, width, top_logprobs, request):
-    """How many of a parent's first ``count`` children at ``depth`` come before (weight, high, low).
-    A binary search: a parent's children come in order (lighter and a larger key as the rank
-    grows), so the ones before the probe are a prefix."""
-    first, last = 0, count
-    while first < last:
-        middle = (first + last) // 2
-        child_high, child_low = _child_key(parent_high, parent_low, middle, depth, digits, unit)
-        child_weight = parent_weight + _logprob(stage, width, top_logprobs, request, uint64(depth - 1),
-                                                uint64(middle))
-        if _key_before(child_weight, child_high, child_low, weight, high, low):
-            first = middle + 1
-        else:
-            last = middle
-    return first
-
-
-@cuda.jit(device=True, inline="always")
-def _entries_before(weight, high, low, count, base, entry_weight, entry_high, entry_low):
-    """How many of the sorted entries base + 1 .. base + count come before (weight, high, low)."""
-    first, last = 0, count
-    while first < last:
-        middle = (first + last) // 2
-        entry = base + middle + 1
-        if _key_before(entry_weight[entry], entry_high[entry], entry_low[entry], weight, high, low):
-            first = middle + 1
-        else:
-            last = middle
-    return first
-
-
-@cuda.jit
-def build_trees_levels_kernel(root_tokens, top_logprobs, top_ids, budget, stage_depths, stage_width, key_base,
-                              key_digits, tokens, parents, depths, ranks, logprobs, sizes):
-    """Version 4: one block per request, the tree grown a depth at a time, places by counting.
-
-    The tree is the B first candidates in the order (weight descending, rank tuple ascending): with
-    log-probs <= 0 a candidate never comes before the node that generated it, so the heap pops in
-    that order. After depth d the table holds the B first candidates of depth <= d, sorted (the
-    entries, node 1 on; node 0 the root). The B first of depth <= d + 1 are among those and the
-    children of their depth-d entries (a node in the B first has its parent there too). So one
-    depth costs two barriers: every parent of the depth counts how many of its children can enter
-    (at most B - its node, and only those before the last entry when the table is full); then
-    every old entry and every new child finds its place in the merged order by counting what comes
-    before it (the parents with no child to enter append themselves to that count's list: none) (a binary search among the entries and one per other parent: a parent's children are
-    in order), and lands in the other table if its place is < B. A depth that admits no child ends
-    the tree. The children that enter are the next depth's parents; they append themselves with
-    an atomic, in any order: a place does not depend on the order of the list.
-
-    An entry keeps its weight, its key (version 3's rank tuple as two int64 words), depth, rank
-    and its parent's weight; the parent's node, which moves as entries enter, is found once at the
-    end by a binary search for (parent's weight, the key less its last digit).
-    """
-    request = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    entry_weight = cuda.shared.array(TWO_KEY_TABLES, float32)     # two tables: read one, write the other
-    entry_high = cuda.shared.array(TWO_KEY_TABLES, int64)
-    entry_low = cuda.shared.array(TWO_KEY_TABLES, int64)
-    entry_depth = cuda.shared.array(TWO_KEY_TABLES, int32)
-    entry_rank = cuda.shared.array(TWO_KEY_TABLES, int32)
-    entry_parent_weight = cuda.shared.array(TWO_KEY_TABLES, float32)
-    parent_node = cuda.shared.array(KEY_SLOTS, int32)           # this depth's parents, with how many
-    parent_weight = cuda.shared.array(KEY_SLOTS, float32)       # of their children can enter
-    parent_high = cuda.shared.array(KEY_SLOTS, int64)
-    parent_low = cuda.shared.array(KEY_SLOTS, int64)
-    parent_children = cuda.shared.array(KEY_SLOTS, int32)
-    next_parents = cuda.shared.array(TWO_KEY_TABLES, int32)      # the parents of depth d + 1 (list d % 2)
-    next_count = cuda.shared.array(2, int32)
-    active_count = cuda.shared.array(2, int32)                  # parents with a child that can enter
-    unit = cuda.shared.array(KEY_DEPTHS, int64)
-    stage = cuda.shared.array(_STAGE, float32)
-
-    _stage_logprobs(top_logprobs, request, stage_depths, stage_width, stage)
-    width = uint64(max(stage_width, 0))
-    limit = max(budget, 0)                                       # B
-    depth_limit = min(top_logprobs.shape[1], limit)             # a node's depth is <= B
-    rank_limit = min(top_logprobs.shape[2], limit)              # ... and its rank < B
-    if tid == 0:
-        _key_units(key_base, key_digits, unit)
-        for side in range(2):                                    # the root, node 0 of both tables
-            entry_weight[side * KEY_SLOTS] = float32(0.0)
-            entry_high[side * KEY_SLOTS] = 0
-            entry_low[side * KEY_SLOTS] = 0
-            entry_depth[side * KEY_SLOTS] = 0
-            entry_rank[side * KEY_SLOTS] = -1
-        next_parents[0] = 0                                      # depth 1's one parent: the root
-        next_count[0] = 1 if depth_limit > 0 else 0
-        active_count[0] = 0
-        active_count[1] = 0
-    cuda.syncthreads()
-    entries = 0
-    base = 0                                                     # the table read: base + node
-    for depth in range(1, depth_limit + 1):
-        here, there = ((depth - 1) % 2), (depth % 2)
-        count = next_count[here]
-        if count == 0:                                           # no entry at depth - 1: done
-            break
-        full = entries == limit
-        last = base + entries
-        for k in range(tid, count, threads):                     # thread per parent
-            node = next_parents[here * KEY_SLOTS + k]
-            weight, high, low = entry_weight[base + node], entry_high[base + node], entry_low[base + node]
-            children = min(rank_limit, limit - node)             # node - 1 entries, the node, siblings
-            if full:                                             # ... and before the last entry
-                children = _children_before(entry_weight[last], entry_high[last], entry_low[last], children,
-                                            weight, high, low, depth, key_digits, unit, stage, width,
-                                            top_logprobs, request)
-            if children > 0:                                     # the others count for nothing
-                k = cuda.atomic.add(active_count, here, 1)
-                parent_node[k] = node
-                parent_weight[k] = weight
-                parent_high[k] = high
-                parent_low[k] = low
-                parent_children[k] = children
-        if tid == 0:
-            next_count[there] = 0
-            active_count[there] = 0
-        cuda.syncthreads()
-        count = active_count[here]
-        other = KEY_SLOTS - base
-        added = 0
-        for k in range(count):
-            added += parent_children[k]
-        for item in range(tid, entries + count * rank_limit, threads):   # thread per entry or child
-            if item < entries:                                   # old entry: moves down past the
-                node = base + item + 1                           # children before it
-                weight, high, low = entry_weight[node], entry_high[node], entry_low[node]
-                place = item
-                for k in range(count):
-                    if parent_node[k] <= item:                   # a parent after it: children too
-                        place += _children_before(weight, high, low, parent_children[k], parent_weight[k],
-                                                  parent_high[k], parent_low[k], depth, key_digits, unit,
-                                                  stage, width, top_logprobs, request)
-                if place < limit:
-                    entry = other + place + 1
-                    entry_weight[entry] = weight
-                    entry_high[entry] = high
-                    entry_low[entry] = low
-                    entry_depth[entry] = entry_depth[node]
-                    entry_rank[entry] = entry_rank[node]
-                    entry_parent_weight[entry] = entry_parent_weight[node]
-            else:                                                # child (parent k, rank)
-                k, rank = (item - entries) // rank_limit, (item - entries) % rank_limit
-                if rank < parent_children[k]:
-                    weight = parent_weight[k] + _logprob(stage, width, top_logprobs, request,
-                                                         uint64(depth - 1), uint64(rank))
-                    high, low = _child_key(parent_high[k], parent_low[k], rank, depth, key_digits, unit)
-                    place = rank + _entries_before(weight, high, low, entries, base, entry_weight, entry_high,
-                                                   entry_low)
-                    for other_k in range(count):
-                        if other_k != k and _key_before(parent_weight[other_k], parent_high[other_k],
-                                                        parent_low[other_k], weight, high, low):
-                            place += _children_before(weight, high, low, parent_children[other_k],
-                                                      parent_weight[other_k], parent_high[other_k],
-                                                      parent_low[other_k], depth, key_digits, unit, stage,
-                                                      width, top_logprobs, request)
-                    if place < limit:
-                        entry = other + place + 1
-                        entry_weight[entry] = weight
-                        entry_high[entry] = high
-                        entry_low[entry] = low
-                        entry_depth[entry] = depth
-                        entry_rank[entry] = rank
-                        entry_parent_weight[entry] = parent_weight[k]
-                        next_parents[there * KEY_SLOTS + cuda.atomic.add(next_count, there, 1)] = place + 1
-        entries = min(limit, entries + added)
-        base = other
-        cuda.syncthreads()
-    size = entries + 1
-    for i in range(tid, tokens.shape[1], threads):
-        node = base + min(i, entries)
-        depth, rank = entry_depth[node], entry_rank[node]
-        parent = -1 if i == 0 else 0
-        if depth > 1:                                            # the parent: its key less one digit
-            high, low = _child_key(entry_high[node], entry_low[node], -2 - rank, depth, key_digits, unit)
-            parent = 1 + _entries_before(entry_parent_weight[node], high, low, entries, base, entry_weight,
-                                         entry_high, entry_low)
-        _write_node(request, i, size, root_tokens, top_ids, parent, depth, rank, entry_weight[node],
-                    tokens, parents, depths, ranks, logprobs)
-    if tid == 0:
-        sizes[request] = size
-# --8<-- [end:build_trees_levels_kernel]
-
-
 class TreeBatch(typing.NamedTuple):
     """Padded trees, one row per request (device arrays): row b holds sizes[b] nodes, then padding."""
     tokens: object      # [Bq, W] int64, padding 0
@@ -811,9 +591,9 @@ def check_build_trees(root_tokens, top_logprobs, top_ids, budget, *, threads=Non
             dtype = np.float32 if name == "logprobs" else np.int64
             check_out(getattr(out, name), shape[:1] if name == "sizes" else shape, dtype, f"out.{name}")
     keys = key_shape(top_logprobs.shape[1], top_logprobs.shape[2], budget) != (0, 0)
-    if version in (3, 4) and not keys and budget > 0:
-        raise ValueError(f"version {version} needs budget <= {MAX_KEYED_BUDGET} and min(L, budget) depths "
-                         f"that fit two key words (key_shape), got L={top_logprobs.shape[1]}, "
+    if version == 3 and not keys and budget > 0:
+        raise ValueError(f"version 3 needs budget <= {MAX_KEYED_BUDGET} and min(L, budget) depths that fit "
+                         f"two key words (key_shape), got L={top_logprobs.shape[1]}, "
                          f"K={top_logprobs.shape[2]}, budget={budget}")
     return root_tokens, top_logprobs, top_ids, budget, version or (3 if keys else 2)
 
@@ -848,10 +628,6 @@ def build_trees_device(root_tokens, top_logprobs, top_ids, budget: int, *, threa
               to_device(top_ids, np.int64), budget)
     if version == 1:
         build_trees_kernel[shape[0], threads or builder_threads(budget), stream](*inputs, *out)
-    elif version == 4:
-        dims = top_logprobs.shape[1], top_logprobs.shape[2], budget
-        build_trees_levels_kernel[shape[0], threads or pow2_threads(budget), stream](
-            *inputs, *staged_shape(*dims), *key_shape(*dims), *out)
     else:                                                     # about one frontier gap per thread
         kernel = build_trees_keyed_kernel if version == 3 else build_trees_sorted_kernel
         dims = top_logprobs.shape[1], top_logprobs.shape[2], budget
