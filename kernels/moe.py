@@ -980,7 +980,7 @@ def combine_kernel(down, weights, accumulate, out):
 class DenseScratch(typing.NamedTuple):
     """Device buffers of a dense SwiGLU over T rows, for either version: one "expert" that every
     row chooses with weight 1."""
-    ids: object         # [T, 1] int64, all 0: version 1's routed ids, version 3's pairs (by_slot)
+    ids: object         # [T, 1] int64, all 0: version 1's routed ids
     weights: object     # [T, 1] float32, all 1: version 1's weights
     hidden: object      # [T, 1, F] float32
     lists: object       # [T, 1] int32, lists[t, 0] = t: version 2's pairs of the one expert, the rows
@@ -1076,22 +1076,21 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
                                                                            weights, accumulate, out)
 
 
-def by_slot(rows: int, version: int, expert_bytes: int) -> bool:
-    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``; a dense SwiGLU's
-    pairs are its rows): for one token, and for up to SLOT_ROWS tokens where one expert's weights
-    (``expert_bytes``) are under LARGE_EXPERT_BYTES, since every pair then reads its expert's
-    weights again. Tiny's 0.4 MB experts: a 17-row forward took 325.9 µs with the routed experts
-    so (``profile-h200-2026-12-03h.md``) against 342.7 with the lists (``-03g.md``), in graph replay."""
-    return version == 3 and (rows == 1 or (rows <= SLOT_ROWS and expert_bytes < LARGE_EXPERT_BYTES))
+def by_slot(rows: int, experts: int, version: int, expert_bytes: int) -> bool:
+    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
+    experts (not a dense SwiGLU's one): for one token, and for up to SLOT_ROWS tokens where one
+    expert's weights (``expert_bytes``) are under LARGE_EXPERT_BYTES, since every pair then reads
+    its expert's weights again. Tiny's 0.4 MB experts: a 17-row forward took 325.9 µs so
+    (``profile-h200-2026-12-03h.md``) against 342.7 with the lists (``-03g.md``), in graph replay."""
+    few = rows == 1 or (rows <= SLOT_ROWS and expert_bytes < LARGE_EXPERT_BYTES)
+    return version == 3 and experts > 1 and few
 
 
-def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False,
-                    dense: bool = False) -> None:
+def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False) -> None:
     """Version 2's (or 3's) two grouped expert kernels on device arrays: x (T, D), stacks as
     ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows.
     ``slotted`` (``by_slot``): ``lists`` is the tokens' ids (T, k) instead, and the kernels run a
-    block per pair along y, each a pass of one pair (the same sums as in a pass of the lists).
-    ``dense``: a dense SwiGLU's one expert (version 3's launch shape for it, ``lane_shape``)."""
+    block per pair along y, each a pass of one pair (the same sums as in a pass of the lists)."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
@@ -1104,7 +1103,7 @@ def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, sl
         lists = lists.reshape((1, rows * slots))            # [1, T k]: pair p's expert at p
         experts = rows * slots
     if version == 3:
-        warps, columns, unroll = lane_shape(1 if slotted else rows, dense=dense)
+        warps, columns, unroll = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
         per_pass = 1 if slotted else pass_rows(rows)        # a decode row's kernels: passes of one
         per_expert = 1 if slotted else row_passes(rows, per_pass)
         hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass, slotted)
@@ -1136,7 +1135,7 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
                       out_queue)
         return
     experts, features, width = params.gate_proj.shape
-    if by_slot(x.shape[0], version, 3 * features * width * F32):    # no lists: a block per pair
+    if by_slot(x.shape[0], experts, version, 3 * features * width * F32):    # no lists: a block per pair
         _launch_grouped(x, stacks, scratch.ids, scratch.hidden, scratch.down, stream, version, slotted=True)
     else:
         expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
@@ -1150,17 +1149,15 @@ def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, 
     """A dense SwiGLU on device arrays as one expert that every row chooses with weight 1: (F, D)
     weights viewed as (1, F, D). Version 1 weighs each row's one slot by 1 (exact: a dot product
     starts from +0.0, so it is never -0.0, and 0 + 1 * dot is dot, bit for bit); in version 2 each
-    row's one pair's down projection is its output; version 3 runs a block per row for a few rows
-    where ``by_slot`` says so (its ids, all 0, for lists; one row is one pass of the lists anyway)."""
+    row's one pair's down projection is its output."""
     (rows, width), features = x.shape, gate_proj.shape[0]
     stacks = (gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
               down_proj.reshape(1, width, features))
     if version == 1:
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, False, stream)
-        return
-    slotted = rows > 1 and by_slot(rows, version, 3 * features * width * F32)     # one row: as before
-    _launch_grouped(x, stacks, scratch.ids if slotted else scratch.lists, scratch.hidden,
-                    out.reshape(rows, 1, width), stream, version, slotted=slotted, dense=True)
+    else:
+        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream,
+                        version)
 
 
 def _check_router_limits(config: ModelConfig, threads, version: int = 2) -> None:
