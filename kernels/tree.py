@@ -60,7 +60,7 @@ from ddtree import tree as reference
 from ddtree.tree import DraftTree, check_budget, check_candidates, check_token
 from ddtree.tree import check_parents as check_host_parents
 from kernels.blocks import MAX_TPB, block_max, blocks, check_threads, pow2_threads
-from kernels.device import SIMULATOR, check_out, check_version, deliver, is_device_array, output, to_device
+from kernels.device import check_out, check_version, deliver, is_device_array, output, to_device
 
 MAX_BUDGET = 1024
 _SLOTS = MAX_BUDGET + 1          # nodes (root + B) and live frontier entries (at most B + 1)
@@ -815,38 +815,17 @@ def _next_candidate(logits, row, row_max, log_sum, previous_value, previous_inde
 
 
 # --8<-- [start:top_candidates_sort_kernel]
-WARP_SLOTS = 64    # sort slots a warp's 32 pairs cover at a stride <= 32
-
-
-if SIMULATOR:
-    @cuda.jit(device=True, inline="always")
-    def _warp_barrier():
-        """The simulator has no warp barrier: a block barrier orders the warp as well."""
-        cuda.syncthreads()
-else:
-    @cuda.jit(device=True, inline="always")
-    def _warp_barrier():
-        """The 32 lanes of a warp wait for each other; their shared-memory writes are seen."""
-        cuda.syncwarp()
-
-
 @cuda.jit(device=True, inline="always")
 def _sort_pairs(values, ids, size):
     """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob
     descending, token id ascending. Stage (span, stride): pair i compares slots low and
     low + stride and puts the better one first in spans with (low & span) == 0, last in the
-    others; log2(size) * (log2(size) + 1) / 2 stages, a barrier after each. Unsigned indices,
+    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices,
     shifts and while loops: a stage is a few instructions per thread (numba tests every signed
     index for wraparound, a signed // 2 needs a sign fix-up, and a strided ``range`` divides to
-    count its steps).
-
-    A stride of at most WARP_SLOTS / 2 keeps a warp's pairs (32 consecutive i, then every
-    blockDim.x further) inside its own aligned runs of WARP_SLOTS slots, so between two such
-    stages the warp waits only for itself (``_warp_barrier``): of the 45 stages of 512 slots, 10
-    end at a block barrier. The comparisons are the same, so are the bits."""
+    count its steps)."""
     one = uint64(1)
     half = uint64(size) >> one
-    local = uint64(WARP_SLOTS >> 1)                 # the largest stride a warp keeps to itself
     span = uint64(2)
     while span <= uint64(size):
         stride = span >> one
@@ -865,11 +844,7 @@ def _sort_pairs(values, ids, size):
                     ids[low] = ids[high]
                     ids[high] = token
                 pair += uint64(cuda.blockDim.x)
-            following = stride >> one if stride > one else span      # the next stage's stride
-            if stride <= local and following <= local and span < uint64(size):
-                _warp_barrier()
-            else:
-                cuda.syncthreads()
+            cuda.syncthreads()
             stride >>= one
         span <<= one
 
