@@ -2,14 +2,23 @@
 
 Legend: T rows, H heads, dr rotary width (qk_rope_head_dim), dr/2 frequencies, TPB threads per block.
 
-One kernel: one thread per (row t, head h, frequency i). It rotates the pair
-(x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
+Two kernel versions, the same bits (``version``):
+
+* version 1 (``rope_kernel``): one thread per (row t, head h, frequency i). It rotates the pair
+  (x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
+* version 2 (``rope_heads_kernel``, the default): one thread per (row t, frequency i, group of
+  ROPE_HEADS heads). Every head of a row turns by the same angle, so version 1 computes each
+  cos and sin H times; version 2 computes them once per group and rotates the group's heads with
+  them, its 2 x ROPE_HEADS loads issued before the first store. On the H200 version 1 at Kimi's
+  64 heads spent its time in cosf/sinf, not in its bytes (``docs/results``' bench records).
+
 Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
 assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
-once and written once (``bytes_moved``), so ``out=x`` rotates in place safely: the engine rotates
-the queries' rope parts in place, a strided (T, H, dr) view of its q buffer. The rope key is
-rotated inside ``kernels.kv_cache.write_new_rows``, on its way into the cache; both rotate a pair
-with the same device function (``rotated``), so their bits are the same.
+once and written once, by the same thread (``bytes_moved``), so ``out=x`` rotates in place
+safely: the engine rotates the queries' rope parts in place, a strided (T, H, dr) view of its q
+buffer. The rope key is rotated inside ``kernels.kv_cache.write_new_rows``, on its way into the
+cache; every kernel turns a pair with the same device functions (``cos_sin``, ``turned``), so
+their bits are the same.
 
 Angles are float32, exactly as in the numpy reference (``np.outer`` of float32 positions and
 float32 inv_freq): float32(position) * inv_freq[i] is one correctly rounded float32 multiply, so
@@ -40,18 +49,33 @@ from kernels.device import (
 )
 
 TPB = 128   # threads per block; the grid covers T * H * dr/2 (row, head, frequency) triples
+ROPE_HEADS = 8   # version 2: heads a thread turns with one cos and sin (2 loads each in flight)
+VERSIONS = (1, 2)
 F32, I64 = 4, 8
 
 
 # --8<-- [start:rope_kernel]
 @cuda.jit(device=True)
-def rotated(first, second, position, frequency, scale):
-    """The pair (first, second) rotated by the angle position * frequency and scaled: float32
-    throughout, like the numpy reference. Both kernels rotate with it (the same bits)."""
+def cos_sin(position, frequency, scale):
+    """cos and sin of the angle position * frequency, scaled: float32 throughout, like the numpy
+    reference (one float32 multiply forms the angle)."""
     angle = float32(position) * frequency
-    cos = math.cos(angle) * float32(scale)
-    sin = math.sin(angle) * float32(scale)
-    return first * cos - second * sin, second * cos + first * sin
+    return math.cos(angle) * float32(scale), math.sin(angle) * float32(scale)
+
+
+@cuda.jit(device=True)
+def turned(first, second, cos, sin):
+    """The pair (first, second) turned by (cos, sin): NeoX's rotate-halves, each output one fused
+    multiply-add around one product, written out: left to the compiler, which of the two products
+    it fuses depends on the code around it (versions 1 and 2 differed in the last bit on the H200)."""
+    return cuda.fma(first, cos, -(second * sin)), cuda.fma(second, cos, first * sin)
+
+
+@cuda.jit(device=True)
+def rotated(first, second, position, frequency, scale):
+    """The pair (first, second) rotated by the angle position * frequency and scaled."""
+    cos, sin = cos_sin(position, frequency, scale)
+    return turned(first, second, cos, sin)
 
 
 @cuda.jit
@@ -70,6 +94,35 @@ def rope_kernel(x, positions, inv_freq, scale, out):
     out[t, h, i], out[t, h, i + half] = rotated(x[t, h, i], x[t, h, i + half], positions[t], inv_freq[i],
                                                 scale)
 # --8<-- [end:rope_kernel]
+
+
+# --8<-- [start:rope_heads_kernel]
+@cuda.jit
+def rope_heads_kernel(x, positions, inv_freq, scale, out):
+    # one thread = one (row t, head group g, frequency i): one cos and sin for heads
+    # g ROPE_HEADS .. g ROPE_HEADS + ROPE_HEADS - 1; neighbouring threads take neighbouring i, so a
+    # warp's loads of one head are dr/2 consecutive floats. The group's 2 ROPE_HEADS loads come
+    # first (registers; a head past H re-reads the last, never written), then the stores: with
+    # out = x the compiler may not move a load past a store, so the batch is written out by hand
+    firsts = cuda.local.array(ROPE_HEADS, float32)
+    seconds = cuda.local.array(ROPE_HEADS, float32)
+    rows, heads, width = x.shape
+    half = width // 2
+    groups = (heads + ROPE_HEADS - 1) // ROPE_HEADS
+    index = cuda.grid(1)
+    if index >= rows * groups * half:
+        return
+    t = index // (groups * half)
+    h0 = (index // half) % groups * ROPE_HEADS
+    i = index % half
+    for j in range(ROPE_HEADS):
+        h = min(h0 + j, heads - 1)
+        firsts[j], seconds[j] = x[t, h, i], x[t, h, i + half]
+    cos, sin = cos_sin(positions[t], inv_freq[i], scale)
+    for j in range(ROPE_HEADS):
+        if h0 + j < heads:
+            out[t, h0 + j, i], out[t, h0 + j, i + half] = turned(firsts[j], seconds[j], cos, sin)
+# --8<-- [end:rope_heads_kernel]
 
 
 def check_rope(x, positions, inv_freq, scale, *, out=None):
@@ -94,21 +147,25 @@ def as_triples(array, rows: int, heads: int, width: int):
 
 
 # --8<-- [start:apply_rope]
-def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=None):
+def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=None, version: int = 2):
     """Rotate ``x`` (T, dr) or (T, H, dr) NeoX-style; row t uses ``positions[t]``.
 
     Returns a new array, or writes into ``out`` (x's shape, float32; may be x itself for an
     in-place rotation, also of a strided (T, H, dr) device view) and returns it. numpy in ->
     numpy out; device arrays stay on the device. ``stream``: where the kernel is launched (None:
-    the default stream).
+    the default stream). ``version`` 1 or 2 (the module's docstring): the same bits.
     """
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
     x, positions, inv_freq = check_rope(x, positions, inv_freq, scale, out=out)
     rows, width = x.shape[0], x.shape[x.ndim - 1]
     heads = math.prod(x.shape[1:x.ndim - 1])                      # (T, dr) is (T, 1, dr)
     d_out = output(out, x.shape, stream=stream)                   # NaN until written
-    count = rows * heads * (width // 2)                           # (row, head, frequency) triples
+    per_row = heads if version == 1 else -(-heads // ROPE_HEADS)  # threads per (row, frequency)
+    count = rows * per_row * (width // 2)
     if count > 0:
-        rope_kernel[blocks(count, TPB), TPB, stream](
+        kernel = rope_kernel if version == 1 else rope_heads_kernel
+        kernel[blocks(count, TPB), TPB, stream](
             as_triples(to_device(x, np.float32), rows, heads, width), to_device(positions),
             to_device(inv_freq, np.float32), float(scale), as_triples(d_out, rows, heads, width))
     return deliver(d_out, out, x, positions, inv_freq)
@@ -127,7 +184,7 @@ def flops(*, T: int, H: int, dr: int) -> int:
     return 6 * T * H * (dr // 2)
 
 
-def _case(name: str, what: str, config, rows: int, first: int):
+def _case(name: str, what: str, config, rows: int, first: int, version: int = 2):
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     heads, rope_dim = config.num_attention_heads, config.qk_rope_head_dim
@@ -136,16 +193,17 @@ def _case(name: str, what: str, config, rows: int, first: int):
     return Case(name, what, f"x ({rows}, {heads}, {rope_dim})",
                 setup=lambda seed: (uniform((rows, heads, rope_dim), seed), cuda.to_device(positions),
                                     cuda.to_device(frequencies), scale),
-                call=lambda inputs, **given: apply_rope(*inputs, **given),
+                call=lambda inputs, **given: apply_rope(*inputs, version=version, **given),
                 bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
-                note="FLOPs: the rotation, sin/cos not counted")
+                note=f"version {version}; FLOPs: the rotation, sin/cos not counted")
 
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree (the model's
-    size: launch-bound) and of a prefill's rows (large: bandwidth-bound)."""
+    size: launch-bound) and of a prefill's rows (large: bandwidth-bound), each by both versions."""
     config = sizes.config
-    return [_case("rope_q_pe", f"rotate q_pe of {sizes.rows} tree rows (YaRN)", config, sizes.rows,
-                  sizes.verify_prefix),
-            _case("rope_q_pe_large", f"rotate q_pe of {sizes.large_rows} prefill rows (YaRN)", config,
-                  sizes.large_rows, 0)]
+    return [case for version, suffix in ((2, ""), (1, "_v1")) for case in (
+        _case(f"rope_q_pe{suffix}", f"rotate q_pe of {sizes.rows} tree rows (YaRN)", config, sizes.rows,
+              sizes.verify_prefix, version),
+        _case(f"rope_q_pe_large{suffix}", f"rotate q_pe of {sizes.large_rows} prefill rows (YaRN)", config,
+              sizes.large_rows, 0, version))]

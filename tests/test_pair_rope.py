@@ -4,8 +4,8 @@ Tolerance: both sides form the angle float32(position) * inv_freq[i] with one fl
 so the angles are bit-identical at any position. cos and sin of the same float32 angle, from two
 accurate implementations (numpy's float32 SIMD/libm, CUDA's cosf/sinf with full range
 reduction, the simulator's float64 math.cos rounded), differ by an ulp or two of a value <= 1:
-~2.4e-7 absolute, whatever the angle's size. Each output x1*c - x2*s (possibly fused into an FMA
-on the GPU) adds about one ulp of |x| * scale. So rtol 1e-5 with atol = 1e-6 * max|x| * scale.
+~2.4e-7 absolute, whatever the angle's size. Each output x1*c - x2*s (a fused multiply-add on the
+GPU) adds about one ulp of |x| * scale. So rtol 1e-5 with atol = 1e-6 * max|x| * scale.
 
 What that tolerance would NOT absorb is a different angle: test_float32_angles_are_the_contract
 shows that float64 angles move the result by up to |angle| * 2^-24 * (|x1| + |x2|), far beyond
@@ -58,6 +58,18 @@ def test_matches_reference(name, heads, explicit_scale):
                  reference.apply_rope(x, positions, freqs, scale), rtol=RTOL, atol=_atol(x, scale))
 
 
+@pytest.mark.parametrize("heads", [1, 3, kernel.ROPE_HEADS, kernel.ROPE_HEADS + 3, 2 * kernel.ROPE_HEADS + 1])
+def test_versions_give_the_same_bits(heads):
+    """Version 2 (a cos and sin per group of heads) against version 1 (one per head), bit for bit,
+    with groups cut short and several groups a row; both within the reference's tolerance."""
+    freqs, scale = _frequencies("tiny-b")
+    x, positions = _inputs((3, heads, 2 * len(freqs)), seed=heads)
+    first = kernel.apply_rope(x, positions, freqs, scale, version=1)
+    second = kernel.apply_rope(x, positions, freqs, scale, version=2)
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+    assert_close(second, reference.apply_rope(x, positions, freqs, scale), rtol=RTOL, atol=_atol(x, scale))
+
+
 def test_position_zero_is_identity_times_scale():
     freqs, _ = _frequencies("tiny")
     x, _ = _inputs((3, 2, 16))
@@ -99,6 +111,24 @@ def test_every_element_written():
     out = device.poisoned(x.shape)                                # negative control: the poison shows
     kernel.rope_kernel[1, 128](d_x, d_positions, d_freqs, 1.0, out)
     assert np.isnan(out.copy_to_host()).sum() == 2 * (144 - 128)
+
+
+def test_every_element_written_by_version_2():
+    """Version 2's threads: (row, head group, frequency); 3 groups of 11 heads, the last one short.
+    One block short of the grid leaves the last rows' pairs NaN."""
+    freqs, _ = _frequencies("tiny-b")                             # dr 8: 4 frequencies
+    heads = 2 * kernel.ROPE_HEADS + 3
+    x, positions = _inputs((11, heads, 8))                        # 11 * 3 * 4 = 132 threads > 128
+    d_x, d_positions, d_freqs = cuda.to_device(x), cuda.to_device(positions), cuda.to_device(freqs)
+
+    out = device.poisoned(x.shape)
+    kernel.rope_heads_kernel[2, 128](d_x, d_positions, d_freqs, 1.0, out)
+    assert np.isfinite(out.copy_to_host()).all()
+
+    out = device.poisoned(x.shape)                                # thread 128: row 10, group 2, i 0
+    kernel.rope_heads_kernel[1, 128](d_x, d_positions, d_freqs, 1.0, out)
+    unwritten = np.isnan(out.copy_to_host())
+    assert unwritten.sum() == 2 * 3 * 4 and unwritten[10, 2 * kernel.ROPE_HEADS:].all()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")           # the simulator's inf * 0
@@ -178,6 +208,7 @@ def test_device_arrays_stay_on_device(host_copies):
      "out must be C-contiguous"),
     (lambda x, p, f: kernel.apply_rope(cuda.to_device(x.astype(np.float64)), p, f),
      "x must be float32 on the device"),
+    (lambda x, p, f: kernel.apply_rope(x, p, f, version=3), r"version must be one of \(1, 2\), got 3"),
 ])
 def test_bad_inputs(call, message):
     freqs, _ = _frequencies("tiny")
@@ -192,8 +223,9 @@ def _queries(rows, heads, nope, width, seed):
     return rng.standard_normal((rows, heads, nope + width)).astype(np.float32)
 
 
-@pytest.mark.parametrize("name, heads", [("tiny", 4), ("tiny-b", 3), ("tiny", 1)])
-def test_in_place_on_a_strided_view(name, heads):
+@pytest.mark.parametrize("version", kernel.VERSIONS)
+@pytest.mark.parametrize("name, heads", [("tiny", 4), ("tiny-b", 3), ("tiny", 1), ("tiny-b", 11)])
+def test_in_place_on_a_strided_view(name, heads, version):
     """apply_rope with out=x on a strided (T, H, dr) view of a device buffer (the engine's
     queries' rope parts) gives the bits of a contiguous copy's rotation, and leaves every other
     element as it was (bit for bit, NaN included)."""
@@ -205,7 +237,8 @@ def test_in_place_on_a_strided_view(name, heads):
     expected[:, :, nope:] = kernel.apply_rope(np.ascontiguousarray(q[:, :, nope:]), positions, freqs, scale)
     d_q = cuda.to_device(q)
     view = d_q[:, :, nope:]
-    assert kernel.apply_rope(view, cuda.to_device(positions), cuda.to_device(freqs), scale, out=view) is view
+    assert kernel.apply_rope(view, cuda.to_device(positions), cuda.to_device(freqs), scale, out=view,
+                             version=version) is view
     assert np.array_equal(d_q.copy_to_host().view(np.uint32), expected.view(np.uint32))
     reference_q = reference.apply_rope(q[:, :, nope:], positions, freqs, scale)
     assert_close(d_q.copy_to_host()[:, :, nope:], reference_q, rtol=RTOL, atol=_atol(q, scale))
@@ -231,5 +264,7 @@ def test_kimi_k26_dimensions():
     positions = 262143 - rng.integers(0, 16, size=64)             # a tree: depths repeat
     for shape in ((64, 64, 64), (64, 64)):                        # queries (T, H, dr); the shared key
         x = rng.standard_normal(shape).astype(np.float32)
-        assert_close(kernel.apply_rope(x, positions, freqs, scale),
-                     reference.apply_rope(x, positions, freqs, scale), rtol=RTOL, atol=_atol(x, scale))
+        versions = [kernel.apply_rope(x, positions, freqs, scale, version=v) for v in kernel.VERSIONS]
+        assert np.array_equal(versions[0].view(np.uint32), versions[1].view(np.uint32))
+        assert_close(versions[1], reference.apply_rope(x, positions, freqs, scale), rtol=RTOL,
+                     atol=_atol(x, scale))
