@@ -7,14 +7,14 @@ same way), TPB threads per block.
 
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
 ``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
-block has up to ROW_THREADS = 512 threads, and each thread loads its elements ROW_BATCH at a time
-into registers before adding them: in a plain loop each iteration's load waits for the one
+block has up to ROW_THREADS = 512 threads, and each thread loads its elements ROW_BATCH (16) at a
+time into registers before adding them: in a plain loop each iteration's load waits for the one
 before, so a row costs (D / TPB) memory latencies: with 1024 threads and such a loop the H200
 ran a (64, 7168) norm in 8.1 µs of device time (docs/results/bench-h200-2026-12-01b.md). A row
 of at most TPB x ROW_BATCH elements is read once: the scale pass uses the registers, and its
-weights are loaded with the row, so that no load waits after the sum. Bytes
-(``bytes_moved``): each row is read twice (sum of squares, then scale; the second read usually
-hits L1/L2) and written once, plus the weight vector: the kernel is memory-bound.
+weights are loaded with the row, so that no load waits after the sum; a longer row is read
+twice (sum of squares, then scale; the second read usually hits L1/L2). Bytes (``bytes_moved``):
+each row read once and written once, plus the weight vector: the kernel is memory-bound.
 
 The block size TPB is a compile-time constant of the kernel (a shared array needs a static
 size), so ``rmsnorm_kernel(TPB)`` builds and caches one kernel per block size.
@@ -31,6 +31,7 @@ from numba import cuda, float32
 from ddtree import rmsnorm as reference
 from kernels.blocks import block_sum, check_threads
 from kernels.device import (
+    SIMULATOR,
     as_rows,
     check_float32,
     check_out,
@@ -47,38 +48,49 @@ F32 = 4            # bytes per float32
 # one block alone, took 4.13 µs with 512 threads against 5.23 with 1024, whose reduction tree is
 # one barrier step deeper; docs/results/decode-shapes-h200-2026-12-02.txt)
 ROW_THREADS = 512
-ROW_BATCH = 8       # a thread's row elements loaded together (registers)
+# a thread's row elements loaded together (registers), by default (``row_batch``): 16 for a launch
+# of at most FEW_ROWS rows, whose blocks have no others beside them on their SMs to hide their loads
+# behind (rows up to 512 x 16 = 8192, Kimi's 7168, are then read once), 8 for more rows, whose
+# blocks need the registers to be resident together. On the H200 (bench-h200-2026-12-04.md's run):
+# 64 rows of 7168 took 5.75 µs with 16 against 9.84 with 8; 4096 rows 146 against 118 µs.
+# The simulator's rows are short: 8 (each slot of a batch is a Python loop step there)
+ROW_BATCH = 8 if SIMULATOR else 16
+MANY_ROWS_BATCH = 8
+FEW_ROWS = 132              # the H200's SMs: a launch of at most one block per SM
+BATCH_SLOTS = 8192          # batch x threads at most: a block's values and weights in registers
 
 
 # --8<-- [start:rmsnorm_kernel]
 @functools.cache
-def rmsnorm_kernel(threads: int, residual: bool = False):
+def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = ROW_BATCH):
     """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``,
-    the residual add before it (x += delta, written back), in the same launch."""
+    the residual add before it (x += delta, written back), in the same launch. ``batch``: a
+    thread's elements loaded at a time (ROW_BATCH); every thread adds its squares in column order
+    whatever the batch, so it changes no bit, only how many loads are in flight."""
 
     @cuda.jit
     def kernel(x, delta, weight, eps, out):
         # one block = one row of x (T, D); one thread = columns tid, tid + TPB, tid + 2 TPB, ...
-        # read ROW_BATCH at a time into registers (their loads overlap; a row of one batch loads
+        # read ``batch`` at a time into registers (their loads overlap; a row of one batch loads
         # its weights with them), squares summed in column order; shared memory: TPB float32
         # partial sums of squares, reduced to partial[0]. With ``residual`` a value is x + delta,
         # and its thread writes it back to x (delta unused else)
         partial = cuda.shared.array(threads, float32)
-        values = cuda.local.array(ROW_BATCH, float32)
-        scales = cuda.local.array(ROW_BATCH, float32)      # a one-batch row's weights, loaded with x
+        values = cuda.local.array(batch, float32)
+        scales = cuda.local.array(batch, float32)          # a one-batch row's weights, loaded with x
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         width = x.shape[1]
-        one_batch = width <= threads * ROW_BATCH
+        one_batch = width <= threads * batch
 
         acc = float32(0.0)
-        for base in range(tid, width, threads * ROW_BATCH):
-            for b in range(ROW_BATCH):
+        for base in range(tid, width, threads * batch):
+            for b in range(batch):
                 d = min(base + b * threads, width - 1)      # past the row: re-read its last column
                 values[b] = x[row, d] + delta[row, d] if residual else x[row, d]
                 if one_batch:                               # in flight with x: no wait after the sum
                     scales[b] = weight[d]
-            for b in range(ROW_BATCH):
+            for b in range(batch):
                 if base + b * threads < width:
                     acc += values[b] * values[b]
                     if residual:                            # the owner alone writes the sum back
@@ -90,7 +102,7 @@ def rmsnorm_kernel(threads: int, residual: bool = False):
         mean_square = partial[0] / float32(width)
         inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
         if one_batch:                                       # the row and its weights are in registers
-            for b in range(ROW_BATCH):
+            for b in range(batch):
                 d = tid + b * threads
                 if d < width:
                     out[row, d] = values[b] * inv_rms * scales[b]
@@ -102,14 +114,24 @@ def rmsnorm_kernel(threads: int, residual: bool = False):
 # --8<-- [end:rmsnorm_kernel]
 
 
-def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None):
-    """The reference's rules (shapes, eps), then the launch's: block size, float32 on the device,
-    ``out``, and ``residual`` (x's shape, float32, x and it both device arrays: x is updated in
-    place). Returns x and weight as numpy or device arrays."""
+MAX_BATCH = 32      # the largest ``batch`` rmsnorm takes (its registers, with BATCH_SLOTS)
+
+
+def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None, batch=None):
+    """The reference's rules (shapes, eps), then the launch's: block size, batch, float32 on the
+    device, ``out``, and ``residual`` (x's shape, float32, x and it both device arrays: x is
+    updated in place). Returns x and weight as numpy or device arrays."""
     x, weight = host_or_device(x, np.float32), host_or_device(weight, np.float32)
     reference.check_rmsnorm(x, weight, eps)
     if threads is not None:
         check_threads(threads)
+    if batch is not None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch must be an int in [1, {MAX_BATCH}], got {batch!r}")
+        block = threads or reduction_threads(x.shape[x.ndim - 1], ROW_THREADS)
+        if batch * block > BATCH_SLOTS:
+            raise ValueError(f"batch x threads must be at most {BATCH_SLOTS} (a block's registers), got "
+                             f"{batch} x {block}")
     check_float32(x=x, weight=weight)
     check_out(out, x.shape)
     if residual is not None:
@@ -122,25 +144,36 @@ def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None):
     return x, weight
 
 
+def row_batch(rows: int, threads: int) -> int:
+    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads
+    (ROW_BATCH up to FEW_ROWS rows, else MANY_ROWS_BATCH; at most BATCH_SLOTS / threads): it changes
+    no bit, so it may depend on the rows."""
+    batch = ROW_BATCH if rows <= FEW_ROWS else MANY_ROWS_BATCH
+    return max(1, min(batch, BATCH_SLOTS // threads))
+
+
 # --8<-- [start:rmsnorm]
-def rmsnorm(x, weight, eps: float, *, residual=None, threads: int | None = None, out=None, stream=None):
+def rmsnorm(x, weight, eps: float, *, residual=None, threads: int | None = None, batch: int | None = None,
+            out=None, stream=None):
     """Normalise each row of ``x`` (T, D) (or any (..., D)) by its RMS, then scale by ``weight`` (D,).
 
     numpy in -> numpy out; a device array in -> a device array out (no copy back to the host).
     ``residual`` (device arrays only): first x += residual, written back into x, then the norm of
     the sum: a residual add and the norm after it in one launch, the same bits as the two apart.
     ``threads`` (a power of two) sets the block size, by default the smallest covering D (at most
-    ROW_THREADS on a GPU, 32 in the simulator); any D works with any block size. ``out`` (x's
-    shape, float32) receives the result; ``stream`` is where the kernel is launched (None: the
-    default stream).
+    ROW_THREADS on a GPU, 32 in the simulator); any D works with any block size. ``batch``: each
+    thread's elements loaded at a time (default ``row_batch``; the same bits at any batch). ``out``
+    (x's shape, float32) receives the result; ``stream`` is where the kernel is launched (None:
+    the default stream).
     """
-    x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out, residual=residual)
+    x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out, residual=residual, batch=batch)
     threads = threads or reduction_threads(x.shape[x.ndim - 1], ROW_THREADS)
     d_x = as_rows(to_device(x, np.float32), "x")                      # [T, D]
     d_out = output(out, x.shape, stream=stream)                       # NaN until written
     if d_x.shape[0] > 0:
         delta = d_x if residual is None else as_rows(residual, "residual")   # [T, D]
-        rmsnorm_kernel(threads, residual is not None)[d_x.shape[0], threads, stream](
+        batch = batch or row_batch(d_x.shape[0], threads)
+        rmsnorm_kernel(threads, residual is not None, batch)[d_x.shape[0], threads, stream](
             d_x, delta, to_device(weight, np.float32), float(eps), as_rows(d_out, "out"))
     return deliver(d_out, out, x, weight)
 # --8<-- [end:rmsnorm]
@@ -157,23 +190,30 @@ def flops(*, T: int, D: int) -> int:
     return 4 * T * D
 
 
-def _case(name: str, what: str, config, rows: int):
+def _case(name: str, what: str, config, rows: int, batch: int | None = None):
     from kernels.bench import peers
     from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
 
     width = config.hidden_size
+    batch = batch or row_batch(rows, reduction_threads(width, ROW_THREADS))
     return Case(name, what, f"x ({rows}, {width})",
                 setup=lambda seed: (uniform((rows, width), seed), uniform((width,), seed + 1),
                                     config.rms_norm_eps),
-                call=lambda inputs, **given: rmsnorm(*inputs, **given),
-                bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width),
+                call=lambda inputs, **given: rmsnorm(*inputs, batch=batch, **given),
+                bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width), note=f"batch {batch}",
                 peer=lambda inputs: peers.rmsnorm(*inputs))
 
 
 def bench_cases(sizes):
     """This module's cases of ``python -m kernels.bench``: the input norm of a verified tree (the
-    model's size: launch-bound), and of a prefill's rows (large: bandwidth-bound)."""
+    model's size: launch-bound), and of a prefill's rows (large: bandwidth-bound), by the default
+    batch (``row_batch``) and by the other one (``_other_batch``: 8 or 16), in the same run."""
     config = sizes.config
-    return [_case("rmsnorm", f"input norm of {sizes.rows} tree rows", config, sizes.rows),
-            _case("rmsnorm_large", f"input norm of {sizes.large_rows} prefill rows", config,
-                  sizes.large_rows)]
+    threads = reduction_threads(config.hidden_size, ROW_THREADS)
+    cases = []
+    for name, what, rows in (("rmsnorm", f"input norm of {sizes.rows} tree rows", sizes.rows),
+                             ("rmsnorm_large", f"input norm of {sizes.large_rows} prefill rows",
+                              sizes.large_rows)):
+        other = MANY_ROWS_BATCH if row_batch(rows, threads) == ROW_BATCH else ROW_BATCH
+        cases += [_case(name, what, config, rows), _case(f"{name}_other_batch", what, config, rows, other)]
+    return cases

@@ -21,7 +21,7 @@ from kernels.bench.harness import benchmark
 from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
-    "rmsnorm", "rmsnorm_large",
+    "rmsnorm", "rmsnorm_other_batch", "rmsnorm_large", "rmsnorm_large_other_batch",
     "rope_q_pe", "rope_q_pe_large", "rope_q_pe_v1", "rope_q_pe_large_v1", "linear_gemv_mlp_up",
     "linear_gemv_lm_head", "linear_lanes_lm_head", "linear_gemm", "linear_tiles_mlp_up",
     "linear_warps_mlp_up", "linear_stream_mlp_up", "linear_lanes_mlp_up",

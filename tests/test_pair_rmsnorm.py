@@ -58,7 +58,7 @@ def test_every_element_written():
     assert np.isnan(out.copy_to_host()[2]).all() and np.isfinite(out.copy_to_host()[:2]).all()
 
 
-# (T, D, TPB): the row in registers (45 <= 32 x 8), and spanning several batches (300 > 32 x 8)
+# (T, D, TPB), batch 8: the row in registers (45 <= 32 x 8), and spanning several batches (300 > 32 x 8)
 @pytest.mark.parametrize("rows, width, threads", [(3, 45, 32), (2, 300, 32)])
 def test_residual_is_the_add_then_the_norm_bit_for_bit(rows, width, threads):
     """rmsnorm(x, residual=delta): x becomes x + delta (every element, the add's bits), and the
@@ -66,12 +66,36 @@ def test_residual_is_the_add_then_the_norm_bit_for_bit(rows, width, threads):
     x, weight = _inputs((rows, width))
     delta = np.random.default_rng(7).standard_normal((rows, width)).astype(np.float32)
     d_x, d_delta = cuda.to_device(x), cuda.to_device(delta)
-    fused = kernel.rmsnorm(d_x, weight, 1e-6, residual=d_delta, threads=threads,
+    fused = kernel.rmsnorm(d_x, weight, 1e-6, residual=d_delta, threads=threads, batch=8,
                            out=device.poisoned(x.shape)).copy_to_host()
     summed = x + delta                                            # float32: the add kernel's bits
     assert np.array_equal(d_x.copy_to_host().view(np.uint32), summed.view(np.uint32))
-    apart = kernel.rmsnorm(cuda.to_device(summed), weight, 1e-6, threads=threads).copy_to_host()
+    apart = kernel.rmsnorm(cuda.to_device(summed), weight, 1e-6, threads=threads, batch=8).copy_to_host()
     assert np.array_equal(fused.view(np.uint32), apart.view(np.uint32))
+
+
+def test_row_batch_keeps_few_rows_in_registers_and_fits_the_block():
+    few, many = kernel.FEW_ROWS, kernel.FEW_ROWS + 1
+    assert kernel.row_batch(few, 512) == kernel.ROW_BATCH
+    assert kernel.row_batch(many, 512) == kernel.MANY_ROWS_BATCH
+    assert kernel.row_batch(1, 1024) == min(kernel.ROW_BATCH, kernel.BATCH_SLOTS // 1024)
+    assert all(kernel.row_batch(rows, threads) * threads <= kernel.BATCH_SLOTS
+               for rows in (1, few, many) for threads in (32, 256, 512, 1024))
+
+
+def test_batch_changes_no_bit():
+    """A thread's loads per batch (1: a batch per element, 16: the row in registers) change what is
+    in flight, never the order of a sum: the same bits, with and without the residual add."""
+    x, weight = _inputs((2, 300), seed=2)
+    delta = np.random.default_rng(8).standard_normal(x.shape).astype(np.float32)
+    results = []
+    for batch in (1, 3, 8, 16):
+        d_x = cuda.to_device(x)
+        plain = kernel.rmsnorm(d_x, weight, 1e-6, threads=32, batch=batch).copy_to_host()
+        fused = kernel.rmsnorm(d_x, weight, 1e-6, threads=32, batch=batch, residual=cuda.to_device(delta))
+        results.append(np.concatenate([plain, fused.copy_to_host(), d_x.copy_to_host()]).view(np.uint32))
+    assert all(np.array_equal(results[0], other) for other in results[1:])
+    assert_close(results[0][:2].view(np.float32), reference.rmsnorm(x, weight, 1e-6), rtol=RTOL, atol=ATOL)
 
 
 def test_residual_refuses_host_arrays_and_other_shapes():
@@ -128,6 +152,10 @@ def test_out_buffer_on_the_device_allocates_and_copies_nothing():
     (lambda x, w: kernel.rmsnorm(x, w, float("nan")), "eps must be a non-negative finite number"),
     (lambda x, w: kernel.rmsnorm(x, w, 1e-6, threads=48), "threads must be a power of two"),
     (lambda x, w: kernel.rmsnorm(x, w, 1e-6, threads=16), "threads must be a power of two"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, batch=0), r"batch must be an int in \[1, 32\], got 0"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, batch=2.0), r"batch must be an int in \[1, 32\], got 2.0"),
+    (lambda x, w: kernel.rmsnorm(x, w, 1e-6, threads=1024, batch=16),
+     r"batch x threads must be at most 8192 \(a block's registers\), got 16 x 1024"),
     (lambda x, w: kernel.rmsnorm(np.float32(1.0), w, 1e-6), "x must have shape"),
     (lambda x, w: kernel.rmsnorm(cuda.to_device(x.astype(np.float64)), w, 1e-6),
      "x must be float32 on the device"),
@@ -146,5 +174,7 @@ def test_kimi_k26_dimensions(threads):
     """64 rows of the hidden state (D = 7168) with Kimi K2.6's eps 1e-5; the latent (512) too."""
     for shape in ((64, 7168), (64, 512)):
         x, weight = _inputs(shape, seed=2)
-        assert_close(kernel.rmsnorm(x, weight, 1e-5, threads=threads),
-                     reference.rmsnorm(x, weight, 1e-5), rtol=RTOL, atol=ATOL)
+        actual = kernel.rmsnorm(x, weight, 1e-5, threads=threads)
+        assert_close(actual, reference.rmsnorm(x, weight, 1e-5), rtol=RTOL, atol=ATOL)
+        batch8 = kernel.rmsnorm(x, weight, 1e-5, threads=threads, batch=8)   # 7168 > 128 x 16: re-read
+        assert np.array_equal(actual.view(np.uint32), batch8.view(np.uint32))
