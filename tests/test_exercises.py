@@ -47,12 +47,25 @@ def exercise_commands() -> list[tuple[str, str]]:
             for match in FENCE.finditer(section)]
 
 
+PYTEST = re.compile(r"^python -m pytest (?P<arguments>[^\n]*)\n?$")
+
+
+def collecting_only(command: str) -> str:
+    """An exercise that runs some of the suite's own tests (one ``python -m pytest`` line), as a
+    collection: the suite runs those tests itself, so here they need only exist, and the line's
+    selection must find some. Any other command as it is."""
+    match = PYTEST.match(command)
+    if match is None:
+        return command
+    return f"python -m pytest --collect-only -q -p no:cacheprovider {match['arguments']}"
+
+
 def run(command: str) -> subprocess.CompletedProcess:
     """The command in bash from the repository root, ``python`` being this interpreter."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPLBACKEND="Agg",
                PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    return subprocess.run(["bash", "-e", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return subprocess.run(["bash", "-e", "-c", collecting_only(command)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def test_every_chapter_has_exercises_with_answers():
@@ -83,3 +96,15 @@ def test_every_exercise_command_runs():
 ])
 def test_the_fence_pattern_finds_bash_blocks_only(command, expected):
     assert [m.group("body") for m in FENCE.finditer(command)] == expected
+
+
+def test_a_pytest_exercise_is_collected_and_must_select_tests():
+    """A line of the suite's own tests is collected, not run again; a selection that finds no
+    test fails (pytest exits 5), as a missing file does (4)."""
+    assert collecting_only("python -m pytest -q tests/test_config.py\n") == \
+        "python -m pytest --collect-only -q -p no:cacheprovider -q tests/test_config.py"
+    assert collecting_only("python -m pytest -q a.py\necho b\n") == "python -m pytest -q a.py\necho b\n"
+    found = run("python -m pytest -q tests/test_config.py -k preset\n")
+    assert found.returncode == 0 and "tests/test_config.py: " in found.stdout
+    assert run("python -m pytest -q tests/test_config.py -k no_such_test_anywhere\n").returncode == 5
+    assert run("python -m pytest -q tests/no_such_file.py\n").returncode == 4
