@@ -67,32 +67,6 @@ ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_r
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
 
 
-# --8<-- [start:read_table]
-def read_table(text: str, first_column: str) -> list[dict[str, str]]:
-    """The rows of the first markdown table in ``text`` whose header starts with ``first_column``,
-    as dicts keyed by the header's cells."""
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells[0] == first_column:
-            rows = []
-            for row in lines[i + 2:]:
-                if not row.startswith("|"):
-                    break
-                rows.append(dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")),
-                                     strict=True)))
-            return rows
-    raise ValueError(f"no table with a {first_column!r} column")
-
-
-def snippet(text: str, name: str) -> str:
-    """The lines between a record's snippet markers ``name``."""
-    match = re.search(rf"\[start:{re.escape(name)}\] -->\n(.*?)<!-- --8<-- \[end:{re.escape(name)}\]",
-                      text, re.S)
-    if match is None:
-        raise ValueError(f"no snippet section {name!r}")
-    return match.group(1)
-# --8<-- [end:read_table]
 
 
 def number(cell: str) -> float:
@@ -108,7 +82,7 @@ def kernel_floors() -> list[dict]:
     than the others, and a later record's case replaces an earlier one of the same name."""
     cases = {}
     rows = [row for record in (BENCH, BENCH_UNFUSED, BENCH_MOE, BENCH_STATS)
-            for row in read_table(record.read_text(encoding="utf-8"), "case")]
+            for row in chapter.read_table(record.read_text(encoding="utf-8"), "case")]
     for row in rows:
         cases[row["case"]] = {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
                               "call": number(row["call µs"]) * 1e-6,
@@ -195,7 +169,7 @@ def targets_report(rows) -> None:
 # --8<-- [start:profile]
 def profile(part: str) -> dict[str, dict[str, float]]:
     """Device µs per kernel in the forward (``part``: "before" or "after"), by T column."""
-    rows = read_table(snippet(PROFILE.read_text(encoding="utf-8"), f"{part}-tiny"), "kernel")
+    rows = chapter.read_table(chapter.snippet(PROFILE.read_text(encoding="utf-8"), f"{part}-tiny"), "kernel")
     return {r["kernel"].strip("*"): {t: number(r[t]) for t in PROFILE_ROWS} for r in rows}
 # --8<-- [end:profile]
 

@@ -37,6 +37,7 @@ import dataclasses
 import io
 import os
 import pathlib
+import re
 import sys
 import time
 import types
@@ -250,3 +251,31 @@ def print_h200() -> None:
     print(f"H200 ({hw.record}): copy {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} TFLOP/s "
           f"(ridge {hw.fp32 / hw.bandwidth:.1f} FLOP/B),")
     print(f"  {hw.launch * 1e6:.1f} us of host time per kernel launch from Python")
+
+
+# --8<-- [start:read_table]
+def read_table(text: str, first_column: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table in ``text`` whose header starts with ``first_column``,
+    as dicts keyed by the header's cells (the committed records under docs/results)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_column:
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")),
+                                     strict=True)))
+            return rows
+    raise ValueError(f"no table with a {first_column!r} column")
+
+
+def snippet(text: str, name: str) -> str:
+    """The lines between a record's snippet markers ``name``."""
+    match = re.search(rf"\[start:{re.escape(name)}\] -->\n(.*?)<!-- --8<-- \[end:{re.escape(name)}\]",
+                      text, re.S)
+    if match is None:
+        raise ValueError(f"no snippet section {name!r}")
+    return match.group(1)
+# --8<-- [end:read_table]
