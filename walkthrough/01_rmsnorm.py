@@ -6,13 +6,16 @@ Each row's sum of squares is a reduction: the numba.cuda kernel gives a row to o
 every thread accumulate a strided slice of the row in float32, then halves the number of partial
 sums in shared memory (TPB/2, TPB/4, ..., 1) with a barrier after every step. This chapter replays
 that reduction order in numpy for one row of 8 "threads" (the figure), checks the kernel against
-the numpy reference on irregular shapes and block sizes, and counts the bytes the layer moves at
-Kimi K2.6's hidden size.
+the numpy reference on irregular shapes and block sizes, counts the bytes the layer moves at
+Kimi K2.6's hidden size, and prints the two batches' device times on the H200 from the committed
+benchmark record.
 
     python walkthrough/01_rmsnorm.py
 
 Writes docs/assets/figures/01_rmsnorm_tree_reduction.png and 01_rmsnorm_report.txt (what it prints).
 """
+
+import re
 
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
@@ -25,6 +28,7 @@ from kernels import device
 from kernels import rmsnorm as knl
 
 STEM = "01_rmsnorm"
+BATCH_RECORD = "bench-h200-2026-12-04.md"     # both batches at Kimi's width, one run on the H200
 
 
 # --8<-- [start:tree_reduction]
@@ -103,6 +107,20 @@ def bytes_report() -> None:
                   f"bandwidth ({what})")
 
 
+def batch_report() -> None:
+    """The default batch against the other one at Kimi's width, from one run on the H200."""
+    cases, copy = chapter.bench_record(BATCH_RECORD)
+    with chapter.section("batch"):
+        print(f"H200, {BATCH_RECORD} (copy {copy}, read + write):")
+        # that run's defaults took 16 at every row count; its "_batch8" cases 8 (today's default for
+        # the 4096 rows: kernels.rmsnorm.row_batch)
+        for name in ("rmsnorm", "rmsnorm_batch8", "rmsnorm_large", "rmsnorm_large_batch8"):
+            row = cases[name]
+            note = re.search(r"batch \d+", row["note"]).group(0)
+            print(f"  {row['shape']:<16} {note:<9} {row['device µs']:>6} us, {row['% of copy BW']:>5}% "
+                  f"of the copy bandwidth; torch {row['torch µs']} us")
+
+
 if __name__ == "__main__":
     with chapter.report(STEM):
         print(f"kernels run on: {device.where()}")
@@ -110,3 +128,4 @@ if __name__ == "__main__":
         check_kernel(rng)
         plot_reduction(rng)
         bytes_report()
+        batch_report()

@@ -8,7 +8,8 @@ position, so q . k depends only on the distance between the two positions. This 
 * plots YaRN's inverse frequencies against the base ones for tiny-b and Kimi K2.6 (the figure),
   and prints the mscale^2 factor that YaRN puts on the attention logits;
 * runs the numba.cuda kernel against the numpy reference on a draft tree's positions, where
-  siblings share a position, and at Kimi's last position (262143).
+  siblings share a position, and at Kimi's last position (262143);
+* prints the two kernel versions' device times on the H200 from the committed benchmark record.
 
     python walkthrough/02_rope.py
 
@@ -31,6 +32,7 @@ from kernels import device
 from kernels import rope as knl
 
 STEM = "02_rope"
+VERSIONS_RECORD = "bench-h200-2026-12-04.md"     # both kernel versions, one run on the H200
 
 
 # --8<-- [start:interleaved]
@@ -161,6 +163,18 @@ def bytes_report() -> None:
               f"{2 * chapter.h200().launch * 1e6:.1f} us of host time for the two launches")
 
 
+def versions_report() -> None:
+    """Version 1 (a cos and sin per head) against version 2 (per group of heads) on the H200."""
+    cases, copy = chapter.bench_record(VERSIONS_RECORD)
+    with chapter.section("versions"):
+        print(f"H200, {VERSIONS_RECORD} (copy {copy}, read + write):")
+        for name in ("rope_q_pe", "rope_q_pe_large"):
+            for version, case in ((1, f"{name}_v1"), (2, name)):
+                row = cases[case]
+                print(f"  {row['shape']:<20} version {version}: {row['device µs']:>6} us, "
+                      f"{row['% of copy BW']:>5}% of the copy bandwidth")
+
+
 if __name__ == "__main__":
     with chapter.report(STEM):
         print(f"kernels run on: {device.where()}")
@@ -170,3 +184,4 @@ if __name__ == "__main__":
         plot_yarn()
         tree_positions_demo(rng)
         bytes_report()
+        versions_report()

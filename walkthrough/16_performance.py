@@ -8,8 +8,10 @@ records under docs/results/ (nothing is measured on this machine):
   kernel issue's targets that it measures; bench-h200-2026-12-01g.md: attention's version 5
   (unfused), the engine's from R = 512, at the same shapes, which the attention targets read;
   bench-h200-2026-12-02.md: the MoE cases again, with the expert kernels' version 3;
-  bench-h200-2026-12-02b.md: version 5's cases again, its statistics a warp per chunk (a later
-  record's case replaces the earlier one of the same name);
+  bench-h200-2026-12-02b.md: version 5's cases again, its statistics a warp per chunk;
+  bench-h200-2026-12-04.md: RMSNorm's two batches, RoPE's two versions and the GEMVs ("gemv" and
+  the engine's "lanes", which the GEMV targets read) again (a later record's case replaces the
+  earlier one of the same name);
 * profile-h200-2026-11-30.md: the engine's forward on tiny, each kernel's device time, before and
   after the "tiles" kernels (``python -m kernels.bench profile``);
 * engine-small-h200-2026-12-03e.json: ``small``'s AR step against its floor, and the verify time
@@ -50,6 +52,10 @@ BENCH = RESULTS / "bench-h200-2026-12-01d.md"
 BENCH_UNFUSED = RESULTS / "bench-h200-2026-12-01g.md"       # attention version 5, a later run
 BENCH_MOE = RESULTS / "bench-h200-2026-12-02.md"            # the MoE cases with version 3, later still
 BENCH_STATS = RESULTS / "bench-h200-2026-12-02b.md"         # version 5 again: its statistics' warps
+BENCH_BANDWIDTH = RESULTS / "bench-h200-2026-12-04.md"      # RMSNorm's batch, RoPE version 2, the GEMVs
+# that run's "rmsnorm*" cases took batch 16 at every row count, its "*_batch8" cases 8: the case that
+# runs what the default (kernels.rmsnorm.row_batch) takes now, for each name the targets read
+TODAYS_DEFAULT = {BENCH_BANDWIDTH: {"rmsnorm_large": "rmsnorm_large_batch8"}}
 PROFILE = RESULTS / "profile-h200-2026-11-30.md"
 SMALL = RESULTS / "engine-small-h200-2026-12-03e.json"
 SWEEP = RESULTS / "sweep-small-h200-2026-11-30.json"
@@ -78,19 +84,27 @@ def kernel_floors() -> list[dict]:
     """Each benchmark case as its record states it: the kernels' device time (outputs given,
     replayed from a CUDA graph), the public call's time, the share of its floor reached (the run's
     own copy bandwidth and fp32 rate) and torch's device time for the same work, where measured.
-    Every ratio comes from one run; attention's version 5 and the MoE cases come from later runs
-    than the others, and a later record's case replaces an earlier one of the same name."""
+    Every ratio comes from one run; attention's version 5, the MoE cases and the bandwidth-bound
+    ones come from later runs than the others, and a later record's case replaces an earlier one of
+    the same name. ``empty``: one empty kernel's device time in the case's own run."""
     cases = {}
-    rows = [row for record in (BENCH, BENCH_UNFUSED, BENCH_MOE, BENCH_STATS)
-            for row in chapter.read_table(record.read_text(encoding="utf-8"), "case")]
-    for row in rows:
-        cases[row["case"]] = {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
-                              "call": number(row["call µs"]) * 1e-6,
-                              "of_floor": number(row["% of floor"]) / 100,
-                              "torch": number(row["torch µs"]) * 1e-6,
-                              "copy": number(row["% of copy BW"]) / 100,
-                              "bound": "FLOPs" if row["% of copy BW"] == "-" else "bytes"}
+    for record in (BENCH, BENCH_UNFUSED, BENCH_MOE, BENCH_STATS, BENCH_BANDWIDTH):
+        text = record.read_text(encoding="utf-8")
+        empty = float(re.search(r"([\d.]+) µs of device time per launch replayed", text).group(1)) * 1e-6
+        rows = {row["case"]: row for row in chapter.read_table(text, "case")}
+        for name, measured in TODAYS_DEFAULT.get(record, {}).items():
+            rows[name] = dict(rows[measured], case=name)
+        for name, row in rows.items():
+            cases[name] = case_row(row, empty)
     return list(cases.values())
+
+
+def case_row(row: dict[str, str], empty: float) -> dict:
+    """One case of a record as the chapter uses it (seconds and fractions)."""
+    return {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
+            "call": number(row["call µs"]) * 1e-6, "of_floor": number(row["% of floor"]) / 100,
+            "torch": number(row["torch µs"]) * 1e-6, "copy": number(row["% of copy BW"]) / 100,
+            "bound": "FLOPs" if row["% of copy BW"] == "-" else "bytes", "empty": empty}
 # --8<-- [end:kernel_floors]
 
 
@@ -117,7 +131,7 @@ def plot_floors(cases) -> None:
     axis.set_xlabel("share of the floor reached (%), log scale: 100% = max(bytes/BW, FLOPs/fp32)")
     axis.invert_yaxis()
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=2)
-    axis.set_title("Each kernel at Kimi K2.6 shapes (H200, 2026-12-01)")
+    axis.set_title("Each kernel at Kimi K2.6 shapes (H200, each case's newest record)")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "floors")
 
@@ -129,7 +143,6 @@ def kernel_targets(cases) -> list[tuple[str, str, float, float, bool]]:
     speed-up, device time over one empty kernel's in a graph."""
     by_name = {c["case"]: c for c in cases}
     text = BENCH.read_text(encoding="utf-8")
-    empty = float(re.search(r"([\d.]+) µs of device time per launch replayed", text).group(1)) * 1e-6
     heap = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"\| (tree_build_\w+) \|[^\n]*= ([\d.]+)x the GPU time", text)}
     rows = []
@@ -140,10 +153,12 @@ def kernel_targets(cases) -> list[tuple[str, str, float, float, bool]]:
             rows.append(("attention >= 0.6x torch (FLOPs-bound)", name, case["torch"] / case["device"], 0.6))
         else:
             rows.append(("attention >= 1.5x torch (bytes-bound)", name, case["torch"] / case["device"], 1.5))
-    for name in ("rmsnorm_large", "rope_q_pe_large", "linear_gemv_mlp_up", "linear_gemv_lm_head"):
+    # the GEMVs: "lanes", the engine's (version 1, "gemv", beside it in the floors above)
+    for name in ("rmsnorm_large", "rope_q_pe_large", "linear_lanes_mlp_up", "linear_lanes_lm_head"):
         rows.append((">= 64 MB at >= 80% of copy BW", name, 100 * by_name[name]["copy"], 80.0))
     for name in ("rmsnorm", "kv_compact"):
-        rows.append(("device time <= 2x an empty kernel's", name, by_name[name]["device"] / empty, 2.0))
+        rows.append(("device time <= 2x an empty kernel's", name,
+                     by_name[name]["device"] / by_name[name]["empty"], 2.0))
     for name in ("linear_tiles_gemm_prefill", "linear_tiles_gemm_verify"):
         rows.append(("GEMM >= 0.5x torch", name, by_name[name]["torch"] / by_name[name]["device"], 0.5))
     rows.append(("tree build, 64 requests >= 100x the heap", "tree_build_medium",

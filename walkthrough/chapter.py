@@ -279,3 +279,11 @@ def snippet(text: str, name: str) -> str:
         raise ValueError(f"no snippet section {name!r}")
     return match.group(1)
 # --8<-- [end:read_table]
+
+
+def bench_record(name: str) -> tuple[dict[str, dict[str, str]], str]:
+    """The cases table of the benchmark record docs/results/``name``, by case, and the run's copy
+    bandwidth as the record states it (every "% of copy BW" of the table is against it)."""
+    text = (ROOT / "docs" / "results" / name).read_text(encoding="utf-8")
+    copy = re.search(r"- device-to-device copy of [^:]+: ([\d.]+ GB/s)", text).group(1)
+    return {row["case"]: row for row in read_table(text, "case")}, copy
