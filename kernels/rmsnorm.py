@@ -7,11 +7,12 @@ same way), TPB threads per block.
 
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
 ``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
-block has up to ROW_THREADS = 512 threads, and each thread loads its elements ROW_BATCH (16) at a
-time into registers before adding them: in a plain loop each iteration's load waits for the one
-before, so a row costs (D / TPB) memory latencies: with 1024 threads and such a loop the H200
-ran a (64, 7168) norm in 8.1 µs of device time (docs/results/bench-h200-2026-12-01b.md). A row
-of at most TPB x ROW_BATCH elements is read once: the scale pass uses the registers, and its
+block has up to ROW_THREADS = 512 threads, and each thread loads its elements ``batch`` at a time
+into registers before adding them (``row_batch``: 16 for a launch of a few rows, 8 for many):
+in a plain loop each iteration's load waits for the one before, so a row costs (D / TPB) memory
+latencies: with 1024 threads and such a loop the H200 ran a (64, 7168) norm in 8.1 µs of device
+time (docs/results/bench-h200-2026-12-01b.md). A row
+of at most TPB x batch elements is read once: the scale pass uses the registers, and its
 weights are loaded with the row, so that no load waits after the sum; a longer row is read
 twice (sum of squares, then scale; the second read usually hits L1/L2). Bytes (``bytes_moved``):
 each row read once and written once, plus the weight vector: the kernel is memory-bound.
@@ -58,6 +59,7 @@ ROW_BATCH = 8 if SIMULATOR else 16
 MANY_ROWS_BATCH = 8
 FEW_ROWS = 132              # the H200's SMs: a launch of at most one block per SM
 BATCH_SLOTS = 8192          # batch x threads at most: a block's values and weights in registers
+MAX_BATCH = 32              # the largest ``batch`` rmsnorm takes
 
 
 # --8<-- [start:rmsnorm_kernel]
@@ -65,8 +67,9 @@ BATCH_SLOTS = 8192          # batch x threads at most: a block's values and weig
 def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = ROW_BATCH):
     """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``,
     the residual add before it (x += delta, written back), in the same launch. ``batch``: a
-    thread's elements loaded at a time (ROW_BATCH); every thread adds its squares in column order
-    whatever the batch, so it changes no bit, only how many loads are in flight."""
+    thread's elements loaded at a time (``rmsnorm`` picks ``row_batch``); every thread adds its
+    squares in column order whatever the batch, so it changes no bit, only how many loads are in
+    flight."""
 
     @cuda.jit
     def kernel(x, delta, weight, eps, out):
@@ -112,9 +115,6 @@ def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = ROW_BATCH)
 
     return kernel
 # --8<-- [end:rmsnorm_kernel]
-
-
-MAX_BATCH = 32      # the largest ``batch`` rmsnorm takes (its registers, with BATCH_SLOTS)
 
 
 def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None, batch=None):
