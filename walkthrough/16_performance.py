@@ -73,8 +73,6 @@ ATTENTION_CASES = ("paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_r
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's bucket
 
 
-
-
 def number(cell: str) -> float:
     return float("nan") if cell in ("-", "") else float(cell)
 
