@@ -34,41 +34,14 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ:
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
+from kernels import simulator  # noqa: E402
 from kernels.blocks import MAX_TPB, blocks, pow2_threads  # noqa: E402
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
-def _one_shared_array_per_line() -> None:
-    """Make the simulator's ``cuda.shared.array`` give every thread of a block the same array.
-
-    The simulator keys a block's shared arrays by the source line that declares them, but looks
-    the key up, creates a missing array and stores it in three steps with no lock: two threads
-    that both miss get different arrays, and the kernel computes from memory its neighbours never
-    see (under load, "tiles" and the router's slice kernel gave wrong logits now and then).
-    ``dict.setdefault`` looks up and stores in one step under the GIL."""
-    from numba.core import types
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-    from numba.np import numpy_support
-
-    declared = FakeCUDAShared.array
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:         # dynamic shared memory; refusals
-            return declared(self, shape, dtype, alignment)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        line = sys._getframe(1)
-        return self._allocations.setdefault((line.f_code.co_filename, line.f_lineno), np.empty(shape, dtype))
-
-    FakeCUDAShared.array = array
-
-
 if SIMULATOR:
-    # every simulated CUDA thread is a Python thread: shorter switch intervals make
-    # barrier-heavy kernels about 3x faster in the simulator
-    sys.setswitchinterval(5e-4)
-    _one_shared_array_per_line()
+    simulator.install()
 
 
 def hardware_options(**options) -> dict:

@@ -9,8 +9,9 @@ and Python's tracebacks work inside a kernel, and an index past the end of an ar
 * stops one thread (blockIdx.x == 1, threadIdx.x == 0) of a small kernel in pdb, with a scripted
   pdb session run in a subprocess, and prints the session;
 * runs an off-by-one kernel and prints the simulator's out-of-bounds error;
-* shows what the simulator cannot do: a warp shuffle is missing from it (the error is printed);
-  races and timing are the subject of the page, with the GPU tools that see them.
+* shows what the simulator cannot do: a warp shuffle is missing from it (the error is printed),
+  and a missing barrier's race (the kernel run ten times, its wrong elements counted); races and
+  timing are the subject of the page, with the GPU tools that see them.
 
 Each demo is also a command to try: ``python walkthrough/91_debugging.py stop`` (interactive pdb),
 ``oob``, ``shuffle`` and ``race`` (a missing barrier, run a few times).
@@ -162,6 +163,10 @@ def main() -> None:
         print_error("oob", "forward_difference", "IndexError")
     with chapter.section("shuffle"):
         print_error("shuffle", "warp_sum", "AttributeError")
+    with chapter.section("race_trials"):
+        print(f"$ python walkthrough/{STEM}.py race")
+        for line in run_demo("race"):
+            print(line)
 
 
 def print_error(demo: str, kernel: str, error: str) -> None:
