@@ -1,8 +1,8 @@
 """What the project changes in numba's CUDA simulator, and why: the simulator runs every test
 without a GPU, and its speed sets how large the suite's shapes can be.
 
-The simulator runs each CUDA thread of a block as a Python thread, one block at a time. Two of its
-habits cost more than the kernels' own arithmetic (measured on the 2-core CI machine):
+The simulator runs each CUDA thread of a block as a Python thread, one block at a time. Three of
+its habits cost more than the kernels' own arithmetic (measured on the 2-core CI machine):
 
 - A barrier (``cuda.syncthreads``) is detected by polling: the block's manager loops over the
   block's threads, holding the GIL, until all of them wait, then wakes them one event at a time.
@@ -13,7 +13,12 @@ habits cost more than the kernels' own arithmetic (measured on the 2-core CI mac
   reused by every block of every launch; a worker takes a block's thread index, runs the kernel
   and waits for the next block.
 
-Neither changes what a kernel computes: blocks still run one after another, a block's threads
+- A device array reaches the kernel wrapped twice (``FakeWithinKernelCUDAArray`` around
+  ``FakeCUDAArray``), so that every element access is a chain of Python calls. The kernel gets a
+  numpy view of the array instead (``KernelArray``), whose indexing is numpy's own; only its
+  ``shape`` is the simulator's, which refuses a negative index as CUDA Python does.
+
+None of these changes what a kernel computes: blocks still run one after another, a block's threads
 still run concurrently under the GIL with the same barrier semantics, and an exception in one
 thread still stops the block's other threads at their next barrier and is raised with the
 simulator's message (``tid=[x, y, z] ctaid=[x, y, z]: ...``).
@@ -80,7 +85,16 @@ def install() -> None:
     """Patch the simulator (numba-cuda 0.30's ``BlockManager`` and ``BlockThread``) as the module
     docstring says. Called once, by ``kernels.device``, when the kernels run in the simulator."""
     from numba.cuda.simulator import kernel as simulator
+    from numba.cuda.simulator.cudadrv.devicearray import FakeShape
     from numba.cuda.simulator.kernelapi import Dim3
+
+    class KernelArray(np.ndarray):
+        """A device array as a kernel sees it: a numpy view (the same memory), whose ``shape``
+        refuses negative indices like the simulator's own arrays."""
+
+        @property
+        def shape(self):
+            return FakeShape(np.ndarray.shape.__get__(self))
 
     class Worker(simulator.BlockThread):
         """A pooled thread that plays one CUDA thread of one block at a time."""
@@ -148,6 +162,7 @@ def install() -> None:
             raise raised[0].with_traceback(raised[1])
 
     simulator.BlockManager.run = run
+    simulator.FakeWithinKernelCUDAArray = lambda array: array._ary.view(KernelArray)
     one_shared_array_per_line()
     # Python's default interval: the poller needed a short one (0.5 ms) to let the block's threads
     # run; without it, shorter intervals only add switches (docs/results/pytest-time-2026-12-04.txt)

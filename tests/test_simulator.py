@@ -102,3 +102,25 @@ def test_workers_are_reused_across_blocks_and_launches(monkeypatch):
     for _ in range(5):
         rotate_live_threads[3, 64](out, 1)
     assert started == []                                        # the simulator alone starts 960
+
+
+@cuda.jit
+def row_lengths(x, out):
+    row = x[cuda.threadIdx.x]                                   # a view of one row
+    out[cuda.threadIdx.x] = row.shape[0] * 100 + row[2] + x.shape[1]
+
+
+@cuda.jit
+def last_axis(x, out):
+    out[0] = x.shape[-1]
+
+
+def test_a_kernels_arrays_index_like_device_arrays():
+    """The kernel sees numpy views of its arrays: writes reach the caller's array, rows are views,
+    and ``shape`` still refuses a negative index, as the simulator's own arrays do."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = np.full(3, np.nan, np.float32)
+    row_lengths[1, 3](cuda.to_device(x), out)
+    np.testing.assert_array_equal(out, 4 * 100 + x[:, 2] + 4)
+    with pytest.raises(IndexError, match=r"ctaid=\[0, 0, 0\]: tuple index out of range"):
+        last_axis[1, 1](x, out)
