@@ -3,7 +3,9 @@ host-side helpers every launch wrapper shares: device arrays in and out, output 
 
 The simulator is used when no GPU is present or when the user asks for it with
 ``NUMBA_ENABLE_CUDASIM=1``; ``NUMBA_ENABLE_CUDASIM=0`` forces hardware. numba reads the variable
-once, at import, so every kernel module imports this module before ``numba``.
+once, at import, so every kernel module imports this module before ``numba``. In the simulator it
+also installs ``kernels.simulator`` (cheaper barriers, threads and array accesses; the same
+results).
 
 A launch wrapper takes numpy arrays (the result comes back as numpy) or device arrays (the
 result stays on the device). ``out``, when given, is the buffer the kernel writes (``check_out``,
