@@ -179,6 +179,20 @@ def targets_report(rows) -> None:
             print(f"{target:<40} {name:<29} {measured:>9.3g} {needed:>7.3g}  {'met' if met else 'missed'}")
 
 
+def empty_kernel_report(cases) -> None:
+    """For the "2x an empty kernel" targets: the measured ratio beside what the bytes alone take at
+    the run's copy bandwidth (device time x its share of the copy), both in empty kernels."""
+    by_name = {c["case"]: c for c in cases}
+    with chapter.section("empty_kernels"):
+        print(f"{'case':<12} {'device':>9} {'empty':>8} {'bytes at copy':>14} {'device / empty':>15} "
+              f"{'bytes / empty':>14}")
+        for name in ("rmsnorm", "kv_compact"):
+            c = by_name[name]
+            at_copy = c["device"] * c["copy"]                   # bytes / the run's copy bandwidth
+            print(f"{name:<12} {c['device'] * 1e6:>7.2f}us {c['empty'] * 1e6:>6.2f}us "
+                  f"{at_copy * 1e6:>12.2f}us {c['device'] / c['empty']:>15.2f} {at_copy / c['empty']:>14.2f}")
+
+
 # --8<-- [start:profile]
 def profile(part: str) -> dict[str, dict[str, float]]:
     """Device µs per kernel in the forward (``part``: "before" or "after"), by T column."""
@@ -289,6 +303,7 @@ def main() -> None:
     floors_report(cases)
     plot_floors(cases)
     targets_report(kernel_targets(cases))
+    empty_kernel_report(cases)
     before, after = profile("before"), profile("after")
     profile_report(before, after)
     plot_profile(before, after)
