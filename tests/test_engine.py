@@ -141,9 +141,9 @@ def test_projection_version_per_bucket():
             for w in (large_w, small_w)} == {"lanes"}
 
 
-# Each simulated forward of micro costs seconds (most of this suite's time), so the simulator tests
-# below run as few and as narrow forwards as still reach their paths: the prompts are short (a
-# 1-token prompt has no prefill), the trees have budget 3 (verify buckets of 4 rows), and the one
+# Each simulated forward of micro is slow (this file is a large share of the suite's time), so the
+# simulator tests below run as few and as narrow forwards as still reach their paths: the prompts
+# are short (a 1-token prompt has no prefill), the trees have budget 3 (verify buckets of 4 rows), and the one
 # prefill of each kind runs once (emit_token=True in the AR test, with a padding row;
 # emit_token=False in the greedy DDTree test; the sampled and rejection tests' prefill would launch
 # exactly the greedy one's: a prefill emits no token, so it never samples).
