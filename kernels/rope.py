@@ -41,6 +41,7 @@ from kernels.blocks import blocks
 from kernels.device import (
     check_float32,
     check_out,
+    check_version,
     deliver,
     host_or_device,
     is_device_array,
@@ -155,8 +156,7 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=N
     numpy out; device arrays stay on the device. ``stream``: where the kernel is launched (None:
     the default stream). ``version`` 1 or 2 (the module's docstring): the same bits.
     """
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    check_version(version, VERSIONS)
     x, positions, inv_freq = check_rope(x, positions, inv_freq, scale, out=out)
     rows, width = x.shape[0], x.shape[x.ndim - 1]
     heads = math.prod(x.shape[1:x.ndim - 1])                      # (T, dr) is (T, 1, dr)

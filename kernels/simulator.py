@@ -12,7 +12,6 @@ its habits cost more than the kernels' own arithmetic (measured on the 2-core CI
 - Every block starts ``blockDim`` new threads. ``install`` keeps a pool of worker threads instead,
   reused by every block of every launch; a worker takes a block's thread index, runs the kernel
   and waits for the next block.
-
 - A device array reaches the kernel wrapped twice (``FakeWithinKernelCUDAArray`` around
   ``FakeCUDAArray``), so that every element access is a chain of Python calls. The kernel gets a
   numpy view of the array instead (``KernelArray``), whose indexing is numpy's own; only its
@@ -28,6 +27,7 @@ simulator's message (``tid=[x, y, z] ctaid=[x, y, z]: ...``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -82,8 +82,9 @@ class BlockBarrier:
 
 
 def install() -> None:
-    """Patch the simulator (numba-cuda 0.30's ``BlockManager`` and ``BlockThread``) as the module
-    docstring says. Called once, by ``kernels.device``, when the kernels run in the simulator."""
+    """Patch the simulator (numba-cuda 0.30's ``BlockManager``, ``BlockThread`` and the kernel's
+    array wrapper) as the module docstring says. Called once, by ``kernels.device``, when the
+    kernels run in the simulator."""
     from numba.cuda.simulator import kernel as simulator
     from numba.cuda.simulator.cudadrv.devicearray import FakeShape
     from numba.cuda.simulator.kernelapi import Dim3
@@ -119,10 +120,7 @@ def install() -> None:
                 self.wake.clear()
                 function, args = self.task
                 try:
-                    if self.debug:
-                        with np.errstate(divide="raise"):
-                            function(*args)
-                    else:
+                    with np.errstate(divide="raise") if self.debug else contextlib.nullcontext():
                         function(*args)
                 except BaseException as error:     # the simulator's message: which thread, which block
                     message = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"

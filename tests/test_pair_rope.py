@@ -209,6 +209,7 @@ def test_device_arrays_stay_on_device(host_copies):
     (lambda x, p, f: kernel.apply_rope(cuda.to_device(x.astype(np.float64)), p, f),
      "x must be float32 on the device"),
     (lambda x, p, f: kernel.apply_rope(x, p, f, version=3), r"version must be one of \(1, 2\), got 3"),
+    (lambda x, p, f: kernel.apply_rope(x, p, f, version=True), r"version must be one of \(1, 2\), got True"),
 ])
 def test_bad_inputs(call, message):
     freqs, _ = _frequencies("tiny")
