@@ -59,9 +59,9 @@ def test_only_the_backend_loader_reaches_kernels():
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_kernels_do_not_import_chapters_or_tests(path):
+def test_kernels_do_not_import_chapters_tests_or_the_lab(path):
     for package, _ in imports(path):
-        assert package not in ("walkthrough", "tests"), f"{path.relative_to(ROOT)} imports {package}"
+        assert package not in ("walkthrough", "tests", "lab"), f"{path.relative_to(ROOT)} imports {package}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Kernel versions the engine does not run, kept for what they teach (see ``lab/harness.py``)."""
