@@ -1,9 +1,9 @@
 """What the benchmark runs: ``Case`` (one timed call of a public ``kernels`` function), the
 sizes, random device inputs, and the collection of every kernel module's ``bench_cases``.
 
-A kernel module registers its benchmark by defining ``bench_cases(sizes) -> list[Case]`` beside
-its kernels (importing this module inside the function: this package imports the kernel
-modules). ``KERNEL_MODULES`` lists them in report order; ``make_cases`` collects them.
+Each kernel module's benchmark is a module of ``kernels.bench.cases`` of the same name, defining
+``bench_cases(sizes) -> list[Case]`` and its byte and FLOP counts. ``KERNEL_MODULES`` lists them
+in report order; ``make_cases`` collects them.
 """
 
 from __future__ import annotations
@@ -211,9 +211,20 @@ def verified_tree(sizes: Sizes) -> DraftTree:
 
 
 def make_cases(sizes: Sizes) -> list[Case]:
-    """Every case, in report order: each kernel module's ``bench_cases(sizes)``."""
-    return [case for name in KERNEL_MODULES
-            for case in importlib.import_module(f"kernels.{name}").bench_cases(sizes)]
+    """Every case, in report order: each kernel module's ``bench_cases(sizes)``, from its module of
+    cases in ``kernels.bench.cases`` (the kernel modules never import the benchmark)."""
+    return [case for name in KERNEL_MODULES for case in cases_module(name).bench_cases(sizes)]
+
+
+def cases_module(name: str):
+    """The benchmark cases of kernel module ``name``: ``kernels.bench.cases.<name>``, or, for a
+    module not moved there yet, ``kernels.<name>`` itself."""
+    try:
+        return importlib.import_module(f"kernels.bench.cases.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"kernels.bench.cases.{name}":
+            raise
+        return importlib.import_module(f"kernels.{name}")
 
 
 def select(cases: list[Case], patterns: str | None) -> list[Case]:
