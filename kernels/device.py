@@ -68,6 +68,19 @@ def where() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def core_device():
+    """numba's device as a ``cuda.core`` ``Device``, current for ``cuda.core`` too (GPU only): what
+    the engine's stream and the benchmark's graphs are made from.
+
+    numba's context is made current first, and the device is named by its id: ``Device()`` with no
+    id asks the driver for the current context's device, an error while no context is current."""
+    from cuda.core import Device
+
+    device = Device(cuda.current_context().device.id)
+    device.set_current()
+    return device
+
+
 def is_device_array(x) -> bool:
     # the simulator's numba.cuda has no is_cuda_array; every numba device array, real or
     # simulated, carries __cuda_ndarray__ = True

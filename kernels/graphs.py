@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from kernels.device import SIMULATOR, cuda
+from kernels.device import SIMULATOR, core_device, cuda
 
 if not SIMULATOR:
     from cuda.bindings import driver
@@ -43,11 +43,7 @@ class Graphs:
         if SIMULATOR:
             self.stream = 0                       # the simulator's only stream
         else:
-            from cuda.core import Device
-
-            device = Device()
-            device.set_current()
-            self.stream = device.create_stream()  # launches, graph replays and copies
+            self.stream = core_device().create_stream()   # launches, graph replays and copies
             self.stream_handle = int(self.stream.handle)
 
     # --8<-- [start:run]

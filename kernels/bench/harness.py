@@ -21,7 +21,7 @@ from numba import cuda
 from kernels.bench import hardware, peers
 from kernels.bench.case import Case, Sizes, uniform
 from kernels.bench.environment import l2_bytes, versions
-from kernels.device import SIMULATOR
+from kernels.device import SIMULATOR, core_device
 
 F32 = 4                         # bytes per float32
 TARGET_SECONDS = 0.2            # timed calls per case: about this long ...
@@ -105,10 +105,9 @@ def graph_seconds(launches: list[Callable[[Any], Any]], copies: int, quick: bool
             launches[0](0)
             seconds = time.perf_counter() - begin
         return DeviceTime(seconds, count[0], allocations[0], 1)
-    from cuda.core import Device, EventOptions
+    from cuda.core import EventOptions
 
-    device = Device()
-    device.set_current()
+    device = core_device()
     stream = device.create_stream()
     cuda.synchronize()
     builder = stream.create_graph_builder()
