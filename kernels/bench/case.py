@@ -24,6 +24,7 @@ from kernels.blocks import blocks
 from kernels.device import SIMULATOR
 
 KERNEL_MODULES = ("rmsnorm", "rope", "linear", "mla", "moe", "tree", "accept", "kv_cache", "sampling")
+LATENT_SCALE = 1.7              # a filled cache's latents: uniform in [-1.7, 1.7), about unit variance
 DRAFTER_SHARPNESS = 4.0         # random drafter logits ~ N(0, 4^2): peaked, deep trees like a real drafter
 
 
@@ -144,6 +145,20 @@ def uniform(shape, seed: int, scale: float = 1.0):
     if not np.isfinite(sample).all() or (sample.size > 1 and np.ptp(sample) == 0):
         raise RuntimeError(f"the random fill of a {shape} array gave {sample[:8]}: not random")
     return out
+
+
+def fill_context(model, context: int, seed: int = 0) -> None:
+    """The engine's cache holds ``context`` rows of random latents and rope keys, as if prefilled."""
+    cache = model.cache
+    for layer in range(cache.latent.shape[0]):
+        for part, array in enumerate((cache.latent, cache.rope)):
+            flat = array[layer, :context].reshape(context * array.shape[2])
+            fill_uniform_kernel[min(blocks(flat.size, 256), 8192), 256](
+                flat, seed * 1000 + 2 * layer + part, np.float32(LATENT_SCALE))
+    cache.length = context
+    model.graphs.upload(np.array([context, 0, 0], np.int64), model.buffers.state)
+    model.device_root = None
+    model.graphs.synchronize()
 
 
 def drafter_candidates(rng, requests: int, depths: int, k: int, vocab: int):

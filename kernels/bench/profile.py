@@ -124,11 +124,11 @@ def prepare(model, name: str, context: int, nodes: int) -> None:
     """``context`` tokens in the cache and a random tree of ``nodes`` nodes in the tree buffers (a
     real round: the profile's forwards then read a valid tree; parents precede children, so any
     prefix of the rows is a tree too). The host presets prefill random tokens; the others' caches
-    are filled with random latents (``kernels.bench.sweep.fill_context``): attention reads them
+    are filled with random latents (``kernels.bench.case.fill_context``): attention reads them
     the same way, and a real prefill of 16k tokens on ``small`` would only cost minutes."""
     from kernels import decode as engine_decode
+    from kernels.bench.case import fill_context
     from kernels.bench.engine import HOST_PRESETS, RandomDrafter
-    from kernels.bench.sweep import fill_context
 
     if name in HOST_PRESETS:
         prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, context + 1)

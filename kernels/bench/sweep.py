@@ -28,31 +28,15 @@ import numpy as np
 from ddtree.config import preset
 from ddtree.drafters import NoisyOracleDrafter, OracleDrafter
 from kernels import decode as engine_decode
-from kernels.bench.case import fill_uniform_kernel
+from kernels.bench.case import fill_context
 from kernels.bench.environment import versions
 from kernels.bench.profile import kernel_times
-from kernels.blocks import blocks
 from kernels.device import SIMULATOR
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32256)   # the last leaves room for the steps and a tree
 STEPS = 32                                          # tokens generated per measurement
 BLOCK, BUDGET = 8, 32
 ROOT_TOKEN = 1                                      # the first input token (the cache has no tokens)
-LATENT_SCALE = 1.7                                  # uniform in [-1.7, 1.7): about unit variance
-
-
-def fill_context(model, context: int, seed: int = 0) -> None:
-    """The engine's cache holds ``context`` rows of random latents and rope keys, as if prefilled."""
-    cache = model.cache
-    for layer in range(cache.latent.shape[0]):
-        for part, array in enumerate((cache.latent, cache.rope)):
-            flat = array[layer, :context].reshape(context * array.shape[2])
-            fill_uniform_kernel[min(blocks(flat.size, 256), 8192), 256](
-                flat, seed * 1000 + 2 * layer + part, np.float32(LATENT_SCALE))
-    cache.length = context
-    model.graphs.upload(np.array([context, 0, 0], np.int64), model.buffers.state)
-    model.device_root = None
-    model.graphs.synchronize()
 
 
 def ar_rate(model, context: int, root: int) -> tuple[float, np.ndarray]:
