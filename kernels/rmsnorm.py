@@ -8,14 +8,12 @@ same way), TPB threads per block.
 One kernel: one block per row. Its threads stride over the row summing squares in float32,
 ``block_sum`` adds the TPB partial sums, then every thread scales its own elements. On a GPU the
 block has up to ROW_THREADS = 512 threads, and each thread loads its elements ``batch`` at a time
-into registers before adding them (``row_batch``: 16 for a launch of a few rows, 8 for many):
-in a plain loop each iteration's load waits for the one before, so a row costs (D / TPB) memory
-latencies: with 1024 threads and such a loop the H200 ran a (64, 7168) norm in 8.1 µs of device
-time (docs/results/bench-h200-2026-12-01b.md). A row
-of at most TPB x batch elements is read once: the scale pass uses the registers, and its
-weights are loaded with the row, so that no load waits after the sum; a longer row is read
-twice (sum of squares, then scale; the second read usually hits L1/L2). Bytes (``bytes_moved``):
-each row read once and written once, plus the weight vector: the kernel is memory-bound.
+into registers before adding them (``row_batch``, by the launch's rows: ``kernels.tuning``): in a
+plain loop each iteration's load waits for the one before, so a row would cost D / TPB memory
+latencies one after another. A row of at most TPB x batch elements is read once: the scale pass
+uses the registers, and its weights are loaded with the row, so that no load waits after the sum;
+a longer row is read twice (sum of squares, then scale; the second read usually hits L1/L2). The
+kernel is memory-bound: each row is read once and written once, plus the weight vector.
 
 The block size TPB is a compile-time constant of the kernel (a shared array needs a static
 size), so ``rmsnorm_kernel(TPB)`` builds and caches one kernel per block size.
@@ -30,9 +28,9 @@ import numpy as np
 from numba import cuda, float32
 
 from ddtree import rmsnorm as reference
+from kernels import tuning
 from kernels.blocks import block_sum, check_threads
 from kernels.device import (
-    SIMULATOR,
     as_rows,
     check_float32,
     check_out,
@@ -44,27 +42,16 @@ from kernels.device import (
     to_device,
 )
 
-F32 = 4            # bytes per float32
-# the default block on a GPU: up to one thread per element of the row, at most 512 (a row of 2048,
-# one block alone, took 4.13 µs with 512 threads against 5.23 with 1024, whose reduction tree is
-# one barrier step deeper; docs/results/decode-shapes-h200-2026-12-02.txt)
+# the default block on a GPU: up to one thread per element of the row, at most 512 (a block of 1024
+# makes the reduction tree one barrier step deeper, which costs a row more than its threads save)
 ROW_THREADS = 512
-# a thread's row elements loaded together (registers), by default (``row_batch``): 16 for a launch
-# of at most FEW_ROWS rows, whose blocks have no others beside them on their SMs to hide their loads
-# behind (rows up to 512 x 16 = 8192, Kimi's 7168, are then read once), 8 for more rows, whose
-# blocks need the registers to be resident together. On the H200 (bench-h200-2026-12-04.md's run):
-# 64 rows of 7168 took 5.75 µs with 16 against 9.84 with 8; 4096 rows 146 against 118 µs.
-# The simulator's rows are short: 8 (each slot of a batch is a Python loop step there)
-ROW_BATCH = 8 if SIMULATOR else 16
-MANY_ROWS_BATCH = 8
-FEW_ROWS = 132              # the H200's SMs: a launch of at most one block per SM
 BATCH_SLOTS = 8192          # batch x threads at most: a block's values and weights in registers
 MAX_BATCH = 32              # the largest ``batch`` rmsnorm takes
 
 
 # --8<-- [start:rmsnorm_kernel]
 @functools.cache
-def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = ROW_BATCH):
+def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = tuning.RMSNORM_FEW_ROWS_BATCH):
     """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``,
     the residual add before it (x += delta, written back), in the same launch. ``batch``: a
     thread's elements loaded at a time (``rmsnorm`` picks ``row_batch``); every thread adds its
@@ -145,10 +132,12 @@ def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None, batc
 
 
 def row_batch(rows: int, threads: int) -> int:
-    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads
-    (ROW_BATCH up to FEW_ROWS rows, else MANY_ROWS_BATCH; at most BATCH_SLOTS / threads): it changes
-    no bit, so it may depend on the rows."""
-    batch = ROW_BATCH if rows <= FEW_ROWS else MANY_ROWS_BATCH
+    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads: the
+    larger one up to one block per SM (``sm_count()`` rows), the smaller one for more rows (both in
+    ``kernels.tuning``), at most BATCH_SLOTS / threads. It changes no bit, so it may depend on the
+    rows."""
+    few = rows <= tuning.sm_count()
+    batch = tuning.RMSNORM_FEW_ROWS_BATCH if few else tuning.RMSNORM_MANY_ROWS_BATCH
     return max(1, min(batch, BATCH_SLOTS // threads))
 
 
@@ -177,43 +166,3 @@ def rmsnorm(x, weight, eps: float, *, residual=None, threads: int | None = None,
             d_x, delta, to_device(weight, np.float32), float(eps), as_rows(d_out, "out"))
     return deliver(d_out, out, x, weight)
 # --8<-- [end:rmsnorm]
-
-
-def bytes_moved(*, T: int, D: int) -> int:
-    """Fewest bytes RMSNorm moves through device memory: x (T, D) read once, y (T, D) written
-    once, the weight (D,) read once; float32."""
-    return F32 * (2 * T * D + D)
-
-
-def flops(*, T: int, D: int) -> int:
-    """Floating-point operations: per element a square, an add, and two multiplies."""
-    return 4 * T * D
-
-
-def _case(name: str, what: str, config, rows: int, batch: int | None = None):
-    from kernels.bench import peers
-    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
-
-    width = config.hidden_size
-    batch = batch or row_batch(rows, reduction_threads(width, ROW_THREADS))
-    return Case(name, what, f"x ({rows}, {width})",
-                setup=lambda seed: (uniform((rows, width), seed), uniform((width,), seed + 1),
-                                    config.rms_norm_eps),
-                call=lambda inputs, **given: rmsnorm(*inputs, batch=batch, **given),
-                bytes=bytes_moved(T=rows, D=width), flops=flops(T=rows, D=width), note=f"batch {batch}",
-                peer=lambda inputs: peers.rmsnorm(*inputs))
-
-
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: the input norm of a verified tree (the
-    model's size: launch-bound), and of a prefill's rows (large: bandwidth-bound), by the default
-    batch (``row_batch``) and by the other one (``_other_batch``: 8 or 16), in the same run."""
-    config = sizes.config
-    threads = reduction_threads(config.hidden_size, ROW_THREADS)
-    cases = []
-    for name, what, rows in (("rmsnorm", f"input norm of {sizes.rows} tree rows", sizes.rows),
-                             ("rmsnorm_large", f"input norm of {sizes.large_rows} prefill rows",
-                              sizes.large_rows)):
-        other = MANY_ROWS_BATCH if row_batch(rows, threads) == ROW_BATCH else ROW_BATCH
-        cases += [_case(name, what, config, rows), _case(f"{name}_other_batch", what, config, rows, other)]
-    return cases

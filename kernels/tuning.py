@@ -24,6 +24,14 @@ def sm_count() -> int:
 
 
 # ---------------------------------------------------------------------------------- rmsnorm
+# A thread's row elements loaded together (``kernels.rmsnorm.row_batch``; every batch gives the
+# same bits). A launch of at most one block per SM (rows <= sm_count()) has no other block beside
+# its blocks to hide their loads behind: it takes the larger batch, so that a row of up to 512 x 16
+# = 8192 floats (Kimi's 7168) sits in registers and is read once. A launch of more rows needs its
+# blocks resident together more than each block's loads in flight: the smaller batch leaves them
+# the registers. The simulator's rows are short: 8 (each slot of a batch is a Python loop step).
+RMSNORM_FEW_ROWS_BATCH = 8 if SIMULATOR else 16
+RMSNORM_MANY_ROWS_BATCH = 8
 
 
 # ---------------------------------------------------------------------------------- linear

@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from ddtree import rmsnorm as reference
-from kernels import device
+from kernels import device, tuning
 from kernels import rmsnorm as kernel
 from tests.helpers import assert_close, no_transfers
 
@@ -75,10 +75,10 @@ def test_residual_is_the_add_then_the_norm_bit_for_bit(rows, width, threads):
 
 
 def test_row_batch_keeps_few_rows_in_registers_and_fits_the_block():
-    few, many = kernel.FEW_ROWS, kernel.FEW_ROWS + 1
-    assert kernel.row_batch(few, 512) == kernel.ROW_BATCH
-    assert kernel.row_batch(many, 512) == kernel.MANY_ROWS_BATCH
-    assert kernel.row_batch(1, 1024) == min(kernel.ROW_BATCH, kernel.BATCH_SLOTS // 1024)
+    few, many = tuning.sm_count(), tuning.sm_count() + 1                # one block per SM at most
+    assert kernel.row_batch(few, 512) == tuning.RMSNORM_FEW_ROWS_BATCH
+    assert kernel.row_batch(many, 512) == tuning.RMSNORM_MANY_ROWS_BATCH
+    assert kernel.row_batch(1, 1024) == min(tuning.RMSNORM_FEW_ROWS_BATCH, kernel.BATCH_SLOTS // 1024)
     assert all(kernel.row_batch(rows, threads) * threads <= kernel.BATCH_SLOTS
                for rows in (1, few, many) for threads in (32, 256, 512, 1024))
 

@@ -26,6 +26,7 @@ from ddtree import rmsnorm as ref
 from ddtree.config import preset
 from kernels import device
 from kernels import rmsnorm as knl
+from kernels.bench.cases import rmsnorm as cost
 
 STEM = "01_rmsnorm"
 BATCH_RECORD = "bench-h200-2026-12-04.md"     # both batches at Kimi's width, one run on the H200
@@ -99,9 +100,9 @@ def bytes_report() -> None:
     hidden = preset("kimi-k2.6").hidden_size
     with chapter.section("bytes"):
         chapter.print_h200()
-        print("Kimi K2.6 rmsnorm, fp32 (kernels.rmsnorm.bytes_moved):")
+        print("Kimi K2.6 rmsnorm, fp32 (kernels.bench.cases.rmsnorm.bytes_moved):")
         for rows, what in ((1, "decode"), (65, "64-node tree + root"), (8192, "prefill chunk")):
-            moved = knl.bytes_moved(T=rows, D=hidden)
+            moved = cost.bytes_moved(T=rows, D=hidden)
             floor = chapter.time_floor(moved)
             print(f"  {rows:>5} x {hidden}: {moved / 1e6:8.3f} MB -> {floor * 1e6:7.2f} us at the copy "
                   f"bandwidth ({what})")
