@@ -2,7 +2,7 @@
 without a GPU, and its speed sets how large the suite's shapes can be.
 
 The simulator runs each CUDA thread of a block as a Python thread, one block at a time. Three of
-its habits cost more than the kernels' own arithmetic (measured on the 2-core CI machine):
+its habits cost more than the kernels' own arithmetic:
 
 - A barrier (``cuda.syncthreads``) is detected by polling: the block's manager loops over the
   block's threads, holding the GIL, until all of them wait, then wakes them one event at a time.
@@ -87,7 +87,6 @@ def install() -> None:
     kernels run in the simulator."""
     from numba.cuda.simulator import kernel as simulator
     from numba.cuda.simulator.cudadrv.devicearray import FakeShape
-    from numba.cuda.simulator.kernelapi import Dim3
 
     class KernelArray(np.ndarray):
         """A device array as a kernel sees it: a numpy view (the same memory), whose ``shape``
@@ -97,9 +96,20 @@ def install() -> None:
         def shape(self):
             return FakeShape(np.ndarray.shape.__get__(self))
 
-    class Worker(simulator.BlockThread):
-        """A pooled thread that plays one CUDA thread of one block at a time."""
+    simulator.BlockManager.run = pooled_block_run(worker_class(simulator.BlockThread))
+    simulator.FakeWithinKernelCUDAArray = lambda array: array._ary.view(KernelArray)
+    one_shared_array_per_line()
+    # Python's default interval: the poller needed a short one to let the block's threads run;
+    # without it, shorter intervals only add thread switches
+    sys.setswitchinterval(5e-3)
 
+
+def worker_class(block_thread: type) -> type:
+    """The pooled thread (a subclass of the simulator's ``BlockThread``, whose kernel API reads
+    the attributes ``assign`` sets) that plays one CUDA thread of one block at a time."""
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    class Worker(block_thread):
         def __init__(self):
             threading.Thread.__init__(self, daemon=True)
             self.wake = threading.Event()
@@ -134,14 +144,21 @@ def install() -> None:
         def syncthreads(self) -> None:
             self.barrier.wait()
 
-    idle: list[Worker] = []                 # workers between blocks; a block takes its own
+    return Worker
+
+
+def pooled_block_run(worker: type):
+    """``BlockManager.run`` on pooled ``worker`` threads: a block takes idle workers (starting new
+    ones when too few are idle), runs its grid point on them, and gives them back when every one
+    returned; the first error that is not another thread's abort is raised."""
+    idle: list = []                         # workers between blocks; a block takes its own
     idle_lock = threading.Lock()
 
-    def take(count: int) -> list[Worker]:
+    def take(count: int) -> list:
         with idle_lock:
             taken = [idle.pop() for _ in range(min(count, len(idle)))]
         while len(taken) < count:
-            taken.append(Worker())
+            taken.append(worker())
             taken[-1].start()
         return taken
 
@@ -159,12 +176,7 @@ def install() -> None:
             raised = next((e for e in failed if "abort flag set" not in str(e[0])), failed[0])
             raise raised[0].with_traceback(raised[1])
 
-    simulator.BlockManager.run = run
-    simulator.FakeWithinKernelCUDAArray = lambda array: array._ary.view(KernelArray)
-    one_shared_array_per_line()
-    # Python's default interval: the poller needed a short one (0.5 ms) to let the block's threads
-    # run; without it, shorter intervals only add switches (docs/results/pytest-time-2026-12-04.txt)
-    sys.setswitchinterval(5e-3)
+    return run
 
 
 def one_shared_array_per_line() -> None:
