@@ -11,7 +11,7 @@ Everything after the bits is float64: division, addition and conversion are corr
 everywhere, ``math.log`` and ``math.exp`` are not (CUDA's double log and exp are within 1 ulp,
 numpy's SIMD versions too, and they differ now and then), which is the one place where numpy and
 this module can disagree: a draw whose two best scores lie within an ulp or two of each other
-(docs/15_sampling.md measures how rarely; tests/test_pair_sampling.py counts it).
+(chapter 15 counts how rarely; tests/test_pair_sampling.py too).
 
 Kernels (one block per row, TPB threads strided over the vocabulary, block reductions from
 ``kernels.blocks`` in float64; the argmax in np.argmax's order):
@@ -25,8 +25,7 @@ Kernels (one block per row, TPB threads strided over the vocabulary, block reduc
 * ``noise_kernel``: the uniforms or Gumbel numbers themselves, one thread per entry (tests, chapter).
 
 Public wrappers as in the other kernel modules: host in, host out; device in, device out; ``out``
-(and ``work``) given on the device: no allocation, capturable. ``bytes_moved`` and ``flops`` give
-the cost model.
+(and ``work``) given on the device: no allocation, capturable.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ UNIT = float64(reference.UNIT)
 ZERO = float64(0.0)
 NEG_INF = float64(-math.inf)
 NOISE_TPB = 128       # noise_kernel's threads per block (independent entries)
-F32, F64, I64 = 4, 8, 8
 
 
 # --8<-- [start:philox]
@@ -413,74 +411,3 @@ def uniforms(positions, indices, seed: int, purpose: int, *, out=None, stream=No
 def gumbel_noise(positions, vocab: int, seed: int, purpose: int = SAMPLE, *, out=None, stream=None):
     """Gumbel numbers (T, V) float64 of tokens 0..V-1: the reference's up to ``log``'s last bit."""
     return random_numbers(positions, np.arange(vocab), seed, purpose, True, out, stream)
-
-
-# ----------------------------------------------------------------------------------------------
-# cost model
-
-def bytes_moved(operation: str = "sample", *, T: int, V: int, K: int = 0) -> int:
-    """Fewest bytes through device memory. "sample": logits (T, V) float32 read once, positions
-    and tokens (T,) int64 once. "rejection_step" with K children per node, all rejected (the most
-    work): logits and each node's draft row (T, V) float32 read once; work (T, 2, V) float64
-    written once (the two softmaxes), then per child both rows read and the residual written, and
-    the residual read by the final draw; children (T, K), positions, depths and tokens int64."""
-    if operation == "sample":
-        return F32 * T * V + 2 * I64 * T
-    if operation == "rejection_step":
-        return F32 * 2 * T * V + F64 * T * V * (2 + 3 * K + 1) + I64 * (T * K + 3 * T)
-    raise ValueError(f"operation must be 'sample' or 'rejection_step', got {operation!r}")
-
-
-def flops(operation: str = "sample", *, T: int, V: int, K: int = 0) -> int:
-    """Floating-point operations (a log or exp counts 1, Philox's integer rounds 0): "sample" per
-    entry a division, an addition and two logs; "rejection_step" (K children, all rejected) per
-    entry the two softmaxes (a division, a subtraction and an exp for the sum, again and a division
-    for the value: 7 each), per child two divisions, a subtraction, a max and an addition, and the
-    final draw (a log, the Gumbel's two logs, an addition)."""
-    if operation == "sample":
-        return 4 * T * V
-    if operation == "rejection_step":
-        return T * V * (2 * 7 + 5 * K + 4)
-    raise ValueError(f"operation must be 'sample' or 'rejection_step', got {operation!r}")
-
-
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: the sampler over a verified tree's rows,
-    and rejection sampling over the same rows with up to 4 children per node."""
-    import zlib
-
-    from kernels.bench.case import Case  # lazily: kernels.bench imports this module
-    from kernels.bench.case import uniform as uniform_array
-
-    rows, vocab, depths = sizes.rows, sizes.config.vocab_size, sizes.depths
-    children_per_node = min(4, vocab)
-    rng = np.random.default_rng(zlib.crc32(b"rejection_step"))
-    children = np.stack([rng.permutation(vocab)[:children_per_node] for _ in range(rows)]).astype(np.int64)
-    children[rows // 2:, 1:] = -1                                                 # half the rows: one child
-    node_depths = rng.integers(0, max(depths, 1), rows).astype(np.int64)
-    positions = np.arange(1000, 1000 + rows, dtype=np.int64)
-
-    def scalars():
-        return cuda.to_device(np.array([0.8])), cuda.to_device(np.array([7], np.int64))
-
-    return [
-        Case("sample", f"sample {rows} rows of logits at temperature 0.8 (position-keyed Gumbel-max)",
-             f"logits ({rows}, {vocab})",
-             setup=lambda seed: (uniform_array((rows, vocab), seed, 4.0), cuda.to_device(positions),
-                                 *scalars()),
-             call=lambda inputs, **given: sample(*inputs, **given),
-             bytes=bytes_moved("sample", T=rows, V=vocab), flops=flops("sample", T=rows, V=vocab)),
-        Case("rejection_step", f"recursive rejection sampling at {rows} tree nodes, <= "
-             f"{children_per_node} children each", f"logits ({rows}, {vocab}) draft ({depths}, {vocab})",
-             setup=lambda seed: (uniform_array((rows, vocab), seed, 4.0), cuda.to_device(positions),
-                                 cuda.to_device(children),
-                                 uniform_array((max(depths, 1), vocab), seed + 1, 4.0),
-                                 cuda.to_device(node_depths), *scalars()),
-             call=lambda inputs, **given: rejection_step(*inputs, **given),
-             bytes=bytes_moved("rejection_step", T=rows, V=vocab, K=children_per_node),
-             flops=flops("rejection_step", T=rows, V=vocab, K=children_per_node),
-             note="the public call allocates work (T, 2, V) float64", footprint=F64 * rows * 2 * vocab,
-             prepare=lambda inputs: (rejection_step(*inputs), poisoned((rows, 2, vocab), np.float64)),
-             launch=lambda inputs, given, stream: rejection_step(*inputs, out=given[0], work=given[1],
-                                                                 stream=stream)),
-    ]

@@ -37,6 +37,7 @@ from ddtree import decode, sampling
 from ddtree.decode import generate_ar, generate_ddtree
 from ddtree.drafters import make_drafter
 from ddtree.tree import build_tree, top_candidates
+from kernels.bench.cases import sampling as cost
 from kernels.device import SIMULATOR
 
 STEM = "15_sampling"
@@ -390,7 +391,7 @@ def boundary_report() -> None:
 
 def sampler_bytes() -> None:
     rows, vocab = 65, 163840
-    moved = gpu.bytes_moved("sample", T=rows, V=vocab)
+    moved = cost.bytes_moved("sample", T=rows, V=vocab)
     with chapter.section("bytes"):
         chapter.print_h200()
         print(f"sample, {rows} tree rows of Kimi K2.6's vocabulary ({vocab}): {moved / 1e6:.1f} MB read,")
