@@ -4,6 +4,11 @@
   imports ``kernels`` (parsed with ``ast``, so an import hidden in a function counts too), except
   the CLI's backend loader, lazily, inside ``load_backend``; neither package imports
   ``walkthrough`` or ``tests``.
+* Inside ``kernels`` too: base modules (``BASE``) <- op modules <- the engine (``ENGINE``) <-
+  ``kernels.bench`` <- ``walkthrough``, with ``lab`` beside the benchmark. An op module never
+  imports the benchmark, the engine or the lab; a base module imports only base modules; the
+  engine never imports the benchmark or the lab; the benchmark never imports the chapters; and
+  no import circle joins ``kernels`` modules (``kernels.bench.*`` included).
 * Every ``ddtree`` module's legend uses only the glossary's names (``ddtree/config.py``), and the
   glossary page's "where each name appears" table is exactly what the legends say.
 """
@@ -62,6 +67,125 @@ def test_only_the_backend_loader_reaches_kernels():
 def test_kernels_do_not_import_chapters_tests_or_the_lab(path):
     for package, _ in imports(path):
         assert package not in ("walkthrough", "tests", "lab"), f"{path.relative_to(ROOT)} imports {package}"
+
+
+# --------------------------------------------------------------------------------------------
+# inside kernels: base <- ops <- engine <- bench
+
+ENGINE = {"kernels.model", "kernels.decode", "kernels.graphs"}
+BASE = {"kernels", "kernels.device", "kernels.blocks", "kernels.simulator", "kernels.tuning"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    """``kernels/bench/case.py`` -> ``kernels.bench.case``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in KERNELS}
+OPS = sorted(name for name in MODULES if name.count(".") == 1 and name not in ENGINE | BASE)
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module a file imports, by its dotted name, wherever the import stands (inside a
+    function too): ``from a.b import c`` names ``a.b.c`` when that is a module, else ``a.b``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:                                        # relative: from the file's package
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return found
+
+
+def within(name: str, *packages: str) -> bool:
+    """Whether module ``name`` is one of ``packages`` or inside one."""
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_modules_import_neither_the_benchmark_nor_the_engine_nor_the_lab(name):
+    wrong = sorted(m for m in imported_modules(MODULES[name])
+                   if within(m, "kernels.bench", "kernels.model", "kernels.decode", "lab"))
+    assert not wrong, f"{name} (an op module) imports {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(BASE))
+def test_base_modules_import_only_base_modules(name):
+    wrong = sorted(m for m in imported_modules(MODULES[name]) if within(m, "kernels") and m not in BASE)
+    assert not wrong, f"{name} (a base module) imports {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE))
+def test_the_engine_imports_neither_the_benchmark_nor_the_lab(name):
+    wrong = sorted(m for m in imported_modules(MODULES[name]) if within(m, "kernels.bench", "lab"))
+    assert not wrong, f"{name} (the engine) imports {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if within(m, "kernels.bench")))
+def test_the_benchmark_does_not_import_the_chapters(name):
+    wrong = sorted(m for m in imported_modules(MODULES[name]) if within(m, "walkthrough"))
+    assert not wrong, f"{name} imports {wrong}"
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected group of ``graph`` (module -> modules it imports) that
+    has one: its path, first module repeated at the end (Tarjan's algorithm, then a walk)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def connect(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for after in sorted(graph[node]):
+            if after not in index:
+                connect(after)
+                low[node] = min(low[node], low[after])
+            elif after in on_stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:                             # node is its group's root
+            group = set()
+            while node not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1 or node in graph[node]:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    circles = []
+    for group in groups:                                          # a shortest way back to the first
+        first = min(group)
+        paths, seen = [[first]], {first}
+        while paths:
+            path = paths.pop(0)
+            if first in graph[path[-1]]:
+                circles.append(path + [first])
+                break
+            for after in sorted(graph[path[-1]] & group - seen):
+                seen.add(after)
+                paths.append(path + [after])
+    return sorted(circles)
+
+
+def test_import_circles_are_found_with_their_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert import_circles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_kernels_modules():
+    graph = {name: imported_modules(path) & set(MODULES) for name, path in MODULES.items()}
+    circles = import_circles(graph)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
 
 
 # --------------------------------------------------------------------------------------------
