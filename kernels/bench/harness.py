@@ -1,7 +1,32 @@
 """The timing harness: CUDA-event timing of one public call and of the same kernels replayed from
 a CUDA graph (device time), the number of timed calls, launch and allocation counting, the
 ceilings (copy bandwidth, empty launch, fp32 rate), torch beside each case that has a peer, and
-``benchmark``, which runs every case."""
+``benchmark``, which runs every case.
+
+How a case is timed (the inputs are allocated once per input set, before timing, and filled with
+random values: zeros can hide unwritten outputs and run faster than real data):
+
+1. warm-up: one call, which compiles every kernel signature it needs and counts the kernel
+   launches it makes ("launches" in the note; on a GPU the poison fills are launches too);
+2. two untimed calls on the host clock choose N: the case runs about 0.2 s, and at least 5 calls;
+3. N timed calls, each between two CUDA events on the default stream: everything the stream saw,
+   the kernels and, when the host is slower than the GPU, the gaps while Python prepares the
+   next launch (small kernels are launch-bound). The report gives the median;
+4. device time: one graph holds C copies of the outputs-given launches (about 2 ms of work, at
+   most 64, a multiple of the input sets), replayed between two events at least 5 times; the
+   median replay over C (input set 0's launches write into the warm-up's outputs when the case
+   has no ``prepare``);
+5. inputs that fit in the L2 cache would be timed from the cache: such cases get several input
+   sets (together at least twice the L2 size, at most 16 GiB), and call i (or copy i of the
+   graph) uses set i mod sets;
+6. torch, where the case has a peer and torch runs here: the same work on the same device
+   arrays, C copies in a torch CUDA graph, timed the same way.
+
+With ``--quick`` (the simulator's smoke test): one input set, one call as warm-up and timing, and
+the outputs-given launches once, directly (the simulator has no graphs). The tree-build cases
+also time the numpy reference on the same requests, on the host clock (the speed-up is in the
+note).
+"""
 
 from __future__ import annotations
 

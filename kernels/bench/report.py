@@ -90,7 +90,7 @@ def format_report(report: Report, command: str) -> str:
               "CUDA events, host µs: that call's own host time; medians of n calls after a warm-up. "
               "GB/s, GFLOP/s and % of floor use the device time: floor = max(fewest bytes / copy "
               "bandwidth, FLOPs / fp32 rate). torch µs: the same work in PyTorch fp32 on the same "
-              "inputs, from a CUDA graph. See the docstring of kernels/bench/__init__.py for the method."]
+              "inputs, from a CUDA graph. See the docstring of kernels/bench/harness.py for the method."]
     if report.simulator:
         lines += ["", simulator_warning()]
     return "\n".join(lines) + "\n"
