@@ -49,3 +49,12 @@ def test_the_joined_kernel_sees_both_branches(enabled):
             graphs.upload(np.full(size, np.nan, np.float32), buffer)
         graphs.run("fork", sequence)
         assert np.array_equal(graphs.download(c), 3.0 * np.arange(size, dtype=np.float32))
+
+
+@pytest.mark.gpu
+def test_the_engine_stream_is_on_numbas_device():
+    """The stream comes from numba's device, named by its id (``kernels.device.core_device``): the
+    engine's launches, copies and graph replays share numba's context."""
+    graphs = Graphs()
+    assert graphs.stream.device.device_id == cuda.get_current_device().id
+    assert graphs.download(cuda.to_device(np.arange(3))).tolist() == [0, 1, 2]
