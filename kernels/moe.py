@@ -619,8 +619,10 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
-        # hidden[p, f] as expert_hidden_kernel's (the same blocks along y: expert e, its passes of
-        # R pairs); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
+        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair
+        # p = t * k + j of expert e (lists[:, e]); hidden is (T * k, F). Block y = expert
+        # e = y // per_expert, its passes of R pairs y % per_expert, + per_expert, ...
+        # (``block_pairs``); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
         # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
         # feature c's 32 lane sums for pair r in lane order (shared memory)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
@@ -652,7 +654,8 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
-        # down[p, d] as expert_down_kernel's; the blocks and sums as expert_hidden_lanes_kernel's
+        # down[p, d] = down_proj[e, d] . hidden[p] for each pair p of expert e; hidden (T * k, F),
+        # down (T * k, D). The blocks and sums as expert_hidden_lanes_kernel's, over output features
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         dots = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
