@@ -25,11 +25,6 @@ runs in an order fixed by its own row (``linear`` version "warps", run as its fa
 with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are
 bit-identical to the AR logits at the same position, so DDTree == AR holds exactly in the engine,
 for any weights.
-Every forward runs the MoE kernels' version 3 (``moe_warps``, the default): each dot product in
-"warps"' order, the same bits whether a few tokens run a block per (token, slot) pair or many run
-grouped by expert, so an AR step and a large tree's verify agree row for row. With ``moe_warps``
-False the version depends on the forward's row count instead (``moe_version``: 1 per pair for few
-rows, 2 grouped by expert for many, the same bits as each other, not version 3's).
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Four differences of form, none of them changing a bit:
@@ -84,7 +79,7 @@ from kernels.mla import (
     paths_unfused,
     unfused_chunks,
 )
-from kernels.moe import LARGE_EXPERT_BYTES, DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
+from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
 from kernels.sampling import rejection_step, sample
@@ -92,7 +87,6 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
-MOE_GROUPED_FROM_ROWS = 72      # forwards of this many rows or more run MoE version 2 (moe_version)
 LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
 GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm" ...
 GEMM_MIN_WEIGHTS = 1 << 20      # ... where the weight has this many elements (projection_version)
@@ -110,27 +104,6 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     if rows > BUCKET_STEP:
         bucket = -(-rows // BUCKET_STEP) * BUCKET_STEP
     return min(bucket, max_rows)
-
-
-# --8<-- [start:moe_version]
-def moe_version(rows: int, grouped_from_rows: int = MOE_GROUPED_FROM_ROWS, warps: bool = False) -> int:
-    """The MoE kernels' version (``kernels.moe``) for a forward of ``rows`` rows (a bucket): 3 for
-    every forward with ``warps`` (each dot product in "warps"' order: other bits than versions 1
-    and 2, so an engine runs it everywhere or nowhere); else 2, grouped by expert, from
-    ``grouped_from_rows`` rows on, and 1, per (token, slot) pair, below.
-
-    Version 1 makes two launches fewer per MoE layer, version 2 reads an expert's weights once per
-    pass of 8 of its pairs instead of once per pair. Engine forward on the H200 (graph replay,
-    ``docs/results/moe-crossover-h200-2026-12-03.md``), T = 40 / 48 / 64 / 72 rows: tiny version 1
-    499 / 520 / 552 / 626 µs, version 2 564 / 588 / 599 / 605 µs; tiny-b version 1 407 / 463 /
-    526 / 572, version 2 459 / 477 / 528 / 563: version 2 is faster from 72 rows on. Both versions
-    give the same bits, so the
-    choice cannot break DDTree == AR: an AR step (one row, version 1) and the same row in a large
-    tree's verify (version 2) get bit-identical logits.
-    """
-    if warps:
-        return 3
-    return 2 if rows >= grouped_from_rows else 1
 
 
 # --8<-- [start:projection_version]
@@ -164,23 +137,6 @@ def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, 
         return "tiles_gemm"
     return "stream" if rows == 1 and outputs <= STREAM_MAX_OUTPUTS else "tiles"
 # --8<-- [end:projection_version]
-
-
-def large_experts(config: ModelConfig) -> bool:
-    """Whether one expert's weights (gate, up and down, fp32) take ``kernels.moe``'s
-    LARGE_EXPERT_BYTES or more (small's 34.6 MB and Kimi's 176 MB do, tiny's 0.4 MB do not)."""
-    return 3 * config.hidden_size * config.moe_intermediate_size * 4 >= LARGE_EXPERT_BYTES
-
-
-def moe_grouped_from(config: ModelConfig) -> int:
-    """The engine's default ``grouped_from_rows`` for a model: 1 (version 2 for every forward)
-    with ``large_experts``, else MOE_GROUPED_FROM_ROWS. On the H200
-    (``docs/results/profile-h200-2026-12-01b.md``), small's experts ran faster grouped at every T,
-    one row included (its expert kernels 2.8 ms against 3.4, the two extra launches counted);
-    tiny's and tiny-b's, below 72 rows, did not (``moe-crossover-h200-2026-12-03.md``). (It
-    matters with ``moe_warps=False`` only: the default runs version 3.)"""
-    return 1 if large_experts(config) else MOE_GROUPED_FROM_ROWS
-# --8<-- [end:moe_version]
 
 
 def candidate_count(depths: int, k: int) -> int:
@@ -518,16 +474,6 @@ class Transformer:
     of every row against every key as one GEMM, P V as another in chunks at fixed positions; Z, G
     and ``attention_gemm`` left at None); None (the default) takes it where
     ``kernels.mla.paths_unfused`` does.
-    ``moe_warps`` True (None, the default, takes it) runs MoE version 3 in every forward (each dot
-    product in "warps"' order, a warp's W loads coalesced); False runs versions 1 and 2, chosen by
-    ``moe_grouped_from_rows``: forwards of at least this many rows run version 2, fewer rows
-    version 1 (``moe_version``; None: ``moe_grouped_from(config)``; 1 forces version 2 everywhere,
-    more than Tmax version 1; both round alike: any value gives the same bits, and with
-    ``moe_warps`` True the value is unused). Version 3's bits differ from theirs, so two engines with
-    different ``moe_warps`` may differ in the last bits. On the H200 version 3 made tiny's AR 3779
-    tok/s against 3457, tiny-b's 4954 against 4435, and DDTree within 3% at budgets 16 and 32,
-    13 to 18% faster at 64 (``engine-h200-2026-12-03k.md`` against ``-03j``, a block per pair up
-    to ``kernels.moe.SLOT_ROWS`` tokens); small and Kimi had taken it from the start.
     ``linear_version``: the projections' and lm_head's ``kernels.linear`` order, one of
     LINEAR_VERSIONS. "warps" (the default) runs as "lanes", its twin with the same bits: a warp
     per few output columns, lane l summing k = l, l + 32, ..., each lane with a run of W loads in
@@ -549,8 +495,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
                  attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
-                 attention_unfused: bool | None = None, moe_grouped_from_rows: int | None = None,
-                 moe_warps: bool | None = None, linear_version: str = "warps", device_drafters: bool = True):
+                 attention_unfused: bool | None = None, linear_version: str = "warps",
+                 device_drafters: bool = True):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
@@ -569,16 +515,6 @@ class Transformer:
                       attention_gemm)
         check_gemm(attention_gemm, 1 if attention_heads_per_block is None else attention_heads_per_block,
                    config.kv_lora_rank)
-        if moe_grouped_from_rows is None:
-            moe_grouped_from_rows = moe_grouped_from(config)
-        if isinstance(moe_grouped_from_rows, bool) or not isinstance(moe_grouped_from_rows, int) \
-                or moe_grouped_from_rows < 1:
-            raise ValueError(f"moe_grouped_from_rows must be None or an integer >= 1, "
-                             f"got {moe_grouped_from_rows!r}")
-        if moe_warps is None:
-            moe_warps = True
-        if not isinstance(moe_warps, bool):
-            raise ValueError(f"moe_warps must be None, True or False, got {moe_warps!r}")
         if linear_version not in LINEAR_VERSIONS:
             raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
         if not isinstance(device_drafters, bool):
@@ -587,8 +523,6 @@ class Transformer:
         self.config = config
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
-        self.moe_grouped_from_rows = moe_grouped_from_rows
-        self.moe_warps = moe_warps
         self.linear_version = linear_version
         self.device_drafters = device_drafters
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
@@ -704,14 +638,10 @@ class Transformer:
         self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],
                 stream=s)                                                  # h += o_proj(o); [T, D]
-        # the MoE kernels' version by the bucket's rows: either gives the same bits (DDTree == AR)
-        version = moe_version(rows, self.moe_grouped_from_rows, self.moe_warps)
         if layer.moe is not None:
-            moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows),
-                version=version)
-        else:
-            swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows),
-                   version=version)                # h += mlp(f): the next norm's residual
+            moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows))
+        else:                                      # h += mlp(f): the next norm's residual
+            swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows))
     # --8<-- [end:decoder_layer]
 
     # ------------------------------------------------------------------------------------------

@@ -1,120 +1,42 @@
 """Mixture of experts with DeepSeek-V3 routing: the numba.cuda twin of ``ddtree/moe.py``.
 
 Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token,
-F moe_intermediate_size, Fs shared-expert width (n_shared_experts * F), TPB threads per block.
+F moe_intermediate_size, S the router's depth slices, TPB threads per block.
 
-Kernels:
-- the router (``route``, ``version=`` 1 or 2, default 2, the one ``moe`` runs): the logits
-  x . gate[e], then one block per token:
-  - version 1: the logits from ``kernels.linear`` (version "tiles"); ``route_kernel``: sigmoid
-    (``_scores``), group-limited routing (``_keep_groups``), top-k by repeated block-wide argmax
-    (``_pick_free``, exact ties -> lower index), normalised and scaled weights (``_weigh``).
-  - version 2: ``logit_slices_kernel``, the logits in S = ceil(D / LOGIT_SLICE) depth slices
-    (linear's ``tile_dots`` over each slice); ``route_ranks_kernel``: the slices added in order
-    and sigmoid (``_summed_scores``), the groups left out set to -inf (``_mask_groups``), the
-    experts that can be picked (``_candidates``) and their ranks (``_ranks``): the candidate of
-    rank j < k is pick j; each pick's weight in parallel, as version 1 weighs it. One token, or a
-    few whose gate reads stay under ROUTE_ONE_MAX_BYTES, each on a grid of at most
-    ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, both in one launch (8 experts of a slice
-    per block, the same sums; a token's last block to finish ranks it).
-- the routed experts, version 1, per (token, slot) pair:
-  - ``expert_hidden_pairs_kernel``: h[t, j, f] = silu(gate_e[f] x_t) * (up_e[f] x_t) for expert
-    e = ids[t, j]: one block per 32 features (a lane each) and (token, slot) pair; the dot
-    products are ``kernels.linear``'s "tiles" sums (``tile_dots``), for one row.
-  - ``expert_down_pairs_kernel``: out[t, d] (+)= sum_j w[t, j] * down_e[d] h[t, j]: one block per
-    32 output features and token; the k slots are added in slot order, so the result is
-    deterministic without atomics.
-- the routed experts, version 2, grouped by expert:
-  - ``expert_lists_kernel``: one block per expert lists its (token, slot) pairs from the routed
-    ids, in ascending token order (a thread per token; a pair's place = the pairs before it):
-    lists (T, E), a column per expert (at most T pairs), -1 after.
-  - ``expert_hidden_kernel``: the same h, grouped by expert: one block per 32 features and
-    (expert, pass of ROWS_PER_PASS of its pairs); the expert's weight tile is staged once per pass
-    and serves all its pairs (``tile_dots`` over the listed rows).
-  - ``expert_down_kernel``: down[t, j, d] = down_e[d] h[t, j], the same grouping over output
-    features.
-  - ``combine_kernel``: out[t, d] (+)= sum_j w[t, j] * down[t, j, d], one thread per element, the
-    k slots added in slot order.
-  Blocks along y cover every expert's possible passes for the T rows (a fixed grid: the launches
-  can be captured in a CUDA graph); a block past its expert's last pair returns.
-- the routed experts, version 3: version 2's lists, grouping, blocks along y and combine, with
-  other dot products (``expert_lanes_kernels``): one warp per C output features, lane l summing
-  k = l, l + 32, ... in order (``kernels.linear.lane_dots``: "warps"' order), then the 32
-  lanes' sums added in lane order through shared memory.
-Every sum runs in an order fixed by its own row: a token's result does not depend on the tokens
-routed beside it, nor on how many share its experts (the engine's tree rows equal its AR rows, bit
-for bit).
+The router (``route``): the logits x . gate[e] in S = ceil(D / LOGIT_SLICE) depth slices, each
+slice's sums ``kernels.linear``'s ``tile_dots`` (``logit_slices_kernel``), then one block per
+token (``route_ranks_kernel``): the slices added in slice order, the sigmoid, the groups left out
+set to -inf, and the top k picked by rank. An expert's rank is the number of experts before it
+in numpy's order (``comes_before``: np.argsort(-choice, stable), ties to the lower index, NaN
+last), and the expert of rank j < k is pick j, so no pick waits on another; the bests of COLUMNS
+columns of experts are ranked first, then only the experts of the k best columns
+(``_candidates``), which keeps the comparisons few. A few tokens on a small grid run both steps
+in one launch (``route_one_kernel``: a token's last block to finish routes it). A logit depends
+on D alone, never on T.
 
-Router versions (``version=`` of ``route``, default 2). Both give numpy's ids (version 1 except
-with NaN choices, which it puts first, as np.argmax, where numpy's sort puts them last) and its
-weights to rounding; their logits are summed in different orders, so not the same bits (but for
-D <= LOGIT_SLICE: one slice, summed as "tiles" sums it).
-Version 1's "tiles" logits take one block per 32 experts and pass of 8 rows: 24 blocks for
-Kimi's 384 experts and 16 tokens, 12 for one token, on the H200's 132 SMs, each streaming 32 rows
-of the 11 MB gate through its 4 warps, one chunk after another. Its selection is k rounds of a
-block argmax, each log2(TPB) barriers that wait on the round before.
-Version 2 cuts each logit's D into S slices of LOGIT_SLICE (512) and gives every slice its own
-blocks: S times as many (14 at D = 7168: 168 blocks for one token, 336 for 16), each summing its
-slice with the same ``tile_dots``. The routing kernel adds a logit's S slices in slice order, so a
-logit depends on D alone, never on T (batch-invariant). It then picks by rank: an expert's rank
-is the number of experts before it in numpy's order (``comes_before``: np.argsort(-choice,
-stable), ties to the lower index, NaN last), and the expert of rank j < k is pick j, so no step
-waits on a previous pick. To keep the comparisons few it ranks the bests of C = 64 columns of
-experts (column c: experts c, c + C, ...) and then only the experts of the k best columns among
-themselves (k * ceil(E / C): 48 of Kimi's 384); the top k are all there and ranked exactly
-(``_candidates``). With E <= C every expert is its own column: one ranking of all E. Each
-ranking splits its comparisons over the block's threads (a few each) and adds the counts with
-shared-memory atomics: integers, so the ranks never depend on their order.
+The routed experts (``version=`` of ``moe`` and ``swiglu``):
+- version 3, the default and what the engine runs, grouped by expert: ``expert_lists_kernel``
+  lists each expert's (token, slot) pairs from the routed ids; in the hidden and down kernels
+  (``expert_lanes_kernels``) a block takes an expert and a pass of its pairs, so the expert's
+  weights are read once per pass, not once per pair. Each dot product is ``kernels.linear``'s
+  "warps" order (lane l sums k = l, l + 32, ... in order, then the 32 lanes' sums in lane
+  order): a warp's load of a weight row is 128 consecutive bytes straight into registers, with
+  no barrier until the pass's sums. ``combine_kernel`` adds each token's k slots in slot order.
+  One token, and a few tokens whose experts are small, need no lists: a block per (token, slot)
+  pair, its expert read from the router's ids (``block_pairs``). The launch shape
+  (``lane_shape``) changes no sum.
+- version 1, the readable one: a block per (token, slot) pair and "tiles" sums (``tile_dots``):
+  an expert's weights staged once per pair that chose it, two launches, the slots added in slot
+  order by the down kernel. Other bits than version 3's (another order of the same terms).
+Every sum runs in an order fixed by its own row: a token's result depends neither on the tokens
+beside it nor on how many share its experts (the engine's tree rows equal its AR rows, bit for
+bit). No grid depends on the routing, so the launches can be captured in a CUDA graph.
 
-Expert versions (``version=`` of ``moe`` and ``swiglu``, default 2; the engine picks one per
-forward, ``kernels.model.moe_version``). Versions 1 and 2 compute each pair's dot products with
-the same ``tile_dots`` sums and add a token's slots in slot order from the same start, so they
-give the same bits: a row's result does not depend on which of the two ran.
-Version 1 stages an expert's weight tiles once per (token, slot) pair that chose it: an expert
-chosen by 20 tokens is read 20 times. The routed experts need no lists and no combine (two
-launches, not four), so it is the faster one for few rows (a decode step, where most chosen
-experts have one pair anyway).
-Version 2 stages them once per pass of ROWS_PER_PASS of the expert's pairs: read 3 times, not 20.
-It pays two extra launches (the lists, the combine) and each pair's down projection (T, k, D)
-written and read back, so it is the faster one for many rows (a large tree's verify).
-Version 3 reads W as version 2 does, once per pass, but without the shared-memory tile: in
-"tiles"' order each output is a sequential sum along 32-wide chunks, so a warp can only read W
-coalesced by staging a 32 x 32 tile and turning it around, between two barriers per chunk. In
-"warps"' order neighbouring lanes take neighbouring k, so a warp's load of one W row is 128
-consecutive bytes straight into registers, each lane with U loads of each of its C rows in flight
-before its first add, and no barrier until the pass's lane sums. Its bits are not versions 1's
-and 2's (another order of the same terms): the engine runs it in every forward or in none
-(``kernels.model.moe_version``). Its launch shape (``lane_shape``) is free: C = 4 outputs per
-warp with U = 4 loads for few rows, C = 8 with U = 2 (each x value then feeds 8 outputs) from
-LANE_WIDE_FROM_ROWS rows on; a decode token's kernels keep one row's sums in registers
-(``kernels.linear.pass_rows``) with U = 8, C = 4 (C = 2 for a dense SwiGLU). Measured against
-version 2 on the H200 (``docs/results/moe-versions-h200-2026-12-02.txt``, last call): small's
-MoE layer 201 against 396 µs at one token, 1879 against 2648 at 72 (the first draft, without
-``kernels.linear.index`` on its indices, was slower than version 2 from 72 rows on); 169 µs at
-one token with one-row passes (``docs/results/pass-rows-h200-2026-12-02.txt``). At one token,
-and for up to SLOT_ROWS tokens where an expert's weights are small (tiny's), version 3 runs a
-block per (token, slot) pair from the router's ids (``block_pairs``, ``by_slot``): T k blocks
-along y instead of E's passes, and no lists (one launch fewer); each pair's sums are the lists'
-ones.
-
-A dense SwiGLU (the dense layers and the shared expert) is the same two expert kernels with one
-"expert" (E = 1) that every row chooses with weight 1, two launches in any version: version 1
-reads ids = 0 and weights = 1 from the scratch; versions 2 and 3 list every row (lists[t, 0] = t,
-made with the scratch) and the down projection is the output, no combine. ``moe`` runs the shared
-expert first, then adds the routed experts in place: five launches (version 1) or seven
-(versions 2 and 3; six for version 3 at one token) plus the router's logits, nothing leaves the
-device.
-
-Inputs are numpy arrays (results come back as numpy) or numba device arrays (results stay on the
-device). ``moe`` calls ``device_params`` on every call: host weights in ``params`` are copied to
-the device each time, device arrays are used as they are. MoE weights are large and reused every
-step, so call ``device_params(params)`` once and pass its result to keep a layer's weights on the
-device. The intermediate buffers (the router's logit slices, routed ids and weights, expert
-lists, the hidden states, the pairs' down projections) are allocated per call unless a
-``scratch`` from ``moe_scratch`` / ``dense_scratch`` is given (it holds both expert versions'
-buffers, so one scratch serves either): with ``out`` and ``scratch`` and device inputs nothing is
-allocated or copied. ``bytes_moved`` and
-``flops`` give each operation's cost model.
+A dense SwiGLU (the dense layers, the shared expert) is the same two expert kernels with one
+"expert" that every row chooses with weight 1. ``moe`` runs the shared expert on a graph branch of
+its own beside the router and the routed experts; only the kernel that writes ``out`` joins it.
+Inputs are numpy or device arrays (results come back alike); with ``device_params``, ``out``, a
+``scratch`` (``moe_scratch``, ``dense_scratch``) and device inputs nothing is allocated or copied.
 """
 
 from __future__ import annotations
@@ -125,19 +47,13 @@ import math
 import typing
 
 import numpy as np
-from numba import cuda, float32, int32, uint8
+from numba import cuda, float32, int32
 
 from ddtree import moe as reference
 from ddtree.config import ModelConfig
 from ddtree.moe import MoEParams
-from kernels.blocks import (
-    MAX_TPB,
-    block_argmax,
-    blocks,
-    check_threads,
-    comes_first,
-    pow2_threads,
-)
+from kernels import tuning
+from kernels.blocks import blocks, check_threads, pow2_threads
 from kernels.device import (
     SIMULATOR,
     check_float32,
@@ -159,7 +75,6 @@ from kernels.linear import (
     ROWS_PER_PASS,
     k_slices,
     lane_sums,
-    linear,
     pass_dots,
     pass_rows,
     row_passes,
@@ -170,55 +85,32 @@ MAX_EXPERTS = 1024      # router shared arrays hold one score per expert (DeepSe
 MAX_GROUPS = 64         # ... and one score per group (DeepSeek 8)
 TPB = 128               # combine_kernel's threads per block (one per output element)
 LIST_TPB = 32 if SIMULATOR else 128   # expert_lists_kernel's: tokens per chunk (any size: same lists)
-VERSIONS = (1, 2, 3)    # the expert kernels: 1 per (token, slot) pair, 2 grouped by expert, 3 grouped
-                        # with "warps"' sums
-ROUTE_VERSIONS = (1, 2)  # the router: 1 "tiles" logits and k block argmaxes, 2 sliced logits and ranks
-LOGIT_SLICE = 512       # router version 2: the depth of a logit's slices (S = ceil(D / 512), D only)
-COLUMNS = 64            # router version 2: columns of experts whose bests prune the ranking
+VERSIONS = (1, 3)       # the expert kernels: 1 per (token, slot) pair, 3 grouped by expert with "warps"' sums
+LOGIT_SLICE = 512       # the router's depth slices (S = ceil(D / 512): a function of D only)
+COLUMNS = 64            # the router's columns of experts, whose bests prune the ranking
 MAX_CANDIDATES = MAX_EXPERTS + COLUMNS     # ... at most C columns of ceil(E / C) experts
-ROUTE_TPB = 512         # router version 2's largest default block (a thread per expert up to 512)
-# route_ranks' default block on a GPU: ROUTE_TPB whatever E (small's 64 experts took 30.0 µs a token with
-# 64 threads, 23.7 with 512: more threads share each ranking's comparisons); the simulator: a thread per
-# expert (each thread is a Python thread)
+ROUTE_TPB = 512         # route_ranks_kernel's largest default block (a thread per expert up to 512)
+# route_ranks' default block: ROUTE_TPB on a GPU whatever E (more threads share each ranking's
+# comparisons); in the simulator a thread per expert (each thread is a Python thread)
 ROUTE_RANKS_THREADS = 32 if SIMULATOR else ROUTE_TPB
 ROUTE_ONE_EXPERTS = 8          # route_one_kernel: experts per block (EB), a slice of their weights staged
 ROUTE_ONE_CHUNKS = LOGIT_SLICE // LANES    # ... a slice's chunks of LANES columns
 ROUTE_ONE_BATCH = 8            # ... weights a thread loads before it stores them (512 threads: all)
-# ... used when a token's grid has at most this many blocks: on the H200 small's router (E = 64,
-# D = 2048: 32 blocks) took 16.1 µs against 19.3 for the two kernels, Kimi's (E = 384, D = 7168: 672
-# blocks) 57.9 against 26.5 (docs/results/decode-kernels-h200-2026-12-03.txt); between them: not measured
-ROUTE_ONE_MAX_BLOCKS = 132
-# ... and for T > 1 tokens only while T reads of the gate (each token's blocks stage it again) stay
-# under this many bytes: on the H200 (4 and 7 layers' launches timed by events) tiny's 33 tokens (264 KB)
-# took 71.6 µs against 86.2 for the two kernels, small's 33 (17 MB) 565.7 against 223.0 for the two at
-# 40 tokens (profile-h200-2026-12-03e.md; -03d.md and -03c.md)
-ROUTE_ONE_MAX_BYTES = 1 << 20
 ROUTE_ONE_STAGED = ROUTE_ONE_CHUNKS * ROUTE_ONE_EXPERTS * LANES_PADDED   # ... its staged weights
 ROUTE_ONE_X = ROUTE_ONE_CHUNKS * LANES_PADDED                            # ... and x's slice
-F32, I64 = 4, 8
-# the expert kernels' dot products (kernels.linear's "tiles" sums over listed rows): one pair, or a
-# pass of ROWS_PER_PASS pairs of one expert (version 2); each row's sums are the same either way
-listed_dots_one, listed_dots_pass = tile_dots(1, listed=True), tile_dots(ROWS_PER_PASS, listed=True)
-slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # router version 2: a pass of rows, one depth slice
+F32 = 4
+listed_dots_one = tile_dots(1, listed=True)          # version 1: one pair's "tiles" sums
+slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # the router: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
-# lane): none changes a sum, so each forward takes the faster one for its row count. On the H200
-# (small's and Kimi's experts) NARROW was the faster at 8 rows, WIDE at 24 and 72 (Kimi: 16); WIDE
-# needs 255 registers (NARROW 168). A decode row's kernels keep one row's sums (``pass_rows``); for
-# them ONE = ONE_DENSE = (4, 2, 16) was the fastest of eight pairs timed on a whole MoE layer of one
-# token (116.9 µs against 120.0 for the earlier (4, 4, 8) and (4, 2, 8)) and within 1% of the
-# fastest dense SwiGLU shape (docs/results/decode-shapes-h200-2026-12-02.txt). The simulator runs
-# linear's "lanes" shape (one warp per block: each thread is a Python thread).
-# the simulator's shape: one warp a block (each thread a Python thread), 16 outputs a warp (half
-# the blocks of linear's LANES_SIMULATED: the engine's tests on micro, 91 -> 60 s on 2 cores)
+# lane): none changes a sum. A decode row's kernels keep one row's sums in registers (``pass_rows``)
+# with many loads in flight; a few rows take 4 outputs a warp, many rows 8 (each x value then feeds
+# 8 outputs, at fewer loads in flight: 255 registers). The simulator's shape: one warp a block (each
+# thread a Python thread), 16 outputs a warp.
 LANES_SIMULATED_MOE = (1, 16, 2)
 LANE_ONE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)
 LANE_ONE_DENSE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
 LANE_NARROW = LANES_SIMULATED_MOE if SIMULATOR else (4, 4, 4)
 LANE_WIDE = LANES_SIMULATED_MOE if SIMULATOR else (4, 8, 2)
-LANE_WIDE_FROM_ROWS = 16    # between the rows measured: 8 (NARROW faster) and 24 (WIDE faster)
-SLOT_ROWS = 64              # version 3: up to this many tokens run a block per (token, slot) pair ...
-LARGE_EXPERT_BYTES = 4 << 20  # ... unless an expert's weights take this many bytes: then they are read
-                              # once per pass of its pairs, never once per pair (kernels.model too)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -235,51 +127,17 @@ def sigmoid_scalar(z):
 
 @cuda.jit(device=True)
 def silu_times(gate, up):
-    """silu(gate) * up = gate * sigmoid(gate) * up, one hidden feature of a SwiGLU (both versions)."""
+    """silu(gate) * up = gate * sigmoid(gate) * up, one hidden feature of a SwiGLU."""
     return gate * sigmoid_scalar(gate) * up
 
 
-# --8<-- [start:pick_free]
-@cuda.jit(device=True)
-def _pick_free(values, free, count, best_values, best_indices):
-    """The index i < count with free[i] != 0 and the largest values[i]; exact ties -> lowest i.
+# --- the router: sliced logits, top-k by rank ----------------------------------------------------
 
-    Every thread gets the answer (-1 if nothing is free). Thread t first scans i = t, t + TPB, ...
-    in np.argmax's order (``comes_first``), then ``block_argmax`` merges the per-thread winners.
-    ``best_values``/``best_indices`` are TPB scratch slots.
-    """
-    tid = cuda.threadIdx.x
-    mine_value = float32(0.0)
-    mine_index = -1                          # -1: this thread has seen no free entry
-    for i in range(tid, count, cuda.blockDim.x):
-        if free[i] != 0 and comes_first(values[i], i, mine_value, mine_index):
-            mine_value = values[i]
-            mine_index = i
-    best_values[tid] = mine_value
-    best_indices[tid] = mine_index
-    block_argmax(best_values, best_indices)
-    winner = best_indices[0]
-    cuda.syncthreads()                       # everyone has read the winner before scratch is reused
-    return winner
-# --8<-- [end:pick_free]
-
-
-# --8<-- [start:route_kernel]
 @cuda.jit(device=True)
 def _choose(logit, bias, e, score, choice):
     """score[e] = sigmoid(logit); choice[e] = score[e] + bias[e] (the bias only chooses)."""
     score[e] = sigmoid_scalar(logit)
     choice[e] = score[e] + bias[e]
-
-
-@cuda.jit(device=True)
-def _scores(logits, bias, token, score, choice, free):
-    """1. Thread e (strided over E): score and choice from logits[t, e] (``_choose``); every
-    expert starts free."""
-    for e in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        _choose(logits[token, e], bias, e, score, choice)
-        free[e] = 1
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True)
@@ -306,29 +164,8 @@ def _top_two_sum(choice, first_expert, end):
 
 
 @cuda.jit(device=True)
-def _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_free, best_values,
-                 best_indices):
-    """2. Thread g scores group g by its two best choices; topk_group rounds of ``_pick_free``
-    keep the best groups; only the kept groups' experts stay free."""
-    tid = cuda.threadIdx.x
-    size = experts // n_group
-    for g in range(tid, n_group, cuda.blockDim.x):
-        group_score[g] = _top_two_sum(choice, g * size, (g + 1) * size)
-        group_free[g] = 1
-    cuda.syncthreads()
-    for _ in range(topk_group):
-        g = _pick_free(group_score, group_free, n_group, best_values, best_indices)
-        if tid == 0:
-            group_free[g] = 0                                 # kept: no longer free to pick
-        cuda.syncthreads()
-    for e in range(tid, experts, cuda.blockDim.x):
-        free[e] = 1 - group_free[e // size]                   # experts of kept groups only
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
 def _picked_total(score, picked, top_k):
-    """The unbiased scores of the k picks, added in slot order (both versions: the same bits)."""
+    """The unbiased scores of the k picks, added in slot order."""
     total = float32(0.0)
     for j in range(top_k):
         total += score[picked[j]]
@@ -343,53 +180,6 @@ def _weight(score, expert, total, norm_topk_prob, scaling):
         w = w / (total + float32(1e-20))
     return w * scaling
 
-
-@cuda.jit(device=True)
-def _weigh(score, ids, token, norm_topk_prob, scaling, weights):
-    """4. (one thread) Each pick weighs its unbiased score, normalised to sum 1 if asked, scaled."""
-    total = _picked_total(score, ids[token], ids.shape[1])
-    for j in range(ids.shape[1]):
-        weights[token, j] = _weight(score, ids[token, j], total, norm_topk_prob, scaling)
-
-
-@cuda.jit
-def route_kernel(logits, bias, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
-    """One block routes one token from its router logits (T, E): ids[t, :] (k) and weights[t, :] (k).
-
-    1. ``_scores``: sigmoid gate scores and biased choices. 2. With G > 1 groups,
-    ``_keep_groups``. 3. k rounds of ``_pick_free`` over the free experts pick ids in descending
-    choice order (exact ties -> lower index, as numpy's stable argsort). 4. ``_weigh``.
-
-    Shared memory: score, choice (E floats each), free (E bytes), group score / kept (G each),
-    and TPB (value, index) argmax scratch slots. Cost: selection is k + topk_group block
-    reductions of log2(TPB) barriers each.
-    """
-    token = cuda.blockIdx.x
-    experts = logits.shape[1]
-    score = cuda.shared.array(MAX_EXPERTS, dtype=float32)       # [E] sigmoid(gate x), unbiased
-    choice = cuda.shared.array(MAX_EXPERTS, dtype=float32)      # [E] score + bias, picks only
-    free = cuda.shared.array(MAX_EXPERTS, dtype=uint8)          # [E] 1 = may still be picked
-    group_score = cuda.shared.array(MAX_GROUPS, dtype=float32)  # [G] sum of the top-2 choices
-    group_free = cuda.shared.array(MAX_GROUPS, dtype=uint8)     # [G] 1 = not kept yet
-    best_values = cuda.shared.array(MAX_TPB, dtype=float32)     # argmax scratch
-    best_indices = cuda.shared.array(MAX_TPB, dtype=int32)      # argmax scratch
-
-    _scores(logits, bias, token, score, choice, free)
-    if n_group > 1:
-        _keep_groups(choice, free, experts, n_group, topk_group, group_score, group_free,
-                     best_values, best_indices)
-    for j in range(ids.shape[1]):                               # 3. top-k, descending choice
-        e = _pick_free(choice, free, experts, best_values, best_indices)
-        if cuda.threadIdx.x == 0:
-            ids[token, j] = e
-            free[e] = 0
-        cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        _weigh(score, ids, token, norm_topk_prob, scaling, weights)
-# --8<-- [end:route_kernel]
-
-
-# --- the router, version 2: sliced logits, top-k by rank ----------------------------------------
 
 # --8<-- [start:logit_slices_kernel]
 @cuda.jit
@@ -466,7 +256,7 @@ def _ranks(values, indices, count, ranks):
 @cuda.jit(device=True)
 def _summed_scores(parts, bias, token, score, choice):
     """1. Thread e (strided over E): the logit is its S depth slices added in slice order;
-    score and choice as version 1's (``_choose``)."""
+    score and choice (``_choose``)."""
     for e in range(cuda.threadIdx.x, parts.shape[2], cuda.blockDim.x):
         logit = parts[token, 0, e]
         for s in range(1, parts.shape[1]):
@@ -526,15 +316,13 @@ def _candidates(choice, experts, top_k, best_value, best_index, column_rank, can
 @cuda.jit(device=True)
 def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scaling, ids, weights):
     """The block routes token ``token`` from its sliced router logits (T, S, E): ids[t, :] (k) and
-    weights[t, :] (k), as ``route_kernel`` but without its k sequential argmax rounds.
+    weights[t, :] (k), every pick by its rank: no pick waits on another.
 
     1. ``_summed_scores``. 2. With G > 1 groups, ``_mask_groups``. 3. ``_candidates``: the k best
     columns' experts. 4. ``_ranks`` of the candidates: the candidate of rank r < k is pick r. 5.
-    Thread j < k weighs pick j (the total in slot order, as ``_weigh``). With E <= C experts
-    (COLUMNS) every expert is a column of its own, so 3 and 4 are one ``_ranks`` of all E: on the
-    H200 (exp_route2 in docs/results/router-ranks-h200-2026-12-03.txt) one token's
-    ``route_one_kernel`` took 10.0 µs instead of 13.4 on tiny, 13.8 instead of 16.6 on small;
-    Kimi's 384 experts took 99.5 instead of 59.2 ranked all at once, so they keep the columns.
+    Thread j < k weighs pick j (the total in slot order). With E <= C experts (COLUMNS) every
+    expert is a column of its own, so 3 and 4 are one ``_ranks`` of all E (fewer barriers); more
+    experts keep the columns (a ranking of all E would compare E^2 pairs).
 
     Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
     column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
@@ -596,8 +384,8 @@ def _staged_at(chunk, expert, column):
 @cuda.jit
 def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling, slice_parts, parts,
                      arrivals, ids, weights):
-    """Router version 2 for a few tokens in one launch: ``logit_slices_kernel``'s sums, then the
-    block of a token that finishes last routes that token (``_route_parts``).
+    """The router for a few tokens in one launch: ``logit_slices_kernel``'s sums, then the block
+    of a token that finishes last routes that token (``_route_parts``).
 
     Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads
     stage the EB experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's
@@ -607,11 +395,10 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     the block counts itself in arrivals[z], after a fence (its parts are visible to the other
     blocks first). The token's block that arrives last sees every slice (a fence after its count
     orders its reads after the others' writes): it routes the token as route_ranks_kernel does,
-    then sets arrivals[z] back to 0 for the next launch. A token whose E and D fit one block (tiny's
-    8 experts) routes itself after a barrier, with no fence and no count (10.35 against 9.35 µs,
-    ``docs/results/router-ranks-h200-2026-12-03.txt``). One launch instead of two, and EB = 8
-    experts per block where logit_slices_kernel has 32: four times the blocks reading the gate
-    (each token's blocks read it again: ROUTE_ONE_MAX_BYTES bounds the tokens)."""
+    then sets arrivals[z] back to 0 for the next launch. A token whose E and D fit one block
+    routes itself after a barrier, with no fence and no count. One launch instead of two, and
+    EB = 8 experts per block where logit_slices_kernel has 32: four times the blocks reading the
+    gate (each token's blocks read it again: ``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens)."""
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
@@ -664,7 +451,7 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
 # --8<-- [end:route_one_kernel]
 
 
-# --- version 1: per (token, slot) pair ---------------------------------------------------------
+# --- the experts, version 1 (the readable one): a block per (token, slot) pair -------------------
 
 # --8<-- [start:expert_hidden_pairs_kernel]
 @cuda.jit
@@ -722,7 +509,7 @@ def expert_down_pairs_kernel(hidden, down_proj, ids, weights, accumulate, out):
 # --8<-- [end:expert_down_pairs_kernel]
 
 
-# --- version 2: grouped by expert ----------------------------------------------------------------
+# --- the experts, version 3: grouped by expert, each dot product in linear's "warps" order -------
 
 # --8<-- [start:expert_lists_kernel]
 @cuda.jit
@@ -759,7 +546,7 @@ def expert_lists_kernel(ids, lists):
 # --8<-- [end:expert_lists_kernel]
 
 
-# --8<-- [start:listed_dots]
+# --8<-- [start:listed_rows]
 @functools.cache
 def listed_rows(per_pass: int):
     """The device function rows_of(lists, expert, first, per_row, rows, pairs) for passes of R =
@@ -777,9 +564,6 @@ def listed_rows(per_pass: int):
         return count
 
     return rows_of
-
-
-_pass_rows = listed_rows(ROWS_PER_PASS)
 
 
 @functools.cache
@@ -805,85 +589,17 @@ def block_pairs(per_pass: int, by_slot: bool):
         return expert, rows_of(lists, expert, first, per_row, rows, pairs)
 
     return pass_of
+# --8<-- [end:listed_rows]
 
-
-@cuda.jit(device=True)
-def _dots(x, rows, count, weight, n0, acc, w_tile, x_tile, partial):
-    """``kernels.linear.tile_dots`` over the listed rows of a pass of ``count`` pairs: a lone pair
-    (every expert of a decode step) skips the other rows' work. Each pair's dot is the same either
-    way. (More sizes, 2 and 4, measured slower on the H200: every size is inlined into the kernel.)"""
-    if count == 1:
-        listed_dots_one(x, 0, count, rows, weight, n0, acc, w_tile, x_tile, partial)
-    else:
-        listed_dots_pass(x, 0, count, rows, weight, n0, acc, w_tile, x_tile, partial)
-# --8<-- [end:listed_dots]
-
-
-# --8<-- [start:expert_hidden_kernel]
-@cuda.jit
-def expert_hidden_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
-    # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair p = t * k + j
-    # of expert e (lists[:, e]); hidden is (T * k, F). One block = features f0 .. f0 + 31
-    # (blockIdx.x; lane = f) of expert e = blockIdx.y // per_expert, for its passes of
-    # ROWS_PER_PASS pairs blockIdx.y % per_expert, + per_expert, ...: each staged weight tile
-    # serves every pair of a pass
-    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
-    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    gate = cuda.local.array(ROWS_PER_PASS, float32)
-    up = cuda.local.array(ROWS_PER_PASS, float32)
-    rows = cuda.local.array(ROWS_PER_PASS, int32)
-    pairs = cuda.local.array(ROWS_PER_PASS, int32)
-    expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
-    f0 = cuda.blockIdx.x * LANES
-    f = f0 + cuda.threadIdx.x
-    for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
-        if lists[first, expert] < 0:
-            return                                       # the expert's pairs are done
-        count = _pass_rows(lists, expert, first, slots, rows, pairs)   # x rows: the pairs' tokens
-        _dots(x, rows, count, gate_proj[expert], f0, gate, w_tile, x_tile, partial)
-        _dots(x, rows, count, up_proj[expert], f0, up, w_tile, x_tile, partial)
-        if cuda.threadIdx.x < LANES and f < hidden.shape[1]:
-            for r in range(count):
-                hidden[pairs[r], f] = silu_times(gate[r], up[r])
-# --8<-- [end:expert_hidden_kernel]
-
-
-# --8<-- [start:expert_down_kernel]
-@cuda.jit
-def expert_down_kernel(hidden, down_proj, lists, per_expert, down):
-    # down[p, d] = down_proj[e, d] . hidden[p] for each pair p of expert e; hidden (T * k, F),
-    # down (T * k, D). The blocks as expert_hidden_kernel's, over output features d
-    w_tile = cuda.shared.array((MAX_SLICES, LANES, LANES_PADDED), float32)
-    x_tile = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    partial = cuda.shared.array((MAX_SLICES, ROWS_PER_PASS, LANES), float32)
-    dots = cuda.local.array(ROWS_PER_PASS, float32)
-    rows = cuda.local.array(ROWS_PER_PASS, int32)
-    pairs = cuda.local.array(ROWS_PER_PASS, int32)
-    expert, own = cuda.blockIdx.y // per_expert, cuda.blockIdx.y % per_expert      # own: the first pass
-    d0 = cuda.blockIdx.x * LANES
-    d = d0 + cuda.threadIdx.x
-    for first in range(own * ROWS_PER_PASS, lists.shape[0], per_expert * ROWS_PER_PASS):
-        if lists[first, expert] < 0:
-            return
-        count = _pass_rows(lists, expert, first, 1, rows, pairs)   # hidden rows: the pairs
-        _dots(hidden, rows, count, down_proj[expert], d0, dots, w_tile, x_tile, partial)
-        if cuda.threadIdx.x < LANES and d < down.shape[1]:
-            for r in range(count):
-                down[rows[r], d] = dots[r]
-# --8<-- [end:expert_down_kernel]
-
-
-# --- version 3: grouped by expert, each dot product in linear's "warps" order ------------------
 
 def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
     """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a
     ``dense`` SwiGLU (one "expert": the shared experts, a dense layer; its launch has no other
-    experts' blocks, and two outputs per warp gave it more), LANE_WIDE from LANE_WIDE_FROM_ROWS
-    on, else LANE_NARROW (the same bits whatever the shape)."""
+    experts' blocks), LANE_WIDE from ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW
+    (the same bits whatever the shape)."""
     if rows == 1:
         return LANE_ONE_DENSE if dense else LANE_ONE
-    return LANE_WIDE if rows >= LANE_WIDE_FROM_ROWS else LANE_NARROW
+    return LANE_WIDE if rows >= tuning.LANE_WIDE_FROM_ROWS else LANE_NARROW
 
 
 # --8<-- [start:expert_lanes_kernels]
@@ -903,8 +619,10 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
-        # hidden[p, f] as expert_hidden_kernel's (the same blocks along y: expert e, its passes of
-        # R pairs); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
+        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair
+        # p = t * k + j of expert e (lists[:, e]); hidden is (T * k, F). Block y = expert
+        # e = y // per_expert, its passes of R pairs y % per_expert, + per_expert, ...
+        # (``block_pairs``); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
         # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
         # feature c's 32 lane sums for pair r in lane order (shared memory)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
@@ -936,7 +654,8 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_down_lanes_kernel(hidden, down_proj, lists, per_expert, down):
-        # down[p, d] as expert_down_kernel's; the blocks and sums as expert_hidden_lanes_kernel's
+        # down[p, d] = down_proj[e, d] . hidden[p] for each pair p of expert e; hidden (T * k, F),
+        # down (T * k, D). The blocks and sums as expert_hidden_lanes_kernel's, over output features
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         dots = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
@@ -983,13 +702,13 @@ class DenseScratch(typing.NamedTuple):
     ids: object         # [T, 1] int64, all 0: version 1's routed ids
     weights: object     # [T, 1] float32, all 1: version 1's weights
     hidden: object      # [T, 1, F] float32
-    lists: object       # [T, 1] int32, lists[t, 0] = t: version 2's pairs of the one expert, the rows
+    lists: object       # [T, 1] int32, lists[t, 0] = t: version 3's pairs of the one expert, the rows
 
 
 class MoEScratch(typing.NamedTuple):
     """Device buffers of one MoE layer over T tokens, for either version (version 1 leaves lists
     and down alone)."""
-    logits: object                  # [T, S, E] float32 router logits in S depth slices (router version 2)
+    logits: object                  # [T, S, E] float32 router logits in S depth slices
     arrivals: object                # [T] int32 zeros: route_one_kernel's count of its finished blocks
     ids: object                     # [T, k] int64 routed experts
     weights: object                 # [T, k] float32 their weights
@@ -1022,35 +741,33 @@ def moe_scratch(rows: int, params: MoEParams, config: ModelConfig, stream=None) 
 
 
 def logit_slices(depth: int) -> int:
-    """S, the depth slices of router version 2's logits: a function of D only (batch invariance)."""
+    """S, the depth slices of the router's logits: a function of D only (batch invariance)."""
     return blocks(depth, LOGIT_SLICE)
 
 
-def logits_shape(rows: int, experts: int, depth: int, version: int = 2) -> tuple[int, ...]:
-    """The shape of ``route``'s ``logits`` for T rows, E experts and depth D: (T, E) for version
-    1, (T, S, E) for version 2 (S = ``logit_slices(D)``)."""
-    return (rows, experts) if version == 1 else (rows, logit_slices(depth), experts)
+def logits_shape(rows: int, experts: int, depth: int) -> tuple[int, int, int]:
+    """The shape of ``route``'s ``logits`` for T rows, E experts and depth D: (T, S, E), S =
+    ``logit_slices(D)``."""
+    return rows, logit_slices(depth), experts
 
 
-def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals, ids, weights, stream,
-                  version: int) -> None:
-    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (version 1:
-    (T, E) from linear's "tiles"; version 2: (T, S, E) depth slices), then ids and weights (T, k).
-    Version 2 for one token, or T whose gate reads stay under ROUTE_ONE_MAX_BYTES, each token on at
-    most ROUTE_ONE_MAX_BLOCKS blocks: ``route_one_kernel``, counting each token's blocks in
-    ``arrivals`` (int32 (T,), 0 before the launch and after it)."""
+
+
+def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals, ids, weights,
+                  stream) -> None:
+    """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (T, S, E), then
+    ids and weights (T, k). One token, or T whose gate reads stay under
+    ``tuning.ROUTE_ONE_MAX_BYTES``, on at most ``tuning.ROUTE_ONE_BLOCKS_PER_SM`` blocks per SM a
+    token: ``route_one_kernel``, counting each token's blocks in ``arrivals`` (int32 (T,), 0 before
+    the launch and after it); else ``logit_slices_kernel`` and ``route_ranks_kernel``."""
     rows, depth = x.shape
     experts = config.n_routed_experts
     flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
-    if version == 1:
-        linear(x, gate, version="tiles", out=logits, stream=stream)
-        route_kernel[rows, threads or pow2_threads(experts), stream](logits, bias, *flags, ids, weights)
-        return
     slice_parts = k_slices(min(depth, LOGIT_SLICE))                      # W, the warps of a slice's sums
     threads = threads or pow2_threads(max(experts, ROUTE_RANKS_THREADS), ROUTE_TPB)
     one_grid = (blocks(experts, ROUTE_ONE_EXPERTS), logits.shape[1], rows)    # x over E, y over S, z over T
-    few = rows == 1 or rows * F32 * gate.shape[0] * gate.shape[1] <= ROUTE_ONE_MAX_BYTES
-    if few and one_grid[0] * one_grid[1] <= ROUTE_ONE_MAX_BLOCKS:
+    few = rows == 1 or rows * F32 * gate.shape[0] * gate.shape[1] <= tuning.ROUTE_ONE_MAX_BYTES
+    if few and one_grid[0] * one_grid[1] <= tuning.ROUTE_ONE_BLOCKS_PER_SM * tuning.sm_count():
         route_one_kernel[one_grid, threads, stream](x, gate, bias, *flags, slice_parts, logits, arrivals, ids,
                                                      weights)
         return
@@ -1076,79 +793,66 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
                                                                            weights, accumulate, out)
 
 
-def by_slot(rows: int, experts: int, version: int, expert_bytes: int) -> bool:
+def by_slot(rows: int, experts: int, expert_bytes: int) -> bool:
     """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
-    experts (not a dense SwiGLU's one): for one token, and for up to SLOT_ROWS tokens where one
-    expert's weights (``expert_bytes``) are under LARGE_EXPERT_BYTES, since every pair then reads
-    its expert's weights again. Tiny's 0.4 MB experts: a 17-row forward took 325.9 µs so
-    (``profile-h200-2026-12-03h.md``) against 342.7 with the lists (``-03g.md``), in graph replay."""
-    few = rows == 1 or (rows <= SLOT_ROWS and expert_bytes < LARGE_EXPERT_BYTES)
-    return version == 3 and experts > 1 and few
+    experts (not a dense SwiGLU's one): for one token, and for up to ``tuning.SLOT_ROWS`` tokens
+    where one expert's weights (``expert_bytes``) are under ``tuning.LARGE_EXPERT_BYTES``, since
+    every pair then reads its expert's weights again (the lists' launch saved costs more where
+    an expert is large)."""
+    few = rows == 1 or (rows <= tuning.SLOT_ROWS and expert_bytes < tuning.LARGE_EXPERT_BYTES)
+    return experts > 1 and few
 
 
-def _launch_grouped(x, stacks, lists, hidden, down, stream, version: int = 2, slotted: bool = False) -> None:
-    """Version 2's (or 3's) two grouped expert kernels on device arrays: x (T, D), stacks as
-    ``_launch_pairs``', lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows.
-    ``slotted`` (``by_slot``): ``lists`` is the tokens' ids (T, k) instead, and the kernels run a
-    block per pair along y, each a pass of one pair (the same sums as in a pass of the lists)."""
+def _launch_lanes(x, stacks, lists, hidden, down, stream, slotted: bool = False) -> None:
+    """Version 3's two expert kernels on device arrays: x (T, D), stacks as ``_launch_pairs``',
+    lists (T, E) -> hidden (T, k, F) and down (T, k, D), each pair's rows. ``slotted``
+    (``by_slot``): ``lists`` is the tokens' ids (T, k) instead, and the kernels run a block per
+    pair along y, each a pass of one pair (the same sums as in a pass of the lists)."""
     (rows, slots, features), width = hidden.shape, x.shape[1]
     gate_proj, up_proj, down_proj = stacks
     experts = lists.shape[1]
-    # blocks along y: per_expert for each expert. An expert has at most T pairs: on a GPU one block
-    # per pass of ROWS_PER_PASS of them (version 3 at one row: of one; blocks past the expert's
-    # last pair return), in the simulator one block per expert walks all its passes; by slot, one
-    # per pair, with a decode row's launch shape
     flat_hidden, flat_down = hidden.reshape(rows * slots, features), down.reshape(rows * slots, width)
     if slotted:
         lists = lists.reshape((1, rows * slots))            # [1, T k]: pair p's expert at p
         experts = rows * slots
-    if version == 3:
-        warps, columns, unroll = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
-        per_pass = 1 if slotted else pass_rows(rows)        # a decode row's kernels: passes of one
-        per_expert = 1 if slotted else row_passes(rows, per_pass)
-        hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass, slotted)
-        grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
-        hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert,
-                                                   flat_hidden)
-        grid = (blocks(width, warps * columns), experts * per_expert)        # x over D
-        down_kernel[grid, LANES * warps, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
-        return
-    per_expert = row_passes(rows)
-    grid = (blocks(features, LANES), experts * per_expert)                  # x over F
-    expert_hidden_kernel[grid, LANES * k_slices(width), stream](x, gate_proj, up_proj, lists, slots,
-                                                                per_expert, flat_hidden)
-    grid = (blocks(width, LANES), experts * per_expert)                     # x over D
-    expert_down_kernel[grid, LANES * k_slices(features), stream](flat_hidden, down_proj, lists,
-                                                                 per_expert, flat_down)
+    # blocks along y: per_expert for each expert, one per pass of its at most T pairs (blocks past
+    # its last pair return); a decode row's kernels run passes of one; by slot, one per pair
+    warps, columns, unroll = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
+    per_pass = 1 if slotted else pass_rows(rows)
+    per_expert = 1 if slotted else row_passes(rows, per_pass)
+    hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, per_pass, slotted)
+    grid = (blocks(features, warps * columns), experts * per_expert)     # x over F
+    hidden_kernel[grid, LANES * warps, stream](x, gate_proj, up_proj, lists, slots, per_expert, flat_hidden)
+    grid = (blocks(width, warps * columns), experts * per_expert)        # x over D
+    down_kernel[grid, LANES * warps, stream](flat_hidden, down_proj, lists, per_expert, flat_down)
 
 
 def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, version, stream,
                     out_queue=None) -> None:
     """The routed experts on device arrays, after the router, into out (T, D) (added to it with
-    ``accumulate``). Version 1: the pair kernels; version 2: lists from ids, the grouped kernels,
-    then each token's k slots weighed and added (the combine). ``out_queue``: None, or a function
-    called once every other kernel is launched, returning where to launch the one that writes
-    ``out`` (``moe`` joins the shared expert's branch there)."""
+    ``accumulate``). Version 1: the pair kernels; version 3: lists from ids (or a block per pair,
+    ``by_slot``), the grouped kernels, then each token's k slots weighed and added (the combine).
+    ``out_queue``: None, or a function called once every other kernel is launched, returning
+    where to launch the one that writes ``out`` (``moe`` joins the shared expert's branch there)."""
     stacks = params.gate_proj, params.up_proj, params.down_proj
     if version == 1:
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream,
                       out_queue)
         return
     experts, features, width = params.gate_proj.shape
-    if by_slot(x.shape[0], experts, version, 3 * features * width * F32):    # no lists: a block per pair
-        _launch_grouped(x, stacks, scratch.ids, scratch.hidden, scratch.down, stream, version, slotted=True)
+    if by_slot(x.shape[0], experts, 3 * features * width * F32):           # no lists: a block per pair
+        _launch_lanes(x, stacks, scratch.ids, scratch.hidden, scratch.down, stream, slotted=True)
     else:
         expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
-        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream, version)
+        _launch_lanes(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream)
     out_stream = stream if out_queue is None else out_queue()
-    combine_kernel[blocks(out.size, TPB), TPB, out_stream](
-        scratch.down, scratch.weights, accumulate, out)
+    combine_kernel[blocks(out.size, TPB), TPB, out_stream](scratch.down, scratch.weights, accumulate, out)
 
 
 def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, version, stream) -> None:
     """A dense SwiGLU on device arrays as one expert that every row chooses with weight 1: (F, D)
     weights viewed as (1, F, D). Version 1 weighs each row's one slot by 1 (exact: a dot product
-    starts from +0.0, so it is never -0.0, and 0 + 1 * dot is dot, bit for bit); in version 2 each
+    starts from +0.0, so it is never -0.0, and 0 + 1 * dot is dot, bit for bit); in version 3 each
     row's one pair's down projection is its output."""
     (rows, width), features = x.shape, gate_proj.shape[0]
     stacks = (gate_proj.reshape(1, features, width), up_proj.reshape(1, features, width),
@@ -1156,16 +860,15 @@ def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, 
     if version == 1:
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, False, stream)
     else:
-        _launch_grouped(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream,
-                        version)
+        _launch_lanes(x, stacks, scratch.lists, scratch.hidden, out.reshape(rows, 1, width), stream)
 
 
-def _check_router_limits(config: ModelConfig, threads, version: int = 2) -> None:
+def _check_router_limits(config: ModelConfig, threads) -> None:
     if config.n_routed_experts > MAX_EXPERTS or config.n_group > MAX_GROUPS:
         raise ValueError(f"the router kernel holds at most {MAX_EXPERTS} experts and {MAX_GROUPS} "
                          f"groups, got {config.n_routed_experts} and {config.n_group}")
-    if threads is not None:                     # version 1's argmax scratch holds MAX_TPB slots
-        check_threads(threads, MAX_TPB if version == 1 else 1024)
+    if threads is not None:
+        check_threads(threads, 1024)
 
 
 def _check_scratch(scratch, name: str, **expected) -> None:
@@ -1183,21 +886,19 @@ def _check_dense_scratch(scratch, name: str, rows: int, features: int) -> None:
                    hidden=((rows, 1, features), np.float32), lists=((rows, 1), np.int32))
 
 
-def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, logits=None, arrivals=None,
-                version=2):
-    """``version`` in ROUTE_VERSIONS, the reference's shapes, the router kernel's limits and block
-    size, float32 on the device, ``out`` = (ids (T, k) int64, weights (T, k) float32), ``logits``
-    the version's (``router_logits``). Returns x, gate, bias."""
-    check_version(version, ROUTE_VERSIONS)
+def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, logits=None, arrivals=None):
+    """The reference's shapes, the router kernel's limits and block size, float32 on the device,
+    ``out`` = (ids (T, k) int64, weights (T, k) float32), ``logits`` (T, S, E) (``logits_shape``).
+    Returns x, gate, bias."""
     x, gate, bias = (host_or_device(a, np.float32) for a in (x, gate, bias))
     reference.check_route(x, gate, bias, config)
-    _check_router_limits(config, threads, version)
+    _check_router_limits(config, threads)
     check_float32(x=x, gate=gate, bias=bias)
     if out is not None:
         shape = (x.shape[0], config.num_experts_per_tok)
         check_out(out[0], shape, np.int64, "out[0] (ids)")
         check_out(out[1], shape, np.float32, "out[1] (weights)")
-    check_out(logits, logits_shape(x.shape[0], *gate.shape, version), name="logits")
+    check_out(logits, logits_shape(x.shape[0], *gate.shape), name="logits")
     if arrivals is not None and not is_device_array(arrivals):
         raise ValueError(f"arrivals must be a device array (the kernel counts its blocks there), got "
                          f"{type(arrivals).__name__}")
@@ -1207,35 +908,32 @@ def check_route(x, gate, bias, config: ModelConfig, *, threads=None, out=None, l
 
 # --8<-- [start:route]
 def route(x, gate, bias, config: ModelConfig, *, threads: int | None = None, out=None, stream=None,
-          logits=None, arrivals=None, version: int = 2):
+          logits=None, arrivals=None):
     """Choose k experts per token. x (T, D) -> (expert ids (T, k) int64, weights (T, k) float32).
 
-    ``version``: 2 (the default, what ``moe`` runs) sliced logits and top-k by rank, 1 "tiles"
-    logits and k argmax rounds (see the module's docstring); the same ids, and the same weights
-    up to the logits' rounding. ``threads`` forces the routing kernel's block size, a power of two
-    from 32 (version 1: to 128, version 2: to 1024); by default the smallest that covers E, at most
-    128 (version 1) or 512 (version 2). ``out``: a pair (ids, weights) to write into; ``logits``: a
-    device float32 buffer for the router logits, of shape ``logits_shape(T, E, D, version)`` (new
-    by default); ``arrivals``: a device int32 (T,) of zeros, the block counts of version 2's one
+    ``threads`` forces the routing kernel's block size, a power of two from 32 to 1024; by
+    default the smallest that covers E, at most 512. ``out``: a pair (ids, weights) to write into;
+    ``logits``: a device float32 buffer for the router logits, of shape ``logits_shape(T, E, D)``
+    (new by default); ``arrivals``: a device int32 (T,) of zeros, the block counts of the one
     launch for a few tokens (``route_one_kernel``; new by default, zeros again after the launch);
     ``stream``: where the kernels are launched (None: the default stream).
     """
     x, gate, bias = check_route(x, gate, bias, config, threads=threads, out=out, logits=logits,
-                                arrivals=arrivals, version=version)
+                                arrivals=arrivals)
     out_ids, out_weights = out or (None, None)
     shape = (x.shape[0], config.num_experts_per_tok)
     ids, weights = output(out_ids, shape, np.int64, stream), output(out_weights, shape, stream=stream)
     if x.shape[0]:
-        logits = output(logits, logits_shape(x.shape[0], *gate.shape, version), stream=stream)
-        if arrivals is None and version == 2:                              # route_one_kernel's counts
+        logits = output(logits, logits_shape(x.shape[0], *gate.shape), stream=stream)
+        if arrivals is None:                                               # route_one_kernel's counts
             arrivals = filled(x.shape[:1], 0, np.int32, stream)
         _launch_route(to_device(x, np.float32), to_device(gate, np.float32), to_device(bias, np.float32),
-                      config, threads, logits, arrivals, ids, weights, stream, version)
+                      config, threads, logits, arrivals, ids, weights, stream)
     return deliver(ids, out_ids, x, gate, bias), deliver(weights, out_weights, x, gate, bias)
 # --8<-- [end:route]
 
 
-def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None, version=2):
+def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None, version=3):
     """``version`` in VERSIONS, the reference's shapes, float32 on the device, ``out`` (T, D),
     ``scratch`` (a ``dense_scratch``). Returns the four arrays as numpy or device arrays."""
     check_version(version, VERSIONS)
@@ -1251,12 +949,12 @@ def check_swiglu(x, gate_proj, up_proj, down_proj, *, out=None, scratch=None, ve
 
 # --8<-- [start:swiglu]
 def swiglu(x, gate_proj, up_proj, down_proj, *, out=None, stream=None, scratch: DenseScratch | None = None,
-           version: int = 2):
+           version: int = 3):
     """down(silu(gate x) * up x): x (T, D), gate/up (F, D), down (D, F) -> (T, D).
 
     ``scratch`` (from ``dense_scratch``) holds the intermediate buffers; new ones by default.
-    ``version``: 2 (the default) stages the weights once per pass of ROWS_PER_PASS rows, 1 once per
-    row (a block each); two launches and the same bits either way.
+    ``version``: 3 (the default, what the engine runs) passes of rows, "warps"' sums; 1 a block per
+    row, "tiles"' sums. Two launches either way.
     """
     x, gate_proj, up_proj, down_proj = check_swiglu(x, gate_proj, up_proj, down_proj,
                                                     out=out, scratch=scratch, version=version)
@@ -1290,7 +988,7 @@ def _arrays(params: MoEParams) -> dict:
             if getattr(params, field.name) is not None}
 
 
-def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None, version=2):
+def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None, version=3):
     """``version`` in VERSIONS, the reference's shapes, the router kernel's limits, float32 on the
     device, ``out`` (T, D), ``scratch`` (a ``moe_scratch``). Returns x as numpy or a device array."""
     check_version(version, VERSIONS)
@@ -1316,7 +1014,7 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
 
 # --8<-- [start:moe]
 def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
-        scratch: MoEScratch | None = None, version: int = 2):
+        scratch: MoEScratch | None = None, version: int = 3):
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
@@ -1325,9 +1023,9 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     products, and only the kernel that adds them to ``out`` waits for it (the same launches and
     bits as one after the other). Host ``params`` are copied to the device on each call; pass
     ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
-    intermediate buffers; new ones by default. ``version``: 2 (the default) groups the pairs by
-    expert, 1 runs each (token, slot) pair on its own (see the module's docstring); the same bits
-    either way.
+    intermediate buffers; new ones by default. ``version``: 3 (the default, what the engine runs)
+    groups the pairs by expert, 1 runs each (token, slot) pair on its own (see the module's
+    docstring; other bits).
     """
     x = check_moe(x, params, config, out=out, scratch=scratch, version=version)
     rows, width = x.shape
@@ -1338,7 +1036,7 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         shared = weights.shared_gate_proj is not None
         routed, beside = fork(stream) if shared else (stream, stream)
         _launch_route(d_x, weights.gate, weights.bias, config, None, scratch.logits, scratch.arrivals,
-                      scratch.ids, scratch.weights, routed, version=2)       # the router's faster version
+                      scratch.ids, scratch.weights, routed)
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
                           scratch.shared, d_out, version, beside)
@@ -1347,111 +1045,3 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
                         out_queue=lambda: join(routed, beside))
     return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]
-
-
-def _route_cost(*, T: int, D: int, E: int, k: int) -> tuple[int, int]:
-    # x (T, D), gate (E, D), bias (E,) read once; ids (int64) and weights written; the gate GEMV
-    return F32 * (T * D + E * D + E) + T * k * (I64 + F32), 2 * T * E * D
-
-
-def _swiglu_cost(*, T: int, D: int, F: int) -> tuple[int, int]:
-    # x (T, D) and the three (F, D) matrices read once, y (T, D) written once; three GEMVs
-    return F32 * (2 * T * D + 3 * F * D), 2 * T * 3 * F * D
-
-
-def _moe_cost(*, T: int, D: int, E: int, F: int, Fs: int, k: int, used: int) -> tuple[int, int]:
-    # x read and y written, the router's gate and bias, the ``used`` routed experts the tokens
-    # chose and the shared expert read once; the router, the shared expert, k experts per token
-    return (F32 * (2 * T * D + E * D + E + 3 * used * F * D + 3 * Fs * D),
-            2 * T * E * D + 2 * T * 3 * Fs * D + 2 * T * k * 3 * F * D)
-
-
-_COSTS = {"route": _route_cost, "swiglu": _swiglu_cost, "moe": _moe_cost}
-
-
-def bytes_moved(operation: str = "moe", **dims: int) -> int:
-    """Fewest bytes an operation moves through device memory (inputs read once, outputs written
-    once; float32 4 B, int64 8 B). Dimensions by the glossary: "route" (T, D, E, k), "swiglu"
-    (T, D, F), "moe" (T, D, E, F, Fs, k, used: the distinct routed experts the tokens chose)."""
-    return _COSTS[operation](**dims)[0]
-
-
-def flops(operation: str = "moe", **dims: int) -> int:
-    """Floating-point operations (a multiply-add counts 2; sigmoids not counted), dimensions as in
-    ``bytes_moved``."""
-    return _COSTS[operation](**dims)[1]
-
-
-def _route_case(sizes, version: int):
-    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
-
-    config, rows = sizes.config, sizes.route_tokens
-    hidden, experts, top_k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
-    dims = {"T": rows, "D": hidden, "E": experts, "k": top_k}
-    logits = logits_shape(rows, experts, hidden, version)
-    kernels = (f"sliced logits (S = {logits[1]}), top-k by rank" if version == 2
-               else f'"tiles" logits, {top_k} argmax rounds')
-    return Case("moe_route" + ("" if version == 2 else "_v1"),
-                f"router: sigmoid scores, top-{top_k} of {experts} experts, {rows} tokens",
-                f"x ({rows}, {hidden}) gate ({experts}, {hidden})",
-                setup=lambda seed: (uniform((rows, hidden), seed),
-                                    uniform((experts, hidden), seed + 1, 1 / math.sqrt(hidden)),
-                                    uniform((experts,), seed + 2, 0.01), config),
-                call=lambda inputs, **given: route(*inputs, version=version, **given),
-                bytes=bytes_moved("route", **dims), flops=flops("route", **dims),
-                note=f"version {version}: {kernels}",
-                prepare=lambda inputs: (route(*inputs, version=version), poisoned(logits),   # + logits,
-                                        filled((rows,), 0, np.int32)),                     # block counts
-                launch=lambda inputs, given, stream: route(*inputs, out=given[0], logits=given[1],
-                                                           arrivals=given[2], stream=stream, version=version))
-
-
-def _reduced_moe_case(sizes, version: int = 2):
-    """The MoE layer with fewer routed experts (the real expert and shared sizes, the same top-k),
-    expert kernels of ``version``."""
-    import zlib
-
-    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
-
-    full = sizes.config
-    config = dataclasses.replace(full, n_routed_experts=sizes.moe_experts)
-    rows, experts = sizes.moe_tokens, sizes.moe_experts
-    hidden, features = full.hidden_size, full.moe_intermediate_size
-    shared = full.n_shared_experts * features                                  # Fs
-    rng = np.random.default_rng(zlib.crc32(b"moe_reduced"))
-    x = rng.uniform(-1, 1, (rows, hidden)).astype(np.float32)                 # [T, D] host copies:
-    gate = rng.uniform(-1, 1, (experts, hidden)).astype(np.float32) / np.float32(math.sqrt(hidden))
-    bias = rng.uniform(-0.01, 0.01, experts).astype(np.float32)               # routing on the host
-    used = np.unique(reference.route(x, gate, bias, config)[0]).size          # counts experts read
-
-    def setup(seed):
-        params = MoEParams(
-            gate=cuda.to_device(gate), bias=cuda.to_device(bias),
-            gate_proj=uniform((experts, features, hidden), seed, 1 / math.sqrt(hidden)),
-            up_proj=uniform((experts, features, hidden), seed + 1, 1 / math.sqrt(hidden)),
-            down_proj=uniform((experts, hidden, features), seed + 2, 1 / math.sqrt(features)),
-            shared_gate_proj=uniform((shared, hidden), seed + 3, 1 / math.sqrt(hidden)),
-            shared_up_proj=uniform((shared, hidden), seed + 4, 1 / math.sqrt(hidden)),
-            shared_down_proj=uniform((hidden, shared), seed + 5, 1 / math.sqrt(shared)))
-        return cuda.to_device(x), params, config
-
-    weights_gb = (experts * 3 * features * hidden + 3 * shared * hidden) * F32 / 1e9
-    dims = {"T": rows, "D": hidden, "E": experts, "F": features, "Fs": shared,
-            "k": full.num_experts_per_tok}
-    return Case("moe_reduced" + ("" if version == 2 else f"_v{version}"),
-                f"MoE layer, {rows} tokens, {experts} experts instead of "
-                f"{full.n_routed_experts} (weights {weights_gb:.1f} GB), top-{full.num_experts_per_tok} "
-                "+ shared expert", f"x ({rows}, {hidden}) experts ({experts}, {features}, {hidden})",
-                setup=setup, call=lambda inputs, **given: moe(*inputs, version=version, **given),
-                bytes=bytes_moved("moe", **dims, used=used), flops=flops("moe", **dims, used=used),
-                note=f"expert kernels version {version}; bytes: the {used} experts chosen read once",
-                prepare=lambda inputs: (moe(*inputs, version=version), moe_scratch(rows, inputs[1], config)),
-                launch=lambda inputs, given, stream: moe(*inputs, out=given[0], scratch=given[1],
-                                                         stream=stream, version=version))
-
-
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: the router alone (version 2, then
-    version 1), a reduced MoE layer (expert kernels version 2, then 3)."""
-    return [_route_case(sizes, 2), _route_case(sizes, 1), _reduced_moe_case(sizes),
-            _reduced_moe_case(sizes, 3)]

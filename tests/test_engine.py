@@ -29,13 +29,9 @@ from kernels.mla import UNFUSED_CHUNK
 from kernels.model import (
     GEMM_FROM_ROWS,
     GEMM_MIN_WEIGHTS,
-    MOE_GROUPED_FROM_ROWS,
     STREAM_MAX_OUTPUTS,
     bucket_rows,
     candidate_count,
-    large_experts,
-    moe_grouped_from,
-    moe_version,
     projection_version,
     rows_of,
 )
@@ -110,20 +106,6 @@ def test_buckets_and_candidate_counts():
     assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
 
 
-def test_moe_version_per_bucket():
-    """Version 1 (per pair) below MOE_GROUPED_FROM_ROWS rows, version 2 (grouped) from there on."""
-    assert MOE_GROUPED_FROM_ROWS == 72
-    assert [moe_version(rows) for rows in (1, 8, 40, 64, 72, 80, 128)] == [1, 1, 1, 1, 2, 2, 2]
-    assert [moe_grouped_from(preset(name)) for name in ("micro", "tiny", "tiny-b")] == [72] * 3
-    assert [moe_grouped_from(preset(name)) for name in ("small", "kimi-k2.6")] == [1, 1]   # large experts
-    assert [large_experts(preset(name)) for name in ("micro", "tiny", "tiny-b", "small", "kimi-k2.6")] \
-        == [False, False, False, True, True]
-    assert {moe_version(rows, 1, warps=True) for rows in (1, 2, 128)} == {3}
-    assert engine("micro", max_tree_nodes=8).moe_warps is True            # version 3: the default
-    assert {moe_version(rows, 1) for rows in (1, 2, 128)} == {2}
-    assert {moe_version(rows, 129) for rows in (1, 2, 128)} == {1}
-
-
 def test_projection_version_per_bucket():
     """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on where W is large,
     as "stream" (the same bits) for one row where Dout <= STREAM_MAX_OUTPUTS; "warps" always runs
@@ -147,8 +129,8 @@ def test_projection_version_per_bucket():
 # prefill of each kind runs once (emit_token=True in the AR test, with a padding row;
 # emit_token=False in the greedy DDTree test; the sampled and rejection tests' prefill would launch
 # exactly the greedy one's: a prefill emits no token, so it never samples).
-# These engines' forwards run MoE version 3 (the default: a block per (token, slot) pair, micro's
-# experts are small); test_moe_versions_give_the_engine_the_same_logits runs versions 1 and 2.
+# These engines' forwards run the MoE kernels' version 3 as a block per (token, slot) pair (micro's
+# experts are small).
 
 
 def test_prompt_then_ar_steps_match_numpy():
@@ -305,11 +287,11 @@ def test_rejection_verifier_matches_numpy():
 
 @pytest.mark.parametrize("option, value", [
     ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
-    ("moe_warps", False), ("linear_version", "tiles")])
+    ("linear_version", "tiles")])
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
     2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
-    GEMMs), MoE versions 1 and 2 instead of version 3, or linear's "tiles" order (run as
+    GEMMs), or linear's "tiles" order (run as
     "tiles", "stream" and "tiles_gemm") for every projection and the lm_head. A branching DDTree
     round gives the engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR
     forwards, and one verify forward (one round)."""
@@ -335,27 +317,6 @@ def test_tiles_engine_logits_match_numpy():
                               linear_version="tiles")
     prompt = golden.default_prompt("micro")[:4]
     assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
-
-
-def test_moe_versions_give_the_engine_the_same_logits():
-    """Every forward through MoE version 2 (``moe_grouped_from_rows=1``) or through version 1 (above
-    Tmax): the same logits, bit for bit, so the engine may pick a version per bucket and keep
-    DDTree == AR. 4 prompt tokens (a bucket of 4, one forward per engine): micro routes 3 of them to
-    experts 0 and 1, so those experts serve several pairs."""
-    config = preset("micro")
-    weights = init_weights(config, golden.WEIGHT_SEED)
-    grouped = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=1, moe_warps=False)
-    per_pair = EngineTransformer(config, weights, max_tree_nodes=8, moe_grouped_from_rows=9, moe_warps=False)
-    prompt = golden.default_prompt("micro")[:4]
-    logits = grouped.logits(prompt)
-    assert np.array_equal(per_pair.logits(prompt).view(np.uint32), logits.view(np.uint32))
-    assert_logits_close(logits, reference("micro").logits(prompt))
-    layer = config.first_k_dense_replace                                   # the MoE layer
-    pairs = np.bincount(grouped.moe_scratch[layer].ids.copy_to_host()[:prompt.size].ravel())
-    assert pairs.max() > 1, "test data: an expert serves several (token, slot) pairs"
-    listed = [bool((model.moe_scratch[layer].lists.copy_to_host() >= 0).any())
-              for model in (grouped, per_pair)]
-    assert listed == [True, False], "version 2 lists the pairs (-1 poison overwritten), version 1 never does"
 
 
 def test_attention_version_5_is_the_default_from_rank_512():
@@ -397,12 +358,6 @@ def test_engine_refuses_bad_input_before_running():
     for version in ("gemv", "rows", None):
         with pytest.raises(ValueError, match=r"linear_version must be one of \('tiles', 'warps'\)"):
             EngineTransformer(model.config, init_weights(model.config, 0), linear_version=version)
-    for rows in (0, -1, 2.0, True, "40"):
-        with pytest.raises(ValueError, match=r"moe_grouped_from_rows must be None or an integer >= 1"):
-            EngineTransformer(model.config, init_weights(model.config, 0), moe_grouped_from_rows=rows)
-    for warps in (1, "yes", 0.0):
-        with pytest.raises(ValueError, match=r"moe_warps must be None, True or False"):
-            EngineTransformer(model.config, init_weights(model.config, 0), moe_warps=warps)
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
@@ -586,15 +541,6 @@ def test_unfused_attention_engine_equals_golden_and_ar():
     keys, so the P V GEMM's chunks and the tail kernel's meet in the same rows, bit for bit."""
     assert golden.load_bundle("tiny")["prompt"].size + 600 > 2 * UNFUSED_CHUNK
     assert_option_keeps_golden_and_ddtree(600, attention_unfused=True)
-
-
-@pytest.mark.gpu
-def test_moe_versions_1_and_2_engine_equals_golden_and_ar():
-    """MoE versions 1 and 2 (``moe_warps=False``: per pair below 72 rows, grouped from there) in
-    every forward of the engine on tiny: the golden AR tokens and logits, every drafter's DDTree
-    tokens, and a 300-token n-gram DDTree generation with budget 64 (verify buckets of up to 72
-    rows: version 2's passes of several pairs) equal to its own AR."""
-    assert_option_keeps_golden_and_ddtree(300, budget=64, moe_warps=False)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from ddtree.config import preset
 from ddtree.model import Transformer
 from kernels import device
 from kernels import moe as knl
+from kernels.bench.cases import moe as costs
 
 STEM = "04_moe"
 
@@ -134,8 +135,8 @@ def kimi_bytes() -> None:
         print(f"Kimi K2.6 MoE layer, fp32: one expert = 3 x {D} x {F} weights = {expert / 1e6:.0f} MB; "
               f"router {E} x {D}")
         for rows, used, what in ((1, k, "1 decode token"), (65, E, "65 tree rows, every expert reached")):
-            moved = knl.bytes_moved("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
-            flops = knl.flops("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
+            moved = costs.bytes_moved("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
+            flops = costs.flops("moe", T=rows, D=D, E=E, F=F, Fs=Fs, k=k, used=used)
             print(f"  {what}: {used} routed experts + the shared one, {moved / 1e9:.2f} GB, "
                   f"floor {chapter.time_floor(moved, flops) * 1e3:.2f} ms")
 

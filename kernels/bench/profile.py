@@ -169,7 +169,7 @@ def kernel_table(table: dict, rows_list) -> list[str]:
 
 
 ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
-                  "moe_grouped_from_rows", "moe_warps", "linear_version")
+                  "linear_version")
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -218,12 +218,6 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-unfused", action="store_const", const=True, default=None,
                         help="attention_paths' version 5 (unfused GEMMs, unfused=True; default: the "
                         "engine's choice, kernels.mla.paths_unfused)")
-    parser.add_argument("--moe-grouped-from-rows", type=int, default=None,
-                        help="forwards of at least this many rows run the MoE kernels' version 2, "
-                        "fewer version 1 (1: version 2 everywhere; default: the engine's rule)")
-    parser.add_argument("--moe-warps", action=argparse.BooleanOptionalAction, default=None,
-                        help="the MoE kernels' version 3 in every forward (\"warps\"' sums; the "
-                        "engine's default); --no-moe-warps: versions 1 and 2 by row count")
     parser.add_argument("--linear-version", default=None,
                         help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)

@@ -1,0 +1,1 @@
+"""MoE kernel versions the engine does not run (``lab/harness.py``)."""
