@@ -414,8 +414,9 @@ def test_numpy_attention_paths_equals_the_masked_attention(rows, prefix, heads):
     by_paths = ref.attention_paths(*inputs)
     assert np.isfinite(by_paths).all()
     assert_close(by_paths, masked, rtol=1e-5, atol=1e-5, name="numpy attention_paths vs attention_absorb")
-    assert np.array_equal(ref.attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths,
-                                              scale), by_paths), "an int prefix and a (1,) array agree"
+    as_array = ref.attention_paths(q_lat, q_pe, cache_latent, cache_rope, np.array([prefix]), depths, paths,
+                                   scale)                                 # the kernel's prefix: (1,)
+    assert np.array_equal(as_array, by_paths), "an int prefix and a (1,) array agree"
 
 
 # --- the engine's plan, and attention_paths' default
