@@ -15,7 +15,8 @@ values (W_UV). The absorbed form never expands the cache:
 
 One attention function serves prefill (causal mask), decode (one row) and tree verification
 (ancestor mask): the first P keys are visible to every row; the T new rows see each other
-through ``visible`` (T, T).
+through ``visible`` (T, T). The engine's ``attention_paths`` computes the same on a tree from
+each row's path (``paths``, ``depths``) instead of a mask.
 """
 
 import numpy as np
@@ -135,6 +136,35 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
         o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
     return o_lat
 # --8<-- [end:absorb]
+
+
+# --8<-- [start:paths]
+def path_keys(prefix_len: int, path: np.ndarray) -> np.ndarray:
+    """Cache slots one tree row attends to, in position order: the prefix, then its path's nodes
+    root .. row (tree node m sits at slot P + m)."""
+    return np.concatenate([np.arange(prefix_len), prefix_len + path])  # [St]
+
+
+def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale):
+    """The engine's form of ``attention_absorb`` on a tree: each row's keys from its path, no mask.
+
+    q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
+    hold the prefix in rows [0, P) and tree node m in row P + m; prefix (1,) = P (or an int);
+    depths (T,) and paths (T, >= max depth + 1): paths[t, :depths[t] + 1] are the nodes root ..
+    t (``ddtree.tree.visibility``'s ancestors of t, by depth). Returns o_lat (T, H, R), equal to
+    ``attention_absorb`` under the ancestor mask: the same keys in the same order.
+    """
+    prefix_len = int(np.asarray(prefix).reshape(-1)[0])                  # P
+    o_lat = np.empty(q_lat.shape, dtype=np.float32)                     # [T, H, R]
+    for t in range(q_lat.shape[0]):
+        keys = path_keys(prefix_len, paths[t, :depths[t] + 1])          # [St]
+        latent, rope = cache_latent[keys], cache_rope[keys]             # [St, R], [St, dr]
+        scores = (dot(q_lat[t][:, None, :], latent[None])
+                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, St]
+        probs = softmax(scores)                                         # [H, St]
+        o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
+    return o_lat
+# --8<-- [end:paths]
 
 
 # --8<-- [start:naive]

@@ -65,20 +65,7 @@ from kernels.drafters import DrafterBuffers, always_proposes, check_round, load,
 from kernels.graphs import Graphs
 from kernels.kv_cache import compact_column, write_new_rows
 from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
-from kernels.mla import (
-    absorb_output,
-    absorb_query,
-    attention_paths,
-    check_gemm,
-    check_heads_per_block,
-    check_splits,
-    check_unfused,
-    paths_gemm,
-    paths_heads,
-    paths_splits,
-    paths_unfused,
-    unfused_chunks,
-)
+from kernels.mla import PathsPlan, absorb_output, absorb_query, attention_paths, check_plan, paths_plan
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import apply_rope
@@ -461,19 +448,10 @@ class Transformer:
     ``graphs=False`` launches every kernel from Python instead of replaying captured graphs (for
     debugging, and to measure what graphs save; ``graphs.enabled`` may be switched later); the
     CUDA simulator always launches directly. ``max_tree_nodes`` (Tmax) bounds the buckets and so
-    the budget (B <= Tmax - 1). ``attention_splits`` (Z) picks ``attention_paths``' version: None
-    chooses Z from the cache's size (``kernels.mla.paths_splits``), 1 is version 1 (one block per
-    row and head); every Z keeps DDTree == AR, but two engines with different Z round differently.
-    ``attention_heads_per_block`` (G: 1, 2 or 4, dividing H) > 1 picks version 3, a block per
-    (G heads, row, split) that stages each key tile once for its G heads; None takes
-    ``kernels.mla.paths_heads`` (4 where 4 divides H, else 1). Z's default then follows version 3's
-    tile. Like Z, G is fixed per engine. ``attention_gemm`` True picks version 4 instead (the
-    register-tiled kernel, ``gemm=True``; G must stay None or 1, Z's default follows its 32-key
-    tile); None takes it where ``kernels.mla.paths_gemm`` does (R >= 512: small, Kimi) unless G is
-    given or version 5 is taken. ``attention_unfused`` True picks version 5 (``unfused=True``: the scores
-    of every row against every key as one GEMM, P V as another in chunks at fixed positions; Z, G
-    and ``attention_gemm`` left at None); None (the default) takes it where
-    ``kernels.mla.paths_unfused`` does.
+    the budget (B <= Tmax - 1). ``attention_plan`` (a ``kernels.mla.PathsPlan``; None, the
+    default: ``kernels.mla.paths_plan`` for the config's dims and the cache's capacity, which
+    ``attention_paths`` also defaults to) is how attention cuts its work, fixed per engine: any
+    plan keeps DDTree == AR, but two engines with different plans round differently.
     ``linear_version``: the projections' and lm_head's ``kernels.linear`` order, one of
     LINEAR_VERSIONS. "warps" (the default) runs as "lanes", its twin with the same bits: a warp
     per few output columns, lane l summing k = l, l + 32, ..., each lane with a run of W loads in
@@ -493,28 +471,13 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
-                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_splits: int | None = None,
-                 attention_heads_per_block: int | None = None, attention_gemm: bool | None = None,
-                 attention_unfused: bool | None = None, linear_version: str = "warps",
-                 device_drafters: bool = True):
+                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_plan: PathsPlan | None = None,
+                 linear_version: str = "warps", device_drafters: bool = True):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
-        if attention_splits is not None:
-            check_splits(attention_splits, "attention_splits")
-        if attention_heads_per_block is not None:
-            check_heads_per_block(attention_heads_per_block, config.num_attention_heads,
-                                  name="attention_heads_per_block")
-        if attention_unfused is None:
-            attention_unfused = attention_splits is None and attention_heads_per_block is None \
-                and attention_gemm is None and paths_unfused(config.kv_lora_rank)
-        if attention_gemm is None:
-            attention_gemm = not attention_unfused and attention_heads_per_block is None \
-                and paths_gemm(config.kv_lora_rank)
-        check_unfused(attention_unfused, attention_splits or 1, attention_heads_per_block or 1,
-                      attention_gemm)
-        check_gemm(attention_gemm, 1 if attention_heads_per_block is None else attention_heads_per_block,
-                   config.kv_lora_rank)
+        if attention_plan is not None:
+            check_plan(attention_plan, config.num_attention_heads)
         if linear_version not in LINEAR_VERSIONS:
             raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
         if not isinstance(device_drafters, bool):
@@ -540,23 +503,17 @@ class Transformer:
         # one cache for the whole context, plus a bucket of scratch rows past its end
         self.cache = DeviceCache(config.num_hidden_layers, config.max_position_embeddings + self.max_rows,
                                  config.kv_lora_rank, config.qk_rope_head_dim)
-        # attention_paths' version 2 (Z > 1) deals each row's key tiles to Z blocks: Z fixed by the
-        # cache's size (paths_splits), so every step and every bucket splits the keys alike;
-        # version 3 (G > 1 heads per block) merges partials too
-        # version 5 (unfused) keeps every row's scores and a partial per chunk of keys
-        self.attention_gemm, self.attention_unfused = attention_gemm, attention_unfused
-        self.attention_heads_per_block = 1 if attention_gemm or attention_unfused else \
-            attention_heads_per_block or paths_heads(config.num_attention_heads)
-        self.attention_splits = 1 if attention_unfused else attention_splits or paths_splits(
-            self.cache.capacity, config.kv_lora_rank, config.qk_rope_head_dim, self.attention_heads_per_block,
-            attention_gemm)
+        # attention_paths' plan, fixed by the dims and the cache's capacity, so that every step and
+        # every bucket sums its keys alike; its partials (versions 2, 3, 5) and version 5's scores
+        # are kept for the largest bucket
         heads, capacity = config.num_attention_heads, self.cache.capacity
-        partial_groups = unfused_chunks(capacity) if attention_unfused else self.attention_splits
-        merged = partial_groups > 1 or self.attention_heads_per_block > 1 or attention_gemm \
-            or attention_unfused
-        self.attention_partials = None if not merged else poisoned(
-            (self.max_rows, heads, partial_groups, config.kv_lora_rank + 2))
-        self.attention_scores = poisoned((self.max_rows * heads, capacity)) if attention_unfused else None
+        self.attention_plan = paths_plan(heads, config.kv_lora_rank, config.qk_rope_head_dim, capacity) \
+            if attention_plan is None else attention_plan
+        groups = self.attention_plan.partial_groups(capacity)
+        self.attention_partials = poisoned((self.max_rows, heads, groups, config.kv_lora_rank + 2)) \
+            if groups else None
+        self.attention_scores = poisoned((self.max_rows * heads, capacity)) if self.attention_plan.unfused \
+            else None
         self.device_root = None       # the root token the device holds (the last round's bonus)
         # the host's copy of the committed tokens the device holds (buffers.committed[:n]): a
         # round's context equal to it needs no upload
@@ -630,10 +587,8 @@ class Transformer:
         scores = None if self.attention_scores is None \
             else self.attention_scores[:rows * c.num_attention_heads]                # [T H, C]
         o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
-                                b.paths[:rows], self.softmax_scale, splits=self.attention_splits,
-                                heads_per_block=self.attention_heads_per_block, gemm=self.attention_gemm,
-                                unfused=self.attention_unfused, scores=scores, partials=partials,
-                                out=b.o_lat[:rows], stream=s)                          # [T, H, R]
+                                b.paths[:rows], self.softmax_scale, plan=self.attention_plan, scores=scores,
+                                partials=partials, out=b.o_lat[:rows], stream=s)       # [T, H, R]
         o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
         self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
         rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],

@@ -30,7 +30,6 @@ CASE_NAMES = [
     "paths_v1_decode", "paths_v2_decode", "paths_v3_decode", "paths_v3_decode_long",
     "paths_v3_decode_rank_long", "paths_v3_tree_few",
     "paths_v2_tree_many", "paths_v3_tree_many", "paths_v3_tree_many_rank_long",
-    "paths_v4_decode", "paths_v4_decode_long", "paths_v4_tree_many", "paths_v4_tree_many_rank_long",
     "paths_v5_decode", "paths_v5_decode_long", "paths_v5_decode_rank_long", "paths_v5_tree_few",
     "paths_v5_tree_many", "paths_v5_tree_many_rank_long",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",

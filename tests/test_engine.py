@@ -25,7 +25,8 @@ from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
 from kernels import model as engine_model
-from kernels.mla import UNFUSED_CHUNK
+from kernels.mla import PathsPlan, paths_plan
+from kernels.mla_unfused import UNFUSED_CHUNK
 from kernels.model import (
     GEMM_FROM_ROWS,
     GEMM_MIN_WEIGHTS,
@@ -286,12 +287,11 @@ def test_rejection_verifier_matches_numpy():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("attention_heads_per_block", 2), ("attention_gemm", True), ("attention_unfused", True),
+    ("attention_plan", PathsPlan(splits=2, heads_per_block=2)), ("attention_plan", PathsPlan(unfused=True)),
     ("linear_version", "tiles")])
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
-    2 heads in one block, with the engine's Z), version 4 (register-tiled), version 5 (unfused
-    GEMMs), or linear's "tiles" order (run as
+    2 heads in one block, Z = 2), version 5 (unfused GEMMs), or linear's "tiles" order (run as
     "tiles", "stream" and "tiles_gemm") for every projection and the lm_head. A branching DDTree
     round gives the engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR
     forwards, and one verify forward (one round)."""
@@ -319,20 +319,19 @@ def test_tiles_engine_logits_match_numpy():
     assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
 
 
-def test_attention_version_5_is_the_default_from_rank_512():
-    """kernels.mla.paths_unfused decides the default: micro's R = 16 keeps versions 1-3; micro with
-    small's and Kimi's R = 512 takes version 5 unless Z, G or version 4 is asked for, and version 4
-    when G is left alone and ``attention_unfused=False`` (only the choice: no forward)."""
+def test_attention_plan_is_the_kernels_default():
+    """The engine runs kernels.mla.paths_plan for its dims and cache, attention_paths' own default:
+    micro's R = 16 and 2 heads take version 2; micro with small's and Kimi's R = 512 takes version
+    5, whose scores the engine keeps (only the choice: no forward)."""
     model = engine("micro", max_tree_nodes=8)
-    assert not model.attention_gemm and not model.attention_unfused
+    config, capacity = model.config, model.cache.capacity
+    assert model.attention_plan == paths_plan(config.num_attention_heads, config.kv_lora_rank,
+                                              config.qk_rope_head_dim, capacity)
+    assert model.attention_plan.version == 2 and model.attention_scores is None
     config = dataclasses.replace(preset("micro"), kv_lora_rank=512)
-    weights = init_weights(config, 0)
-    for options, unfused, gemm in (({}, True, False), ({"attention_heads_per_block": 2}, False, False),
-                                   ({"attention_unfused": False}, False, True),
-                                   ({"attention_gemm": True}, False, True),
-                                   ({"attention_splits": 4}, False, True)):
-        model = EngineTransformer(config, weights, max_tree_nodes=8, **options)
-        assert (model.attention_unfused, model.attention_gemm) == (unfused, gemm), options
+    model = EngineTransformer(config, init_weights(config, 0), max_tree_nodes=8)
+    assert model.attention_plan == PathsPlan(unfused=True)
+    assert model.attention_scores.shape == (8 * config.num_attention_heads, model.cache.capacity)
 
 
 def test_engine_refuses_bad_input_before_running():
@@ -346,15 +345,8 @@ def test_engine_refuses_bad_input_before_running():
         model.logits(np.array([1, model.config.vocab_size]))
     with pytest.raises(ValueError, match="max_tree_nodes"):
         EngineTransformer(model.config, init_weights(model.config, 0), max_tree_nodes=6)
-    for splits in (0, 65, 2.0, True):
-        with pytest.raises(ValueError, match=r"attention_splits must be an integer in \[1, 64\]"):
-            EngineTransformer(model.config, init_weights(model.config, 0), attention_splits=splits)
-    with pytest.raises(ValueError, match="attention_heads_per_block must be 1, 2 or 4"):
-        EngineTransformer(model.config, {}, attention_heads_per_block=4)         # micro has 2 heads
-    with pytest.raises(ValueError, match="heads_per_block must be 1 with gemm=True"):
-        EngineTransformer(model.config, {}, attention_heads_per_block=2, attention_gemm=True)
-    with pytest.raises(ValueError, match="gemm must be True or False"):
-        EngineTransformer(model.config, {}, attention_gemm=1)
+    with pytest.raises(ValueError, match="heads_per_block must be 1, 2 or 4"):
+        EngineTransformer(model.config, {}, attention_plan=PathsPlan(heads_per_block=4))   # micro: 2 heads
     for version in ("gemv", "rows", None):
         with pytest.raises(ValueError, match=r"linear_version must be one of \('tiles', 'warps'\)"):
             EngineTransformer(model.config, init_weights(model.config, 0), linear_version=version)
@@ -540,7 +532,7 @@ def test_unfused_attention_engine_equals_golden_and_ar():
     a 600-token n-gram DDTree generation equal to its own AR: past two chunks of UNFUSED_CHUNK
     keys, so the P V GEMM's chunks and the tail kernel's meet in the same rows, bit for bit."""
     assert golden.load_bundle("tiny")["prompt"].size + 600 > 2 * UNFUSED_CHUNK
-    assert_option_keeps_golden_and_ddtree(600, attention_unfused=True)
+    assert_option_keeps_golden_and_ddtree(600, attention_plan=PathsPlan(unfused=True))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""kernels/mla.py (numba.cuda) against ddtree/mla.py (numpy): absorbed MLA attention and projections.
+"""kernels/mla.py and kernels/mla_unfused.py (numba.cuda) against ddtree/mla.py (numpy): absorbed MLA
+attention and projections.
 
 Tolerance: the kernels sum float32 dot products (R + dr terms, then up to S weighted rows) in a
 different order from numpy's einsum, and rescale an online softmax tile by tile; both sides
@@ -16,7 +17,9 @@ import pytest
 from ddtree import mla as ref
 from ddtree.config import preset
 from ddtree.rope import softmax_scale
+from ddtree.tree import visibility
 from kernels import mla as gpu
+from kernels import mla_unfused as unfused
 from kernels.bench.case import ancestor_paths
 from kernels.device import cuda, is_device_array, poisoned, to_device
 from tests.helpers import assert_close, assert_exact, no_transfers
@@ -339,24 +342,35 @@ def test_attention_absorb_kimi_dims(rows):
 
 # ------------------------------------------------------------------------- attention over paths
 
-def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits=1,
-              heads_per_block=1, gemm=False, partials_out=None, unfused=False, scores_out=None):
-    """attention_paths on device copies, its outputs (partials, version 5's scores) poisoned with
+V1 = gpu.PathsPlan()                                  # one block per (row, head)
+
+
+def V2(splits):                                       # noqa: N802 (a plan's name) Z splits
+    return gpu.PathsPlan(splits=splits)
+
+
+def V3(heads_per_block, splits=1):                    # noqa: N802 (a plan's name) G heads
+    return gpu.PathsPlan(splits=splits, heads_per_block=heads_per_block)
+
+
+V5 = gpu.PathsPlan(unfused=True)                      # unfused GEMMs
+
+
+def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, plan=None,
+              partials_out=None, scores_out=None):
+    """attention_paths on device copies with ``plan`` (None: its default, the engine's
+    ``paths_plan`` for these dims and C), its outputs (partials, version 5's scores) poisoned with
     NaN first; ``partials_out`` and ``scores_out`` (lists), when given, receive the partials and
     version 5's scores as the kernels left them."""
     rows, heads, rank = q_lat.shape
-    partials = scores = None
-    if unfused:
-        chunks = gpu.unfused_chunks(cache_latent.shape[0])
-        partials = to_device(np.full((rows, heads, chunks, rank + 2), np.nan, np.float32))
-        scores = to_device(np.full((rows * heads, cache_latent.shape[0]), np.nan, np.float32))
-    elif splits > 1 or heads_per_block > 1 or gemm:
-        partials = to_device(np.full((rows, heads, splits, rank + 2), np.nan, np.float32))
+    capacity = cache_latent.shape[0]
+    chosen = plan or gpu.paths_plan(heads, rank, q_pe.shape[2], capacity)
+    groups = chosen.partial_groups(capacity)
+    partials = poisoned((rows, heads, groups, rank + 2)) if groups else None
+    scores = poisoned((rows * heads, capacity)) if chosen.unfused else None
     out = gpu.attention_paths(*(to_device(a) for a in (q_lat, q_pe, cache_latent, cache_rope)),
                               to_device(np.array([prefix], np.int64)), to_device(depths), to_device(paths),
-                              scale, splits=splits, heads_per_block=heads_per_block, gemm=gemm,
-                              unfused=unfused, scores=scores, partials=partials,
-                              out=to_device(np.full(q_lat.shape, np.nan, np.float32)))
+                              scale, plan=plan, scores=scores, partials=partials, out=poisoned(q_lat.shape))
     if partials_out is not None:
         partials_out.append(partials.copy_to_host())
     if scores_out is not None:
@@ -364,31 +378,103 @@ def run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scal
     return out.copy_to_host()
 
 
-def check_random_tree(rows: int, prefix: int, rank: int, rope: int, heads: int, name: str, **options) -> None:
-    """attention_paths with ``options`` on a random tree of ``rows`` nodes after ``prefix`` cached
-    keys (outputs and buffers poisoned with NaN first) == attention_absorb under its ancestor mask."""
+def random_tree_inputs(rows: int, prefix: int, rank: int, rope: int, heads: int, spare: int = 3):
+    """A random tree of ``rows`` nodes after ``prefix`` cached keys, ``spare`` NaN slots past S:
+    (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale) and its parents."""
     rng = np.random.default_rng(rows + prefix)
     parents = random_parents(rng, rows)
     depths, paths = ancestor_paths(parents)
-    case = Case(name, rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+    case = Case("paths", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope,
+                spare=spare)
     q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=rows)
-    expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, tree_visibility(parents),
-                                    scale)
-    actual = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, **options)
+    return (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale), parents
+
+
+def check_random_tree(rows: int, prefix: int, rank: int, rope: int, heads: int, name: str, plan=None,
+                      spare: int = 3) -> None:
+    """attention_paths with ``plan`` on a random tree of ``rows`` nodes after ``prefix`` cached
+    keys (outputs and buffers poisoned with NaN first) == the numpy attention_paths, which equals
+    attention_absorb under the tree's ancestor mask."""
+    inputs, parents = random_tree_inputs(rows, prefix, rank, rope, heads, spare)
+    expected = ref.attention_paths(*inputs)
+    actual = run_paths(*inputs, plan=plan)
     assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=name)
 
 
-@pytest.mark.parametrize("rows, prefix, rank, rope, splits", [
-    (7, 0, 24, 6, 1), (9, 37, 13, 4, 1), (5, 70, 9, 2, 1),
-    (5, 70, 9, 2, 2), (4, 75, 11, 3, 3), (3, 40, 7, 2, 8)])      # 3 tiles dealt to 2, 3 (1 each), 8 (5 idle)
-def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, splits):
-    """A random tree's rows over prefix + path == attention_absorb under its ancestor mask."""
-    check_random_tree(rows, prefix, rank, rope, 2, f"o_lat, Z = {splits}", splits=splits)
+# --- the numpy twin: the same computation as the masked attention, without the mask
+
+@pytest.mark.parametrize("rows, prefix, heads", [(1, 0, 2), (1, 9, 3), (7, 0, 2), (9, 37, 3), (12, 5, 1)])
+def test_numpy_attention_paths_equals_the_masked_attention(rows, prefix, heads):
+    """ddtree.mla.attention_paths (each row's keys from its path) == attention_absorb under the
+    tree's ancestor mask (ddtree.tree.visibility): one computation written two ways. The cache's
+    slots past S hold NaN, which neither reads."""
+    inputs, parents = random_tree_inputs(rows, prefix, 11, 3, heads)
+    q_lat, q_pe, cache_latent, cache_rope, _, depths, paths, scale = inputs
+    masked = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visibility(parents), scale)
+    by_paths = ref.attention_paths(*inputs)
+    assert np.isfinite(by_paths).all()
+    assert_close(by_paths, masked, rtol=1e-5, atol=1e-5, name="numpy attention_paths vs attention_absorb")
+    as_array = ref.attention_paths(q_lat, q_pe, cache_latent, cache_rope, np.array([prefix]), depths, paths,
+                                   scale)                                 # the kernel's prefix: (1,)
+    assert np.array_equal(as_array, by_paths), "an int prefix and a (1,) array agree"
 
 
-@pytest.mark.parametrize("splits, heads_per_block, rank, rope", [       # R = 512: the short tiles'
-    (1, 1, 10, 4), (2, 1, 10, 4), (2, 2, 10, 4), (2, 2, 512, 64)])         # score parts (version 3)
-def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads_per_block, rank, rope):
+# --- the engine's plan, and attention_paths' default
+
+@pytest.mark.parametrize("name, version", [
+    ("micro", 2), ("tiny", 3), ("tiny-b", 2), ("small", 5), ("kimi-k2.6", 5)])
+def test_paths_plan_of_the_presets(name, version):
+    """The engine's plan for each preset's dims and cache (max_position_embeddings + Tmax slots):
+    versions 1 and 2 where 4 does not divide H, version 3 where it does, version 5 from R = 512."""
+    config = preset(name)
+    capacity = config.max_position_embeddings + 128
+    plan = gpu.paths_plan(config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim, capacity)
+    assert plan.version == version
+    assert plan.splits == (1 if plan.unfused else gpu.paths_splits(
+        capacity, config.kv_lora_rank, config.qk_rope_head_dim, plan.heads_per_block))
+
+
+@pytest.mark.parametrize("rows, prefix, rank, rope, heads, spare, version", [
+    (5, 20, 13, 4, 3, 3, 1),              # H = 3: G = 1; C = 28 slots: one split
+    (4, 38, 9, 2, 2, 560, 2),             # C = 602 slots: 19 tiles, Z = 2; the keys' 2 tiles one each
+    (3, 45, 11, 3, 4, 3, 3),              # H = 4: G = 4, Z = 1
+    (2, 30, 7, 2, 8, 600, 3),             # G = 4, two blocks of heads, Z = 2
+    (3, 21, 512, 8, 2, 3, 5)])            # R = 512: version 5
+def test_attention_paths_default_is_the_engines_plan(rows, prefix, rank, rope, heads, spare, version):
+    """attention_paths without a plan runs ``paths_plan`` for its dims and the cache's C (what the
+    engine runs), equal to the numpy attention_paths (outputs and buffers poisoned with NaN, NaN
+    cache slots past S), and bit for bit the call with that plan given."""
+    inputs, _ = random_tree_inputs(rows, prefix, rank, rope, heads, spare)
+    plan = gpu.paths_plan(heads, rank, rope, inputs[2].shape[0])
+    assert plan.version == version
+    default = run_paths(*inputs)
+    assert_close(default, ref.attention_paths(*inputs), rtol=RTOL, atol=ATOL, name=f"version {version}")
+    assert_exact(run_paths(*inputs, plan=plan).view(np.uint32), default.view(np.uint32), name="plan given")
+
+
+def test_attention_paths_takes_host_arrays():
+    """Host arrays in (the prefix as an int), numpy out, as the other wrappers: the same bits as
+    device arrays."""
+    inputs, _ = random_tree_inputs(4, 13, 6, 2, 2)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale = inputs
+    out = gpu.attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
+    assert isinstance(out, np.ndarray)
+    assert_exact(out.view(np.uint32), run_paths(*inputs).view(np.uint32), name="host vs device")
+
+
+# --- versions 1 to 3, each plan
+
+@pytest.mark.parametrize("rows, prefix, rank, rope, plan", [
+    (7, 0, 24, 6, V1), (9, 37, 13, 4, V1), (5, 70, 9, 2, V1),
+    (5, 70, 9, 2, V2(2)), (4, 75, 11, 3, V2(3)), (3, 40, 7, 2, V2(8))])   # 3 tiles dealt to 2, 3, 8 (5 idle)
+def test_attention_paths_equals_the_masked_attention(rows, prefix, rank, rope, plan):
+    """A random tree's rows over prefix + path == the numpy attention_paths (the masked attention)."""
+    check_random_tree(rows, prefix, rank, rope, 2, f"o_lat, Z = {plan.splits}", plan=plan)
+
+
+@pytest.mark.parametrize("plan, rank, rope", [                          # R = 512: the short tiles'
+    (V1, 10, 4), (V2(2), 10, 4), (V3(2, 2), 10, 4), (V3(2, 2), 512, 64)])  # score parts (version 3)
+def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(plan, rank, rope):
     """A tree node and the same keys laid out as a committed chain (prefix + path as cache rows,
     one row, depth 0) give bit-identical outputs: tiles sit at the same positions (40 keys: 2;
     with 2 splits, one tile each and a merge; version 3 with G = 2 heads per block alike). At
@@ -398,14 +484,13 @@ def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads
     depths, paths = ancestor_paths(parents)
     case = Case("paths", rows=8, prefix=35, mask="causal", heads=2, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
-    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, splits,
-                         heads_per_block)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, plan)
     for node in (6, 7):
         chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
         rows_used = list(range(prefix)) + chain
         latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
         alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
-                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, heads_per_block)
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, plan)
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
 
 
@@ -414,11 +499,10 @@ def test_attention_paths_tree_row_equals_the_chain_row_bit_for_bit(splits, heads
     (4, 1, 3, 45, 13, 5), (4, 2, 4, 66, 5, 3), (4, 3, 3, 90, 6, 1),
     (4, 2, 2, 20, 512, 64)])                                              # short tiles: scores in parts
 def test_attention_heads_equal_the_masked_attention(heads_per_block, splits, rows, prefix, rank, rope):
-    """Version 3 (G heads per block): a random tree's rows == attention_absorb under its mask.
-    H = 2G: two blocks of heads per (row, split), so a head's place in the grid is exercised."""
+    """Version 3 (G heads per block): a random tree's rows == the numpy attention_paths. H = 2G:
+    two blocks of heads per (row, split), so a head's place in the grid is exercised."""
     check_random_tree(rows, prefix, rank, rope, 2 * heads_per_block,
-                      f"o_lat, G = {heads_per_block}, Z = {splits}", splits=splits,
-                      heads_per_block=heads_per_block)
+                      f"o_lat, G = {heads_per_block}, Z = {splits}", plan=V3(heads_per_block, splits))
 
 
 def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
@@ -428,19 +512,9 @@ def test_attention_paths_one_split_per_tile_equals_the_merge_of_single_tiles():
     depths, paths = ancestor_paths(parents)
     case = Case("paths", rows=3, prefix=64, mask="causal", heads=1, rank=6, rope=2)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=9)
-    one = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 1)
-    three = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 3)
+    one = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V1)
+    three = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V2(3))
     assert_close(three, one, rtol=RTOL, atol=ATOL, name="3 splits vs 1")
-
-
-@pytest.mark.parametrize("splits", [0, 65, 2.0, True])
-def test_attention_paths_refuses_bad_splits(splits):
-    q_lat = to_device(np.zeros((1, 1, 4), np.float32))
-    arrays = (q_lat, to_device(np.zeros((1, 1, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
-              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
-              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
-    with pytest.raises(ValueError, match="splits must be an integer in"):
-        gpu.attention_paths(*arrays, 1.0, splits=splits)
 
 
 def test_attention_heads_round_like_version_2_where_the_tile_is_the_same():
@@ -451,31 +525,42 @@ def test_attention_heads_round_like_version_2_where_the_tile_is_the_same():
     case = Case("heads", rows=2, prefix=40, mask="causal", heads=4, rank=5, rope=1)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=3)
     inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
-    outputs = [run_paths(*inputs, 2, g).view(np.uint32) for g in (1, 2, 4)]
+    outputs = [run_paths(*inputs, V3(g, 2)).view(np.uint32) for g in (1, 2, 4)]
     assert_exact(outputs[1], outputs[0], name="G = 2 vs version 2 bits")
     assert_exact(outputs[2], outputs[0], name="G = 4 vs version 2 bits")
 
 
-@pytest.mark.parametrize("heads_per_block", [0, 3, 8, 2.0, True, 4])      # 4 does not divide H = 2
-def test_attention_paths_refuses_bad_heads_per_block(heads_per_block):
-    q_lat = to_device(np.zeros((1, 2, 4), np.float32))
-    arrays = (q_lat, to_device(np.zeros((1, 2, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
-              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
-              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
-    with pytest.raises(ValueError, match=r"heads_per_block must be 1, 2 or 4 and divide the number of heads "
-                                         r"\(2\)"):
-        gpu.attention_paths(*arrays, 1.0, heads_per_block=heads_per_block)
+def _tiny_paths_arrays(heads: int = 2, rank: int = 4):
+    return (to_device(np.zeros((1, heads, rank), np.float32)), to_device(np.zeros((1, heads, 2), np.float32)),
+            to_device(np.zeros((4, rank), np.float32)), to_device(np.zeros((4, 2), np.float32)),
+            to_device(np.zeros(1, np.int64)), to_device(np.zeros(1, np.int64)),
+            to_device(np.zeros((1, 1), np.int64)))
 
 
-@pytest.mark.parametrize("rank, gemm", [(512, True), (64, False), (16, False), (511, False)])
-def test_paths_gemm_takes_version_4_from_rank_512(rank, gemm):
-    assert gpu.paths_gemm(rank) is gemm
+@pytest.mark.parametrize("plan, message", [
+    ((2, 1, False), "plan must be a kernels.mla.PathsPlan"),
+    *((V2(splits), r"splits must be an integer in \[1, 64\]") for splits in (0, 65, 2.0, True)),
+    *((V3(group), r"heads_per_block must be 1, 2 or 4 and divide the number of heads \(2\)")
+      for group in (0, 3, 8, 2.0, True, 4)),                              # 4 does not divide H = 2
+    (gpu.PathsPlan(unfused=1), "unfused must be True or False, got 1"),
+    (gpu.PathsPlan(splits=2, unfused=True), "unfused=True takes splits=1 and heads_per_block=1"),
+    (gpu.PathsPlan(heads_per_block=2, unfused=True), "unfused=True takes splits=1")])
+def test_attention_paths_refuses_bad_plans(plan, message):
+    with pytest.raises(ValueError, match=message):
+        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, plan=plan)
 
 
 @pytest.mark.parametrize("heads, heads_per_block", [(16, 4), (64, 4), (4, 4), (8, 4), (6, 1), (2, 1), (3, 1)])
-def test_paths_heads(heads, heads_per_block):
-    """G: 4 where 4 divides H, else 1 (2 measured slower for tiny-b's AR step)."""
-    assert gpu.paths_heads(heads) == heads_per_block
+def test_paths_plan_groups_heads_in_fours(heads, heads_per_block):
+    """G: 4 where 4 divides H, else 1 (versions 1 and 2)."""
+    assert gpu.paths_plan(heads, 64, 16, 4224).heads_per_block == heads_per_block
+
+
+@pytest.mark.parametrize("rank, unfused", [(512, True), (576, True), (64, False), (16, False), (511, False)])
+def test_paths_plan_takes_version_5_from_rank_512(rank, unfused):
+    plan = gpu.paths_plan(16, rank, 64, 32896)
+    assert plan.unfused is unfused
+    assert plan.partial_groups(32896) == (gpu.unfused_chunks(32896) if unfused else plan.splits)
 
 
 @pytest.mark.parametrize("rank, rope, heads_per_block, tile", [
@@ -488,12 +573,9 @@ def test_paths_heads_tile(rank, rope, heads_per_block, tile):
 
 
 def test_attention_paths_names_a_wrong_partials_buffer():
-    q_lat = to_device(np.zeros((1, 1, 4), np.float32))
-    arrays = (q_lat, to_device(np.zeros((1, 1, 2), np.float32)), to_device(np.zeros((4, 4), np.float32)),
-              to_device(np.zeros((4, 2), np.float32)), to_device(np.zeros(1, np.int64)),
-              to_device(np.zeros(1, np.int64)), to_device(np.zeros((1, 1), np.int64)))
-    with pytest.raises(ValueError, match=r"partials must be float32 of shape \(1, 1, 2, 6\)"):
-        gpu.attention_paths(*arrays, 1.0, splits=2, partials=to_device(np.zeros((1, 1, 2, 4), np.float32)))
+    with pytest.raises(ValueError, match=r"partials must be float32 of shape \(1, 2, 2, 6\)"):
+        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, plan=V2(2),
+                            partials=to_device(np.zeros((1, 2, 2, 4), np.float32)))
 
 
 @pytest.mark.parametrize("capacity, rank, rope, splits", [
@@ -502,121 +584,8 @@ def test_paths_splits_leave_each_split_a_bounded_walk(capacity, rank, rope, spli
     assert gpu.paths_splits(capacity, rank, rope) == splits
 
 
-def test_attention_paths_refuses_host_arrays():
-    with pytest.raises(ValueError, match="q_lat must be a device array"):
-        gpu.attention_paths(np.zeros((1, 1, 4), np.float32), *([None] * 6), 1.0)
-
-
-# ------------------------------------------------------ version 4: register-tiled (gemm=True)
-
-@pytest.mark.parametrize("rows, prefix, rank, rope, heads, splits", [
-    (3, 0, 13, 4, 2, 1),          # no prefix; GH = 2 < 4: one group with 2 phantom heads
-    (3, 30, 24, 6, 3, 2),         # tile 0 = 30 prefix keys + the path's first 2, tile 1 the rest; GH = 1
-    (2, 40, 200, 8, 4, 1),        # R + dr = 208: a full d-chunk of 192 and a partial one (R not a multiple)
-    (3, 29, 11, 3, 8, 3),         # GH = 8: 2 groups of 4 heads; one tile, 2 splits idle
-    (2, 20, 9, 2, 6, 2),          # GH = 2 < H = 6: 3 blocks of heads per (row, split)
-    (1, 5, 8, 2, 32, 1),          # GH = 16: 256 threads, 4 groups
-    (2, 35, 512, 64, 2, 2)])      # Kimi's R and dr: 3 d-chunks, 8 output columns a thread
-def test_attention_gemm_equals_the_masked_attention(rows, prefix, rank, rope, heads, splits):
-    """Version 4: a random tree's rows over prefix + path == attention_absorb under its ancestor
-    mask (outputs and partials poisoned with NaN first)."""
-    check_random_tree(rows, prefix, rank, rope, heads,
-                      f"o_lat, version 4, GH = {gpu.gemm_heads(heads)}, Z = {splits}", splits=splits,
-                      gemm=True)
-
-
-def test_attention_gemm_writes_every_used_partial_and_no_idle_one():
-    """Splits with keys (z * GEMM_TILE < S_i) get every (acc, max, sum) entry; idle splits keep
-    their poison (the merge never reads them). Rows of 35 and 36 keys, 3 splits: 2 used."""
-    parents = np.array([-1, 0])
-    depths, paths = ancestor_paths(parents)
-    case = Case("gemm", rows=2, prefix=34, mask="causal", heads=2, rank=7, rope=2)
-    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=4)
-    partials = []
-    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, 3, gemm=True,
-                    partials_out=partials)
-    assert np.isfinite(out).all()
-    assert np.isfinite(partials[0][:, :, :2]).all(), "a used split left an entry unwritten"
-    assert np.isnan(partials[0][:, :, 2]).all(), "an idle split wrote its partial"
-
-
-@pytest.mark.parametrize("splits, rank, rope, heads", [(2, 10, 4, 2), (1, 10, 4, 6), (2, 512, 64, 2)])
-def test_attention_gemm_tree_row_equals_the_chain_row_bit_for_bit(splits, rank, rope, heads):
-    """Version 4: a tree node and the same keys laid out as a committed chain give bit-identical
-    outputs (40 keys: 2 tiles of 32; with 2 splits one each and a merge), also with the heads
-    spread over 3 blocks (H = 6, GH = 2, one split) and at Kimi's R = 512, dr = 64 (3 d-chunks).
-    The launch holds the tree's last 4 rows (their paths run through the other rows' slots), to
-    keep the simulator's time down."""
-    parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
-    depths, paths = ancestor_paths(parents)
-    case = Case("gemm", rows=8, prefix=35, mask="causal", heads=heads, rank=rank, rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
-    tree_out = np.full(q_lat.shape, np.nan, np.float32)
-    tree_out[4:] = run_paths(q_lat[4:], q_pe[4:], cache_latent, cache_rope, prefix, depths[4:], paths[4:],
-                             scale, splits, gemm=True)
-    for node in (6, 7):
-        chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
-        rows_used = list(range(prefix)) + chain
-        latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
-        alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
-                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, splits, gemm=True)
-        assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
-
-
-def test_attention_gemm_sums_do_not_depend_on_the_heads_per_block():
-    """A head's partials are the same bits whichever GH heads share its block (1, 2 or 4: the head
-    in another group place, beside phantom heads or real ones): the kernel launched by hand."""
-    heads, prefix, depths, paths = 4, 20, np.array([2]), np.array([[0, 1, 2]])
-    case = Case("gemm", rows=3, prefix=prefix, mask="causal", heads=heads, rank=20, rope=5)
-    q_lat, q_pe, cache_latent, cache_rope, _, _, scale = make_inputs(case, seed=2)
-    arrays = [to_device(a) for a in (q_lat[2:], q_pe[2:], cache_latent, cache_rope,
-                                     np.array([prefix], np.int64), depths, paths)]
-    bits = {}
-    for group in (1, 2, 4):
-        partials = to_device(np.full((1, heads, 1, 22), np.nan, np.float32))
-        launch = (heads // group, 1, 1), gpu.gemm_threads(group), 0, gpu.gemm_shared_bytes(group)
-        gpu.attention_gemm_kernel[launch](*arrays, np.float32(scale), gpu.GEMM_TILE, partials)
-        bits[group] = partials.copy_to_host().view(np.uint32)
-    for group in (2, 4):
-        assert_exact(bits[group], bits[1], name=f"partials bits, GH = {group} vs 1")
-
-
-def _tiny_paths_arrays(heads: int = 2, rank: int = 4):
-    return (to_device(np.zeros((1, heads, rank), np.float32)), to_device(np.zeros((1, heads, 2), np.float32)),
-            to_device(np.zeros((4, rank), np.float32)), to_device(np.zeros((4, 2), np.float32)),
-            to_device(np.zeros(1, np.int64)), to_device(np.zeros(1, np.int64)),
-            to_device(np.zeros((1, 1), np.int64)))
-
-
-@pytest.mark.parametrize("options, message", [
-    ({"gemm": 1}, "gemm must be True or False, got 1"),
-    ({"gemm": "yes"}, "gemm must be True or False"),
-    ({"gemm": None}, "gemm must be True or False"),
-    ({"gemm": True, "heads_per_block": 2}, "heads_per_block must be 1 with gemm=True"),
-    ({"gemm": True, "heads_per_block": True}, "heads_per_block must be 1 with gemm=True"),
-    ({"gemm": True, "splits": 0}, "splits must be an integer in")])
-def test_attention_paths_refuses_bad_gemm_combinations(options, message):
-    with pytest.raises(ValueError, match=message):
-        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, **options)
-
-
-def test_attention_gemm_refuses_a_rank_past_its_registers():
-    with pytest.raises(ValueError, match=r"gemm=True needs a rank R <= 512 \(q_lat's last axis\), got 513"):
-        gpu.attention_paths(*_tiny_paths_arrays(rank=513), 1.0, gemm=True)
-
-
-@pytest.mark.parametrize("heads, group, threads", [
-    (64, 16, 256), (8, 8, 128), (48, 16, 256), (12, 4, 64), (6, 2, 64), (3, 1, 64), (1, 1, 64)])
-def test_gemm_heads(heads, group, threads):
-    """GH: the largest of 16, 8, 4, 2, 1 dividing H; 64 threads per group of 4 heads; the shared
-    memory fits the budget."""
-    assert gpu.gemm_heads(heads) == group
-    assert gpu.gemm_threads(group) == threads
-    assert gpu.gemm_shared_bytes(group) <= gpu.SHARED_BUDGET
-
-
-def check_kimi_dims(rows: int, heads: int, seed: int, name: str, prefix: int = 4096 + 37, **options) -> None:
-    """attention_paths with ``options`` at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix, a
+def check_kimi_dims(rows: int, heads: int, seed: int, name: str, prefix: int = 4096 + 37, plan=None) -> None:
+    """attention_paths with ``plan`` at Kimi K2.6 dims (latent 512 + rope 64, a 4k prefix, a
     random tree of ``rows`` nodes): equal to the masked reference, and the last row bit-identical
     to the same keys laid out as a chain."""
     config = preset("kimi-k2.6")
@@ -631,12 +600,12 @@ def check_kimi_dims(rows: int, heads: int, seed: int, name: str, prefix: int = 4
     rope = rng.standard_normal((keys, rope_dim), dtype=np.float32)
     scale = softmax_scale(config)
     expected = ref.attention_absorb(q_lat, q_pe, latent, rope, prefix, tree_visibility(parents), scale)
-    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, **options)
+    actual = run_paths(q_lat, q_pe, latent, rope, prefix, depths, paths, scale, plan)
     assert_close(actual, expected, rtol=RTOL, atol=ATOL, name=name)
     node = rows - 1
     chain = list(range(prefix)) + [prefix + int(j) for j in paths[node, :depths[node] + 1]]
     alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent[chain], rope[chain], len(chain) - 1,
-                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, **options)
+                      np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, plan)
     assert np.array_equal(alone[0], actual[node]), "the tree row differs from its chain"
 
 
@@ -644,35 +613,25 @@ def check_kimi_dims(rows: int, heads: int, seed: int, name: str, prefix: int = 4
 @pytest.mark.parametrize("heads_per_block", [1, 2, 4])
 @pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
 def test_attention_paths_kimi_dims(rows, splits, heads_per_block):
-    """Every version at Kimi K2.6 dims (64 heads; G = 1: versions 1 and 2, G = 2, 4: version 3,
+    """Versions 1 to 3 at Kimi K2.6 dims (64 heads; G = 1: versions 1 and 2, G = 2, 4: version 3,
     tile 8): equal to the masked reference, and a tree row equal to its chain bit for bit."""
     check_kimi_dims(rows, 64, rows + splits, f"o_lat, {splits} splits, G = {heads_per_block}",
-                    splits=splits, heads_per_block=heads_per_block)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [64, 8])
-@pytest.mark.parametrize("rows, splits", [(1, 1), (1, 64), (16, 16), (64, 64)])
-def test_attention_gemm_kimi_dims(rows, splits, heads):
-    """Version 4 at Kimi K2.6 dims (64 heads: GH = 16, 256 threads; one rank's 8: GH = 8): equal
-    to the masked reference, and a tree row equal to its chain bit for bit."""
-    check_kimi_dims(rows, heads, rows + splits + heads, f"o_lat, version 4, {splits} splits, H = {heads}",
-                    splits=splits, gemm=True)
+                    plan=V3(heads_per_block, splits))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [64, 8])
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_attention_unfused_kimi_dims(rows, heads):
-    """Version 5 at Kimi K2.6 dims (GPU tiles: 64 x 64, chunks of 256 keys), the prefix 2 keys short
-    of a chunk's end so that a deep node's path runs into the next chunk: equal to the masked
-    reference, and the last row (from the tail kernel) bit-identical to its chain (whose first of
-    those chunks comes from the P V GEMM)."""
-    prefix = 17 * gpu.UNFUSED_CHUNK - 2
-    check_kimi_dims(rows, heads, rows + heads, f"o_lat, version 5, H = {heads}", prefix=prefix, unfused=True)
+    """Version 5 (Kimi's default plan) at Kimi K2.6 dims (GPU tiles: 64 x 64, chunks of 256 keys),
+    the prefix 2 keys short of a chunk's end so that a deep node's path runs into the next chunk:
+    equal to the masked reference, and the last row (from the tail kernel) bit-identical to its
+    chain (whose first of those chunks comes from the P V GEMM)."""
+    prefix = 17 * unfused.UNFUSED_CHUNK - 2
+    check_kimi_dims(rows, heads, rows + heads, f"o_lat, version 5, H = {heads}", prefix=prefix)
 
 
-# ------------------------------------------------------ version 5: unfused GEMMs (unfused=True)
+# --- version 5: unfused GEMMs (kernels/mla_unfused.py)
 
 @pytest.mark.parametrize("rows, prefix, rank, rope, heads", [
     (3, 0, 13, 4, 2),             # no prefix: every chunk is the tail kernel's
@@ -681,9 +640,9 @@ def test_attention_unfused_kimi_dims(rows, heads):
     (2, 48, 7, 1, 1),             # the prefix ends at a chunk boundary
     (6, 21, 16, 8, 9)])           # 54 query rows: 7 query tiles, the last one partial
 def test_attention_unfused_equals_the_masked_attention(rows, prefix, rank, rope, heads):
-    """Version 5: a random tree's rows over prefix + path == attention_absorb under its ancestor
-    mask (outputs, partials and scores poisoned with NaN first)."""
-    check_random_tree(rows, prefix, rank, rope, heads, "o_lat, version 5", unfused=True)
+    """Version 5: a random tree's rows over prefix + path == the numpy attention_paths (outputs,
+    partials and scores poisoned with NaN first)."""
+    check_random_tree(rows, prefix, rank, rope, heads, "o_lat, version 5", plan=V5)
 
 
 def test_attention_unfused_writes_every_used_chunk_and_no_other():
@@ -696,9 +655,9 @@ def test_attention_unfused_writes_every_used_chunk_and_no_other():
     cache_latent = np.concatenate([cache_latent, np.zeros((24, 7), np.float32)])
     cache_rope = np.concatenate([cache_rope, np.zeros((24, 2), np.float32)])
     partials = []
-    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True,
+    out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                     partials_out=partials)
-    used = -(-(prefix + 2) // gpu.UNFUSED_CHUNK)
+    used = -(-(prefix + 2) // unfused.UNFUSED_CHUNK)
     assert np.isfinite(out).all()
     assert np.isfinite(partials[0][:, :, :used]).all(), "a used chunk left an entry unwritten"
     assert np.isnan(partials[0][:, :, used:]).all(), "a chunk past the keys was written"
@@ -712,16 +671,16 @@ def test_attention_unfused_tree_row_equals_the_chain_row_bit_for_bit(rank, rope,
     the chain; their sums must agree term for term."""
     parents = np.array([-1, 0, 0, 1, 2, 3, 4, 5])
     depths, paths = ancestor_paths(parents)
-    case = Case("unfused", rows=8, prefix=2 * gpu.UNFUSED_CHUNK - 2, mask="causal", heads=heads, rank=rank,
-                rope=rope)
+    case = Case("unfused", rows=8, prefix=2 * unfused.UNFUSED_CHUNK - 2, mask="causal", heads=heads,
+                rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=5)
-    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True)
+    tree_out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5)
     for node in (5, 7):
         chain = [prefix + int(j) for j in paths[node, :depths[node] + 1]]
         rows_used = list(range(prefix)) + chain
         latent, rope_keys = cache_latent[rows_used], cache_rope[rows_used]
         alone = run_paths(q_lat[node:node + 1], q_pe[node:node + 1], latent, rope_keys, len(rows_used) - 1,
-                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, unfused=True)
+                          np.zeros(1, np.int64), np.zeros((1, 1), np.int64), scale, V5)
         assert np.array_equal(alone[0], tree_out[node]), f"node {node} differs from its chain"
 
 
@@ -736,14 +695,14 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
     case = Case("unfused shapes", rows=rows, prefix=prefix, mask="causal", heads=heads, rank=9, rope=5)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=rows)
     results = {}
-    narrow, one = gpu.UNFUSED_NARROW, gpu.UNFUSED_TAIL_ONE
-    for scores_shape, tail_shape in ((narrow, one), (gpu.UNFUSED_WIDE, one), (narrow, gpu.UNFUSED_TAIL_FEW),
-                                     (narrow, gpu.UNFUSED_TAIL_MANY)):
-        monkeypatch.setattr(gpu, "scores_shape", lambda queries, shape=scores_shape: shape)
-        monkeypatch.setattr(gpu, "tail_shape", lambda rows, shape=tail_shape: shape)
+    narrow, one = unfused.UNFUSED_NARROW, unfused.UNFUSED_TAIL_ONE
+    for scores_shape, tail_shape in ((narrow, one), (unfused.UNFUSED_WIDE, one),
+                                     (narrow, unfused.UNFUSED_TAIL_FEW), (narrow, unfused.UNFUSED_TAIL_MANY)):
+        monkeypatch.setattr(unfused, "scores_shape", lambda queries, shape=scores_shape: shape)
+        monkeypatch.setattr(unfused, "tail_shape", lambda rows, shape=tail_shape: shape)
         partials = []
-        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale,
-                        unfused=True, partials_out=partials)
+        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
+                        partials_out=partials)
         assert np.isfinite(out).all(), f"{scores_shape} {tail_shape}: an output was not written"
         results[scores_shape, tail_shape] = (out, partials[0])
     first_out, first_partials = next(iter(results.values()))
@@ -756,19 +715,19 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
 @pytest.mark.parametrize("heads, prefix, rank, rope", [(5, 21, 9, 5), (3, 38, 12, 3)])
 def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, prefix, rank, rope):
     """A decode row's scores by ``row_scores_kernel`` (its usual grid, and a single block walking
-    every tile: ROW_BLOCKS = 1) and by the GEMM (``row_scores`` off): the same scores, partials and
-    output, bit for bit, and no slot past P + 1 written (every buffer poisoned with NaN first)."""
+    every tile: ``row_blocks`` = 1) and by the GEMM (``row_scores`` off): the same scores, partials
+    and output, bit for bit, and no slot past P + 1 written (every buffer poisoned with NaN first)."""
     depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
     q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=heads)
-    assert gpu.row_scores(1, rank, rope) and not gpu.row_scores(2, rank, rope)
-    assert not gpu.row_scores(1, rank, 0)                 # no rope columns: the GEMM
+    assert unfused.row_scores(1, rank, rope) and not unfused.row_scores(2, rank, rope)
+    assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     results = {}
-    for name, row, grid in (("row", True, gpu.ROW_BLOCKS), ("one block", True, 1), ("gemm", False, 1)):
-        monkeypatch.setattr(gpu, "row_scores", lambda rows, rank, rope_dim, row=row: row)
-        monkeypatch.setattr(gpu, "ROW_BLOCKS", grid)
+    for name, row, grid in (("row", True, unfused.row_blocks()), ("one block", True, 1), ("gemm", False, 1)):
+        monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
+        monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
         partials, scores = [], []
-        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, unfused=True,
+        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                         partials_out=partials, scores_out=scores)
         assert np.isfinite(scores[0][:, :prefix + 1]).all(), f"{name}: a score was not written"
         assert np.isnan(scores[0][:, prefix + 1:]).all(), f"{name}: a slot past P + 1 was written"
@@ -785,21 +744,12 @@ def test_attention_unfused_decode_row_without_rope_columns():
     case = Case("no rope", rows=1, prefix=20, mask="causal", heads=2, rank=9, rope=0)
     q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale = make_inputs(case, seed=1)
     out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, np.zeros(1, np.int64),
-                    np.zeros((1, 1), np.int64), scale, unfused=True)
+                    np.zeros((1, 1), np.int64), scale, V5)
     expected = ref.attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix, visible, scale)
     assert_close(out, expected, rtol=RTOL, atol=ATOL, name="o_lat, dr = 0")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"unfused": 1}, "unfused must be True or False, got 1"),
-    ({"unfused": True, "splits": 2}, "unfused=True takes splits=1, heads_per_block=1 and gemm=False"),
-    ({"unfused": True, "gemm": True}, "unfused=True takes splits=1")])
-def test_attention_paths_refuses_bad_unfused_combinations(options, message):
-    with pytest.raises(ValueError, match=message):
-        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, **options)
-
-
 def test_attention_unfused_names_a_wrong_scores_buffer():
-    arrays = _tiny_paths_arrays()
     with pytest.raises(ValueError, match=r"scores must be float32 of shape \(2, 4\)"):
-        gpu.attention_paths(*arrays, 1.0, unfused=True, scores=to_device(np.zeros((2, 5), np.float32)))
+        gpu.attention_paths(*_tiny_paths_arrays(), 1.0, plan=V5,
+                            scores=to_device(np.zeros((2, 5), np.float32)))

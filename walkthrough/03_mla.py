@@ -29,6 +29,7 @@ from ddtree.model import Transformer
 from ddtree.tree import visibility
 from kernels import device
 from kernels import mla as knl
+from kernels.bench.cases import mla as costs
 
 STEM = "03_mla"
 FLOAT = 4
@@ -41,7 +42,8 @@ def mla_cost(config, rows: int, keys: int, form: str) -> tuple[int, int]:
 
     Counted: q_nope -> scores -> softmax-weighted sum -> per-head output (o_proj and the
     projections that make q, c and k_pe are the same in both forms and left out); every row sees
-    every key. 'absorb' is the three kernels of kernels/mla.py, their cost models summed.
+    every key. 'absorb' is the three kernels of kernels/mla.py, their cost models
+    (kernels/bench/cases/mla.py) summed.
     'naive' is ddtree.mla.attention_naive, which has no kernel: it expands k_nope and v for
     every key and writes them to memory before attending (as eager framework code does).
     """
@@ -52,8 +54,8 @@ def mla_cost(config, rows: int, keys: int, form: str) -> tuple[int, int]:
         steps = (("absorb_query", dict(T=T, H=H, dn=dn, R=R)),
                  ("attention_absorb", dict(T=T, H=H, R=R, dr=dr, S=S, pairs=T * S)),
                  ("absorb_output", dict(T=T, H=H, dv=dv, R=R)))
-        return (sum(knl.bytes_moved(op, **dims) for op, dims in steps),
-                sum(knl.flops(op, **dims) for op, dims in steps))
+        return (sum(costs.bytes_moved(op, **dims) for op, dims in steps),
+                sum(costs.flops(op, **dims) for op, dims in steps))
     if form == "naive":
         cache = S * (R + dr)                               # latent + shared rope key per token
         weights = H * (dn + dv) * R                        # W_UK and W_UV

@@ -11,7 +11,8 @@ slots start..start+n. Two things make that batch behave like N separate sequence
 This chapter builds a real tree (noisy oracle, budget 12, preset tiny, golden prompt), draws the
 mask, runs the verify forward and checks every node's logits against a plain causal forward over
 prefix + its path alone. Then it runs the numba visibility kernel and the numba absorbed attention
-(with the tree mask, on the layer-0 inputs of that verify forward) against numpy.
+(with the tree mask, on the layer-0 inputs of that verify forward) against numpy, and the engine's
+attention_paths (each row's keys from its path, no mask) in numpy and numba on the same inputs.
 
 Run: python walkthrough/08_tree_attention.py
 
@@ -30,7 +31,7 @@ import kernels.mla as gpu_mla
 import kernels.tree as gpu_tree
 from ddtree import tree as ref
 from ddtree.drafters import make_drafter
-from ddtree.mla import key_mask
+from ddtree.mla import attention_paths, key_mask
 from kernels.device import SIMULATOR
 
 STEM = "08_tree_attention"
@@ -134,6 +135,35 @@ def check_kernels(tree: ref.DraftTree, visible: np.ndarray, attention_call) -> N
           f"mask {mask_arg.shape}:")
     print(f"    max |numpy - numba| {diff:.1e} (max |o_lat| {np.abs(expected).max():.2f})")
     assert diff < 1e-4
+    check_paths(tree, attention_call)
+
+
+def tree_paths(tree: ref.DraftTree) -> np.ndarray:
+    """(N, max depth + 1) int64: row i holds the nodes root .. i by depth, then -1."""
+    paths = np.full((tree.size, int(tree.depths.max()) + 1), -1, np.int64)
+    for node in range(tree.size):
+        path = path_to(tree, node)
+        paths[node, :len(path)] = path
+    return paths
+
+
+def check_paths(tree: ref.DraftTree, attention_call) -> None:
+    """The engine's attention on the same inputs: numpy's attention_paths equals the masked
+    attention, and the kernel's (the engine's plan for tiny) equals numpy's."""
+    q_lat, q_pe, cache_latent, cache_rope, prefix_len, _, scale = attention_call.args
+    expected = attention_call.result                                                # [N, H, R]
+    depths, paths = tree.depths.astype(np.int64), tree_paths(tree)                  # [N], [N, L + 1]
+    by_paths = attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix_len, depths, paths, scale)
+    with chapter.timed("numba attention_paths"):
+        got = gpu_mla.attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix_len, depths, paths, scale)
+    plan = gpu_mla.paths_plan(q_lat.shape[1], q_lat.shape[2], q_pe.shape[2], cache_latent.shape[0])
+    masked = float(np.abs(by_paths - expected).max())
+    diff = float(np.abs(got - by_paths).max())
+    print(f"  attention_paths, the same inputs with paths {paths.shape} instead of the mask:")
+    print(f"    numpy: max |attention_paths - attention_absorb| {masked:.1e}")
+    print(f"    numba (version {plan.version}: Z={plan.splits}, G={plan.heads_per_block}): "
+          f"max |numpy - numba| {diff:.1e}")
+    assert masked <= 1e-5 and diff < 1e-4
 
 
 def main() -> None:

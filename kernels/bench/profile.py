@@ -168,8 +168,7 @@ def kernel_table(table: dict, rows_list) -> list[str]:
     return lines
 
 
-ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
-                  "linear_version")
+ENGINE_OPTIONS = ("linear_version",)
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -181,7 +180,7 @@ def profile(name: str, rows_list, context: int, **options) -> str:
     chosen = {key: value for key, value in options.items() if value is not None}
     model = Transformer(preset(name), preset_weights(name), graphs=False, **chosen)
     prepare(model, name, context, max(rows_list))
-    settings = ", ".join(f"{key} {getattr(model, key)}" for key in ENGINE_OPTIONS)
+    settings = ", ".join(f"{key} {getattr(model, key)}" for key in ("attention_plan", *ENGINE_OPTIONS))
     lines = [f"## {name}: device µs per kernel in one forward after {context} cached tokens (graphs "
              f"off, events around each launch; median of {REPEATS}; {settings})", ""]
     table = {}
@@ -207,17 +206,6 @@ def main(argv=None) -> int:
                         help="comma-separated forward sizes in rows (buckets)")
     parser.add_argument("--context", type=int, default=136, help="cached tokens before the forward "
                         "(default 136: the middle of the engine benchmark's 8 + 256)")
-    parser.add_argument("--attention-splits", type=int, default=None,
-                        help="attention_paths' Z (1: version 1; default: the engine's choice)")
-    parser.add_argument("--attention-heads-per-block", type=int, default=None,
-                        help="attention_paths' G (2 or 4: version 3, a block per G heads; default: "
-                        "the engine's choice, kernels.mla.paths_heads)")
-    parser.add_argument("--attention-gemm", action="store_const", const=True, default=None,
-                        help="attention_paths' version 4 (register-tiled, gemm=True; default: the "
-                        "engine's choice, kernels.mla.paths_gemm)")
-    parser.add_argument("--attention-unfused", action="store_const", const=True, default=None,
-                        help="attention_paths' version 5 (unfused GEMMs, unfused=True; default: the "
-                        "engine's choice, kernels.mla.paths_unfused)")
     parser.add_argument("--linear-version", default=None,
                         help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)

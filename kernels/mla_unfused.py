@@ -1,0 +1,595 @@
+"""Version 5 of ``kernels.mla.attention_paths``, unfused: part of mla's ``attention_paths``, the
+engine's attention where R >= ``kernels.tuning.UNFUSED_FROM_RANK`` (small, Kimi). Its dispatcher in
+``kernels/mla.py`` calls ``unfused_partials`` and then merges the partials as versions 2 and 3 do.
+
+Legend: T new rows, P fully visible prefix rows, H heads, dr qk_rope_head_dim, R kv_lora_rank,
+C the cache's capacity (slots), TPB threads per block.
+
+Versions 1 to 3 walk one row's keys per block, so every row and head group stages the prefix
+again, and the online softmax puts barriers and rescales between its two products. Version 5
+runs attention as four kernels, each simple and batched over every row:
+
+1. ``attention_scores_kernel`` (``scores_kernel``): the scores of every query row q = t H + h
+   against every slot below P + T as one register-tiled GEMM into ``scores`` (T H, C); a decode
+   row takes ``attention_row_scores_kernel`` (``row_scores_kernel``) instead: the GEMM's bits,
+   a whole key tile staged at once.
+2. ``attention_stats_kernel``: each (row, head)'s largest score M over its keys (the prefix,
+   then its path), and each chunk's sum of exp(s - M), a warp per chunk of UNFUSED_CHUNK keys at
+   fixed positions.
+3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, as a second
+   register-tiled GEMM over every query row at once; a partial per chunk.
+4. ``attention_tail_kernel`` (``tail_kernel``): the chunks from the one holding position P to the
+   row's own, where the keys become the row's path, term for term the sums step 3 gives a chunk
+   of the prefix.
+
+Every chunk's maximum is M, so the merge rescales by e^0 = 1, and a tree row at position p adds
+the same terms in the same order as the chain row at p: bit-identical (the tests check it with
+the prefix two keys short of a chunk's end, where the tail and the GEMM meet). No launch shape
+(``scores_shape``, ``tail_shape``, ``stats_threads``, ``row_blocks``) changes a sum. The scratch is
+the price: T H C floats of scores and T H ceil(C / UNFUSED_CHUNK) (R + 2) of partials.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32  # the package __init__ has already chosen GPU or simulator
+
+from kernels.blocks import block_max, blocks
+from kernels.device import SIMULATOR, check_out, output
+from kernels.linear import index
+from kernels.tuning import (
+    ROW_BLOCKS_PER_SM,
+    SHARED_BUDGET,
+    STATS_FEW_FROM_BLOCKS_PER_SM,
+    TAIL_MANY_ROWS,
+    sm_count,
+)
+
+LANES = 32                                     # a warp: the statistics' lanes per chunk
+UNFUSED_TILE = 8 if SIMULATOR else 64          # a block's tile: TILE query rows x TILE keys (or columns)
+UNFUSED_THREAD = 2 if SIMULATOR else 4         # a thread's register tile: THREAD x THREAD outputs
+UNFUSED_SIDE = UNFUSED_TILE // UNFUSED_THREAD  # threads along each side of the block's tile
+UNFUSED_THREADS = UNFUSED_SIDE * UNFUSED_SIDE  # 16 in the simulator, 256 on a GPU
+UNFUSED_REGISTERS = (UNFUSED_THREAD, UNFUSED_THREAD)
+UNFUSED_STEP = 4 if SIMULATOR else 16          # k-rows of each operand staged at a time
+UNFUSED_LOADS = UNFUSED_TILE * UNFUSED_STEP // UNFUSED_THREADS   # elements a thread stages per step
+UNFUSED_LOAD_ROWS = UNFUSED_THREADS // UNFUSED_STEP   # k-major staging: tile rows between a thread's loads
+UNFUSED_LOAD_KEYS = UNFUSED_THREADS // UNFUSED_TILE   # P V's values: keys between a thread's loads
+UNFUSED_PAD = 4                                # floats after a staged k-row (rows stay 16-byte aligned)
+UNFUSED_ALIGN = None if SIMULATOR else 16
+UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's two staged buffers
+# the scores' (query tile, key tile, a thread's queries, its keys, STEP) for many query rows, and for
+# a decode row's few (``scores_shape``)
+UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
+UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
+ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
+ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT heads at once
+ROW_UNROLL = 32                               # ... a score's loads issued before their adds
+UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
+UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
+# ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
+# (``tail_shape``)
+UNFUSED_TAIL_ONE = (1, 8, 2 * UNFUSED_TAIL_BATCH) if SIMULATOR else (1, 64, UNFUSED_TAIL_BATCH)
+UNFUSED_TAIL_FEW = (2, 8 if SIMULATOR else 128, UNFUSED_TAIL_BATCH)
+UNFUSED_TAIL_MANY = (4 if SIMULATOR else 8, 8 if SIMULATOR else 128, UNFUSED_TAIL_BATCH)
+UNFUSED_STATS_THREADS = 32 if SIMULATOR else 512   # the statistics' most threads (a decode row's few blocks)
+UNFUSED_STATS_FEW = 32 if SIMULATOR else 128       # ... and their threads where blocks are many
+UNFUSED_LANE_KEYS = max(1, UNFUSED_CHUNK // LANES)  # the statistics: a lane's keys of a chunk (a warp's)
+UNFUSED_STATS_LANE_SUMS = (UNFUSED_STATS_THREADS // LANES, LANES)   # ... and its warps' lane sums
+F32 = 4
+
+# indices ``kernels.linear.non_negative`` on a GPU (float4 shared reads need the compiler to know an
+# index is not negative), as they are in the simulator (``kernels.linear.index``)
+non_negative = index
+
+
+# --8<-- [start:attention_unfused_kernels]
+@cuda.jit(device=True)
+def _key_slot(n_prefix, paths, row, position):
+    """The cache slot of ``row``'s key at ``position``: a prefix key's own slot, then the nodes of
+    the row's path (tree node m sits at slot P + m)."""
+    return position if position < n_prefix else n_prefix + paths[row, position - n_prefix]
+
+
+@functools.cache
+def tile_products(thread_a: int, thread_b: int, step: int):
+    """The device function products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values) of a
+    register tile of THREAD_A x THREAD_B = ``thread_a`` x ``thread_b``: acc[i, j] += a[k, THREAD_A
+    ty + i] * b[k, THREAD_B tx + j] for the STEP = ``step`` staged k-rows from ``first`` on, k in
+    order. A thread's rows (and its columns) are consecutive floats, 16-byte aligned: one float4
+    read each where there are 4 (indices ``non_negative``, so that the compiler sees it); a warp's
+    threads of one ty share their reads of a (a broadcast), its tx read consecutive bytes of b (no
+    bank conflicts). Per k: 2 shared loads feed THREAD_A THREAD_B multiply-adds."""
+    @cuda.jit(device=True)
+    def products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values):
+        for k in range(step):
+            at = non_negative(first + k)
+            for i in range(thread_a):
+                a_values[i] = a_tile[at, non_negative(ty * thread_a + i)]
+            for j in range(thread_b):
+                b_values[j] = b_tile[at, non_negative(tx * thread_b + j)]
+            for i in range(thread_a):
+                for j in range(thread_b):
+                    acc[i, j] += a_values[i] * b_values[j]
+
+    return products
+
+
+@functools.cache
+def staging(loads: int):
+    """The device function stage(tile, first, values, k, row0, row_stride): the LOADS = ``loads``
+    values a thread loaded into the k-major tile, tile[first + k, row0 + p row_stride]."""
+    @cuda.jit(device=True)
+    def stage(tile, first, values, k, row0, row_stride):
+        for p in range(loads):
+            tile[first + k, row0 + p * row_stride] = values[p]
+
+    return stage
+
+
+# the P V GEMM's (attention_values_kernel)
+_tile_products = tile_products(UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
+_stage = staging(UNFUSED_LOADS)
+
+
+@functools.cache
+def score_loads(query_loads: int, key_loads: int):
+    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots,
+    keys, column, a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows
+    (q_rows[p] < 0: past the last query) into a_next and of its ``key_loads`` cache slots (past
+    ``keys``: none) into b_next, 0 where there is none or the column lies past R + dr (a padded
+    term adds nothing)."""
+    @cuda.jit(device=True)
+    def load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
+        rank = q_lat.shape[2]
+        for p in range(query_loads):
+            row = q_rows[p]
+            a_next[p] = float32(0.0)
+            if row >= 0:
+                if column < rank:
+                    a_next[p] = q_lat[row, q_heads[p], column]
+                elif column < rank + q_pe.shape[2]:
+                    a_next[p] = q_pe[row, q_heads[p], column - rank]
+        for p in range(key_loads):
+            slot = slots[p]
+            b_next[p] = float32(0.0)
+            if slot < keys:
+                if column < rank:
+                    b_next[p] = cache_latent[slot, column]
+                elif column < rank + q_pe.shape[2]:
+                    b_next[p] = cache_rope[slot, column - rank]
+
+    return load
+
+
+@functools.cache
+def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_keys: int, step: int):
+    """Version 5, step 1 of 4, for tiles of QT = ``query_tile`` queries x KT = ``key_tile`` keys,
+    register tiles of TQ = ``thread_queries`` x TK = ``thread_keys`` and STEP = ``step`` k-rows
+    staged at a time (literals: shared and local array sizes). None of them changes a score: each
+    adds its R + dr terms in column order (``scores_shape``)."""
+    side = key_tile // thread_keys                        # threads along the keys
+    threads = (query_tile // thread_queries) * side
+    load_rows = threads // step                           # tile rows between a thread's loads
+    query_loads, key_loads = query_tile // load_rows, key_tile // load_rows   # per step, per thread
+    registers = (thread_queries, thread_keys)
+    query_staged = (2 * step, query_tile + UNFUSED_PAD)   # each operand's two staged buffers
+    key_staged = (2 * step, key_tile + UNFUSED_PAD)
+    products = tile_products(thread_queries, thread_keys, step)
+    stage_queries, stage_keys = staging(query_loads), staging(key_loads)
+    load = score_loads(query_loads, key_loads)
+
+    @cuda.jit
+    def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+        """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every
+        query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
+        mask is the next steps' business), a register-tiled GEMM.
+
+        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid
+        covers the cache's capacity and a block past P + T (P read on the device) returns at once,
+        so one launch shape serves every step. Thread (ty, tx) holds the TQ x TK scores of queries
+        TQ ty + i and slots TK tx + j in registers. Per step the block stages STEP columns of both
+        operands k-major in shared memory: a thread loads column tid % STEP of rows LOAD_ROWS
+        apart (consecutive threads read consecutive columns of a row), two buffers, the next
+        step's loads waiting in registers while this step's products run. A score adds its R + dr
+        terms one at a time in column order whatever the launch, the tiles, the rows or the tree:
+        batch-invariant.
+        """
+        tid = non_negative(cuda.threadIdx.x)
+        ty, tx = tid // side, tid % side
+        rows, heads, rank = q_lat.shape
+        width = rank + q_pe.shape[2]
+        keys = prefix[0] + rows
+        q0 = non_negative(cuda.blockIdx.y) * query_tile
+        s0 = non_negative(cuda.blockIdx.x) * key_tile
+        if s0 >= keys:                                    # the whole block: past the last key
+            return
+        a_tile = cuda.shared.array(query_staged, float32, alignment=UNFUSED_ALIGN)
+        b_tile = cuda.shared.array(key_staged, float32, alignment=UNFUSED_ALIGN)
+        acc = cuda.local.array(registers, float32)
+        a_values = cuda.local.array(thread_queries, float32)
+        b_values = cuda.local.array(thread_keys, float32)
+        a_next = cuda.local.array(query_loads, float32)
+        b_next = cuda.local.array(key_loads, float32)
+        q_rows = cuda.local.array(query_loads, int32)     # the staged queries' rows and heads
+        q_heads = cuda.local.array(query_loads, int32)
+        slots = cuda.local.array(key_loads, int32)        # ... and slots
+        column, first_row = tid % step, tid // step
+        for p in range(query_loads):
+            query = q0 + first_row + p * load_rows
+            q_rows[p] = query // heads if query < rows * heads else -1
+            q_heads[p] = query % heads
+        for p in range(key_loads):
+            slots[p] = s0 + first_row + p * load_rows
+        for i in range(thread_queries):
+            for j in range(thread_keys):
+                acc[i, j] = float32(0.0)
+        load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next)
+        steps = (width + step - 1) // step
+        for at in range(steps):
+            first = at % 2 * step                         # this step's buffer
+            stage_queries(a_tile, first, a_next, column, first_row, load_rows)
+            stage_keys(b_tile, first, b_next, column, first_row, load_rows)
+            cuda.syncthreads()                            # staged (and the other buffer free again)
+            if at + 1 < steps:
+                load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys,
+                     (at + 1) * step + column, a_next, b_next)
+            products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
+        for i in range(thread_queries):
+            query = q0 + ty * thread_queries + i
+            for j in range(thread_keys):
+                slot = s0 + tx * thread_keys + j
+                if query < rows * heads and slot < keys:
+                    scores[query, slot] = acc[i, j] * scale
+
+    return attention_scores_kernel
+
+
+def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
+    """The scores kernel's (QT, KT, TQ, TK, STEP) for ``queries`` = T H query rows: NARROW while
+    they fit one of its query tiles (a few rows of small's 16 heads: WIDE's 64-query tile would be
+    mostly empty), else WIDE. Every shape gives the same bits. (A decode row takes
+    ``row_scores_kernel`` where its tile fits: ``row_scores``.)"""
+    return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
+
+
+@functools.cache
+def row_dot(unroll: int):
+    """The device function dot(acc, query, tile, first, count) = acc plus query[c] * tile[first + c]
+    for c = 0 .. ``count`` - 1, added in order: runs of ``unroll`` columns (a literal: registers)
+    with their loads issued before their adds, then the last columns one by one. (Each run's
+    offsets are constants from one index, which the compiler then folds into the loads.)"""
+
+    @cuda.jit(device=True)
+    def dot(acc, query, tile, first, count):
+        queries = cuda.local.array(unroll, float32)
+        keys = cuda.local.array(unroll, float32)
+        whole = count // unroll * unroll
+        for c0 in range(0, whole, unroll):
+            at = index(c0)
+            key_at = index(first + c0)
+            for u in range(unroll):
+                queries[u] = query[at + u]
+                keys[u] = tile[key_at + u]
+            for u in range(unroll):
+                acc += queries[u] * keys[u]
+        for column in range(whole, count):
+            acc += query[index(column)] * tile[index(first + column)]
+        return acc
+
+    return dot
+
+
+@functools.cache
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL):
+    """Version 5, step 1 of 4, for a single query row (a decode step), tiles of KT = ``key_tile``
+    keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
+    ``unroll`` at a time (literals: the staged tile's, the loads' and the registers' sizes). A
+    score's terms are added as ``scores_kernel`` adds them, whatever the shape."""
+    dot = row_dot(unroll)
+    width = rank + rope_dim
+    stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
+    staged = key_tile * stride                        # the tile in shared memory
+    latent_loads = -(-rank // threads)                # a thread's columns of each key's latent
+    rope_loads = -(-key_tile * rope_dim // threads)   # ... and its share of the tile's rope columns
+    head_lanes = threads // key_tile
+
+    @cuda.jit
+    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+        """scores[head, s] = scale * (q_lat | q_pe)[0, head] . (cache_latent | cache_rope)[s] for
+        every head and slot s < P + 1: ``attention_scores_kernel``'s scores of one row.
+
+        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane, lane +
+        THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
+        before the first store (one memory round trip per tile, where the GEMM takes one per STEP
+        columns: 18 of them for small's 576, on a query tile that a decode row's 16 heads fill
+        half), then each thread adds its score's R + dr terms one at a time in column order
+        (``row_dot``), the query's values read from global memory (every block reads the same
+        row: H (R + dr) floats, 36 KB for small). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ...
+        below P + 1 (P read on the device): one launch shape serves every step, and a grid of a
+        few blocks per SM spends no time on the cache's empty capacity. The same bits as the GEMM,
+        whatever the tile."""
+        tid = index(cuda.threadIdx.x)
+        heads = q_lat.shape[1]
+        keys = prefix[0] + 1
+        tile = cuda.shared.array(staged, float32)
+        latent = cuda.local.array((key_tile, latent_loads), float32)
+        rope = cuda.local.array(rope_loads, float32)
+        key, lane = tid % key_tile, tid // key_tile
+        for s0 in range(cuda.blockIdx.x * key_tile, keys, cuda.gridDim.x * key_tile):
+            for k in range(key_tile):                 # the loads first (past the last key: the last
+                slot = index(min(s0 + k, keys - 1))   # key again, never written)
+                for j in range(latent_loads):
+                    latent[k, j] = cache_latent[slot, min(tid + j * threads, rank - 1)]
+            for p in range(rope_loads):
+                at = tid + p * threads
+                rope[p] = cache_rope[index(min(s0 + at // rope_dim, keys - 1)), at % rope_dim]
+            cuda.syncthreads()                        # the last tile's readers are done with it
+            for k in range(key_tile):
+                for j in range(latent_loads):
+                    if tid + j * threads < rank:
+                        tile[k * stride + tid + j * threads] = latent[k, j]
+            for p in range(rope_loads):
+                at = tid + p * threads
+                if at < key_tile * rope_dim:
+                    tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
+            cuda.syncthreads()
+            for head in range(lane, heads, head_lanes):
+                acc = dot(float32(0.0), q_lat[0, head], tile, key * stride, rank)
+                acc = dot(acc, q_pe[0, head], tile, key * stride + rank, rope_dim)
+                if s0 + key < keys:
+                    scores[head, s0 + key] = acc * scale
+
+    return attention_row_scores_kernel
+
+
+def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
+    """Whether version 5 takes ``row_scores_kernel`` for its scores: for a single row (T = 1)
+    with rope columns (dr >= 1: the kernel stages them apart), whose tile of ROW_KEYS keys of R =
+    ``rank`` + dr = ``rope_dim`` columns fits SHARED_BUDGET."""
+    return rows == 1 and rope_dim >= 1 and F32 * ROW_KEYS * (rank + rope_dim + 1) <= SHARED_BUDGET
+
+
+@cuda.jit
+def attention_stats_kernel(scores, prefix, depths, paths, partials):
+    """Version 5, step 2 of 4: block (head, row) finds M, the largest score of the row's keys
+    (positions 0 .. P + depth: the prefix, then its path, ``_key_slot``; exact in any order), then
+    each chunk's sum of exp(s - M), a warp per chunk: lane l adds the chunk's keys l, l + 32, ...
+    in position order (its loads all issued before its adds), then lane 0 adds the 32 lanes' sums
+    in lane order: partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) //
+    CHUNK. The order depends on the key's position in its chunk alone, not on the rows or the
+    tree. A warp per chunk, not a thread: a decode row of 16 heads at 16k keys has 1024 chunks,
+    a few per SM, and a thread adding its chunk's keys one after another would wait on each."""
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    heads, rank = partials.shape[1], partials.shape[3] - 2
+    query = row * heads + head
+    n_prefix = prefix[0]
+    keys = n_prefix + depths[row] + 1
+    threads = cuda.blockDim.x
+    red = cuda.shared.array(UNFUSED_STATS_THREADS, float32)
+    top = float32(-math.inf)
+    for j in range(tid, keys, threads):
+        top = max(top, scores[query, _key_slot(n_prefix, paths, row, j)])
+    red[tid] = top
+    block_max(red)
+    top = red[0]
+    staged = cuda.local.array(UNFUSED_LANE_KEYS, float32)
+    lane_sums = cuda.shared.array(UNFUSED_STATS_LANE_SUMS, float32)   # [warps, lanes]
+    warp, lane, warps = tid // LANES, tid % LANES, threads // LANES
+    chunks = (keys - 1) // UNFUSED_CHUNK + 1
+    for first in range(0, chunks, warps):                 # the same trip count in every warp
+        chunk = first + warp
+        start = chunk * UNFUSED_CHUNK
+        end = min(start + UNFUSED_CHUNK, keys)
+        total = float32(0.0)
+        if chunk < chunks:                                # lane's keys: start + lane, + LANES, ...
+            for i in range(UNFUSED_LANE_KEYS):            # the loads first (past the end: the last
+                key = min(start + lane + i * LANES, end - 1)   # key again, never added)
+                staged[i] = scores[query, _key_slot(n_prefix, paths, row, key)]
+            for i in range(UNFUSED_LANE_KEYS):            # then the sums, in position order
+                if start + lane + i * LANES < end:
+                    total += math.exp(staged[i] - top)
+        lane_sums[warp, lane] = total
+        cuda.syncthreads()
+        if lane == 0 and chunk < chunks:                  # the lanes' sums, in lane order
+            for other in range(1, LANES):
+                total += lane_sums[warp, other]
+            partials[row, head, chunk, rank] = top
+            partials[row, head, chunk, rank + 1] = total
+        cuda.syncthreads()                                # lane_sums is rewritten next
+
+
+@cuda.jit
+def attention_values_kernel(scores, cache_latent, prefix, partials):
+    """Version 5, step 3 of 4: partials[row, head, c, :R] = sum over the keys j of chunk c (in
+    position order) of exp(scores[q, j] - M) cache_latent[j], for the chunks wholly inside the
+    prefix ((c + 1) CHUNK <= P: every row sees all of their keys, each at its own slot), as a
+    register-tiled GEMM P V over all the launch's query rows at once. Block (x, y, c): latent
+    columns x TILE .., queries y TILE .., chunk c; a block whose chunk reaches past the prefix
+    returns at once (``attention_tail_kernel`` takes those). M is the row's max from step 2.
+    Register tiles as ``attention_scores_kernel``; P is computed as it is staged (a thread: key
+    tid % STEP of LOADS queries), V staged as it lies (a thread: column tid % TILE of LOADS keys)."""
+    tid = non_negative(cuda.threadIdx.x)
+    ty, tx = tid // UNFUSED_SIDE, tid % UNFUSED_SIDE
+    heads, rank = partials.shape[1], cache_latent.shape[1]
+    queries = partials.shape[0] * heads
+    chunk = cuda.blockIdx.z
+    start = chunk * UNFUSED_CHUNK
+    if start + UNFUSED_CHUNK > prefix[0]:                 # the whole block: a chunk with path keys
+        return
+    q0 = non_negative(cuda.blockIdx.y) * UNFUSED_TILE
+    c0 = non_negative(cuda.blockIdx.x) * UNFUSED_TILE
+    a_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    b_tile = cuda.shared.array(UNFUSED_STAGED, float32, alignment=UNFUSED_ALIGN)
+    acc = cuda.local.array(UNFUSED_REGISTERS, float32)
+    a_values = cuda.local.array(UNFUSED_THREAD, float32)
+    b_values = cuda.local.array(UNFUSED_THREAD, float32)
+    a_next = cuda.local.array(UNFUSED_LOADS, float32)
+    b_next = cuda.local.array(UNFUSED_LOADS, float32)
+    staged = cuda.local.array(UNFUSED_LOADS, int32)      # the staged queries (-1: past the last)
+    tops = cuda.local.array(UNFUSED_LOADS, float32)      # ... and their rows' max scores M
+    key, first_row = tid % UNFUSED_STEP, tid // UNFUSED_STEP
+    column, first_key = tid % UNFUSED_TILE, tid // UNFUSED_TILE
+    for p in range(UNFUSED_LOADS):
+        query = q0 + first_row + p * UNFUSED_LOAD_ROWS
+        staged[p] = query if query < queries else -1
+        tops[p] = partials[query // heads, query % heads, chunk, rank] if query < queries else float32(0.0)
+    for i in range(UNFUSED_THREAD):
+        for j in range(UNFUSED_THREAD):
+            acc[i, j] = float32(0.0)
+    steps = UNFUSED_CHUNK // UNFUSED_STEP
+    for step in range(steps + 1):                         # stage step - 1, load step, multiply step - 1
+        first = step % 2 * UNFUSED_STEP
+        if step > 0:
+            _stage(a_tile, first, a_next, key, first_row, UNFUSED_LOAD_ROWS)
+            for p in range(UNFUSED_LOADS):
+                b_tile[first + first_key + p * UNFUSED_LOAD_KEYS, column] = b_next[p]
+            cuda.syncthreads()
+        if step < steps:
+            j0 = start + step * UNFUSED_STEP
+            for p in range(UNFUSED_LOADS):
+                a_next[p] = float32(0.0) if staged[p] < 0 else math.exp(scores[staged[p], j0 + key] - tops[p])
+                b_next[p] = float32(0.0) if c0 + column >= rank else \
+                    cache_latent[j0 + first_key + p * UNFUSED_LOAD_KEYS, c0 + column]
+        if step > 0:
+            _tile_products(a_tile, b_tile, first, ty, tx, acc, a_values, b_values)
+    for i in range(UNFUSED_THREAD):
+        query = q0 + ty * UNFUSED_THREAD + i
+        for j in range(UNFUSED_THREAD):
+            at = c0 + tx * UNFUSED_THREAD + j
+            if query < queries and at < rank:
+                partials[query // heads, query % heads, chunk, at] = acc[i, j]
+
+
+@functools.cache
+def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
+    """Version 5's tail kernel for HB = ``heads_per_block`` heads per block and BATCH = ``batch``
+    cache loads in flight per thread (literals: its staged probabilities and its registers); neither
+    changes a sum (``tail_shape``)."""
+    probs_shape = heads_per_block * UNFUSED_CHUNK         # the staged exp(s - M), [HB, keys]
+
+    @cuda.jit
+    def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
+        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the
+        one holding the row's own position P + depth, where the row's keys are prefix keys, then
+        its path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
+        g HB .. of one row. Per chunk the block stages the keys' slots and the heads' exp(s - M)
+        in shared memory, then each thread adds the chunk's keys in position order for its column
+        and heads (its cache loads issued BATCH at a time, ahead of their adds): term for
+        term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at
+        its position in the committed chain, bit for bit."""
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        column = cuda.blockIdx.x * threads + tid
+        head0 = cuda.blockIdx.y * heads_per_block
+        row = cuda.blockIdx.z
+        heads, rank = partials.shape[1], cache_latent.shape[1]
+        n_prefix = prefix[0]
+        last = n_prefix + depths[row]                     # the row's own position
+        slots = cuda.shared.array(UNFUSED_CHUNK, int32)
+        probs = cuda.shared.array(probs_shape, float32)   # [HB, keys]
+        acc = cuda.local.array(heads_per_block, float32)
+        values = cuda.local.array(batch, float32)
+        for chunk in range(n_prefix // UNFUSED_CHUNK, last // UNFUSED_CHUNK + 1):
+            start = chunk * UNFUSED_CHUNK
+            count = min(UNFUSED_CHUNK, last + 1 - start)
+            cuda.syncthreads()                            # the last chunk's slots and probs consumed
+            for k in range(tid, count, threads):
+                slots[k] = _key_slot(n_prefix, paths, row, start + k)
+            cuda.syncthreads()
+            for e in range(tid, heads_per_block * count, threads):
+                h, k = e // count, e % count
+                value = float32(0.0)
+                if head0 + h < heads:
+                    top = partials[row, head0 + h, chunk, rank]
+                    value = math.exp(scores[row * heads + head0 + h, slots[k]] - top)
+                probs[h * UNFUSED_CHUNK + k] = value
+            cuda.syncthreads()
+            for h in range(heads_per_block):
+                acc[h] = float32(0.0)
+            if column < rank:
+                for k0 in range(0, count, batch):   # BATCH loads, then their adds, k in order
+                    for b in range(batch):
+                        values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
+                    for b in range(batch):          # a fixed trip count: values stay registers
+                        if k0 + b < count:
+                            for h in range(heads_per_block):
+                                acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
+                for h in range(heads_per_block):
+                    if head0 + h < heads:
+                        partials[row, head0 + h, chunk, column] = acc[h]
+
+    return attention_tail_kernel
+
+
+def tail_shape(rows: int) -> tuple[int, int, int]:
+    """The tail kernel's (HB heads, threads per block, BATCH) for T = ``rows`` rows: one head for a
+    decode row (its tail is its whole context while that is short: more blocks, fewer sums per
+    thread), two for a few rows, the most from TAIL_MANY_ROWS on (each cache load then feeds that
+    many heads' sums). The same bits whatever the shape."""
+    if rows == 1:
+        return UNFUSED_TAIL_ONE
+    return UNFUSED_TAIL_FEW if rows < TAIL_MANY_ROWS else UNFUSED_TAIL_MANY
+
+
+
+def unfused_chunks(capacity: int) -> int:
+    """The P V chunks for a cache of ``capacity`` slots: UNFUSED_CHUNK keys each, at fixed
+    positions (a partial per chunk, merged in chunk order)."""
+    return -(-capacity // UNFUSED_CHUNK)
+
+
+def stats_threads(queries: int) -> int:
+    """The statistics' threads for ``queries`` = T H blocks: STATS_THREADS while the blocks are
+    few (a decode row: more chunks' warps at once), STATS_FEW once they fill the GPU
+    (STATS_FEW_FROM_BLOCKS_PER_SM per SM). Neither changes a sum (the max is exact in any order,
+    each chunk's sum is one warp's, in lane order)."""
+    many = STATS_FEW_FROM_BLOCKS_PER_SM * sm_count()
+    return UNFUSED_STATS_THREADS if queries < many else UNFUSED_STATS_FEW
+
+
+def row_blocks() -> int:
+    """The decode row's score kernel's grid at most: ROW_BLOCKS_PER_SM blocks per SM, which walk
+    the tiles below P + 1 (the cache's empty capacity costs nothing)."""
+    return ROW_BLOCKS_PER_SM * sm_count()
+
+
+def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *, scores=None,
+                     partials=None, stream=None):
+    """Steps 1 to 4 on device arrays: every row's scores into ``scores`` (T H, C) and a partial
+    softmax per chunk into ``partials`` (T, H, ``unfused_chunks(C)``, R + 2), each allocated
+    (NaN-poisoned) when not given; returns ``partials`` for ``kernels.mla``'s merge."""
+    rows, heads, rank = q_lat.shape
+    capacity, rope_dim = cache_latent.shape[0], q_pe.shape[2]
+    chunks = unfused_chunks(capacity)
+    check_out(scores, (rows * heads, capacity), name="scores")
+    check_out(partials, (rows, heads, chunks, rank + 2), name="partials")
+    scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
+    partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
+    scale = np.float32(scale)
+    if row_scores(rows, rank, rope_dim):                                         # step 1
+        row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
+        row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS)[row_grid, ROW_THREADS, stream](
+            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
+    else:
+        shape = scores_shape(rows * heads)
+        query_tile, key_tile, thread_queries, thread_keys, _ = shape
+        scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
+        scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
+        scores_kernel(*shape)[scores_grid, scores_threads, stream](
+            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
+    attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](   # step 2
+        scores, prefix, depths, paths, partials)
+    values_grid = (blocks(rank, UNFUSED_TILE), blocks(rows * heads, UNFUSED_TILE), chunks)
+    attention_values_kernel[values_grid, UNFUSED_THREADS, stream](scores, cache_latent, prefix, partials)
+    tail_heads, tail_threads, tail_batch = tail_shape(rows)                      # step 4
+    tail_grid = (blocks(rank, tail_threads), blocks(heads, tail_heads), rows)
+    tail_kernel(tail_heads, tail_batch)[tail_grid, tail_threads, stream](
+        scores, cache_latent, prefix, depths, paths, partials)
+    return partials
+# --8<-- [end:attention_unfused_kernels]

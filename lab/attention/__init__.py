@@ -1,0 +1,1 @@
+"""Versions of kernels.mla.attention_paths that the engine does not run."""
