@@ -169,7 +169,7 @@ def kernel_table(table: dict, rows_list) -> list[str]:
 
 
 ENGINE_OPTIONS = ("attention_splits", "attention_heads_per_block", "attention_gemm", "attention_unfused",
-                  "moe_grouped_from_rows", "moe_warps", "linear_version")
+                  "moe_grouped_from_rows", "moe_warps")
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -224,8 +224,6 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-warps", action=argparse.BooleanOptionalAction, default=None,
                         help="the MoE kernels' version 3 in every forward (\"warps\"' sums; the "
                         "engine's default); --no-moe-warps: versions 1 and 2 by row count")
-    parser.add_argument("--linear-version", default=None,
-                        help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
