@@ -83,13 +83,6 @@ UNROLL = 4          # "warps": W loads a lane issues before it adds them (in ord
 LANES_SIMULATED = (1, 8, 2)   # "lanes"' launch shape in the simulator: one warp per block
 
 
-def k_slices(depth: int) -> int:
-    """tile_dots: the warps (S) that split a sum over ``depth`` (Din) terms; a function of Din
-    only, so a row's sums never depend on T. One in the simulator's small shapes would skip the
-    slice merge, so it uses up to two."""
-    return max(1, min(2 if SIMULATOR else MAX_SLICES, -(-depth // LANES)))
-
-
 def row_passes(rows: int, per_pass: int = ROWS_PER_PASS) -> int:
     """Blocks along the rows for a kernel that walks passes of ``per_pass`` rows: one per pass on
     a GPU (a tree verify then takes about as long as a decode step); one in the simulator."""
@@ -389,6 +382,13 @@ def lanes_shape(rows: int, outputs: int) -> tuple[int, int, int]:
         return (4, 8, 2) if wide else (4, 4, 4)
     return (4, 8, 2)
 # --8<-- [end:lanes_shape]
+
+
+def k_slices(depth: int) -> int:
+    """``tile_dots``: the warps (S) that split a sum over ``depth`` (Din) terms; a function of Din
+    only, so a row's sums never depend on T. One in the simulator's small shapes would skip the
+    slice merge, so it uses up to two."""
+    return max(1, min(2 if SIMULATOR else MAX_SLICES, -(-depth // LANES)))
 
 
 # --8<-- [start:tile_dots]
