@@ -21,10 +21,9 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per shape serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear`` version "warps", run as its fast twin "lanes"
-with the same bits, ``attention_paths``, the MoE kernels): a tree node's logits are
-bit-identical to the AR logits at the same position, so DDTree == AR holds exactly in the engine,
-for any weights.
+runs in an order fixed by its own row (``linear``'s "lanes", ``attention_paths``, the MoE
+kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
+DDTree == AR holds exactly in the engine, for any weights.
 
 ``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
 Four differences of form, none of them changing a bit:
@@ -64,7 +63,7 @@ from kernels.device import filled, poisoned, to_device
 from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
 from kernels.graphs import Graphs
 from kernels.kv_cache import compact_column, write_new_rows
-from kernels.linear import STREAM_MAX_OUTPUTS, argmax, embed, linear
+from kernels.linear import argmax, embed, linear
 from kernels.mla import PathsPlan, absorb_output, absorb_query, attention_paths, check_plan, paths_plan
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
 from kernels.rmsnorm import rmsnorm
@@ -74,9 +73,6 @@ from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
-LINEAR_VERSIONS = ("tiles", "warps")   # kernels.linear's batch-invariant versions the engine may run
-GEMM_FROM_ROWS = 8              # forwards of this many rows or more run "tiles" as "tiles_gemm" ...
-GEMM_MIN_WEIGHTS = 1 << 20      # ... where the weight has this many elements (projection_version)
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
@@ -93,37 +89,6 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     return min(bucket, max_rows)
 
 
-# --8<-- [start:projection_version]
-def projection_version(linear_version: str, rows: int, weight_shape: tuple[int, int]) -> str:
-    """The ``kernels.linear`` version of a projection over ``rows`` rows (a bucket) by a weight of
-    ``weight_shape`` (Dout, Din) for the engine's ``linear_version``. "warps" runs as "lanes" (the
-    same bits, far more loads in flight). "tiles" runs as the fastest kernel with its bits:
-    "tiles_gemm" from GEMM_FROM_ROWS rows on where W has GEMM_MIN_WEIGHTS elements or more,
-    "stream" for one row where Dout <= STREAM_MAX_OUTPUTS, else "tiles" itself.
-
-    "tiles_gemm" and "stream" add every output's terms in "tiles"' order (the same bits), so the
-    switch cannot break DDTree == AR: an AR step and the same row in a large tree's verify get
-    bit-identical logits whichever kernel each ran. Measured on the H200
-    (linear-versions-h200-2026-12-01.txt, engine-linear-h200-2026-12-01.txt):
-
-    * "tiles_gemm", a register-tiled GEMM, serves each staged weight to a tile of 32 rows where
-      "tiles" reads W again per pass of 8 rows: at 7168 -> 2048 it took 123 µs at 8 rows against
-      "tiles"' 131, and 124 against 309 at 64; at 2048 -> 3072 and 40 rows 60 against 83. At
-      tiny's sizes (W of 512 x 256 and smaller) it lost: tiny's 40-row verify took 780 µs with it
-      and 723 without.
-    * "stream" reads W straight into registers: one row at Dout 512 / 1408 / 2048 took 4.7 / 26 /
-      85 µs against 7.5 / 38 / 124 (tiny's AR step: 486 µs with it, 523 without), but 627
-      against 356 at Dout 18432; and tiny's 40-row verify was slower with it (787 against 723 µs).
-    """
-    if linear_version == "warps":
-        return "lanes"                                  # "warps"' bits, its loads in flight
-    if linear_version != "tiles":
-        return linear_version
-    outputs, depth = weight_shape
-    if rows >= GEMM_FROM_ROWS and outputs * depth >= GEMM_MIN_WEIGHTS:
-        return "tiles_gemm"
-    return "stream" if rows == 1 and outputs <= STREAM_MAX_OUTPUTS else "tiles"
-# --8<-- [end:projection_version]
 
 
 def candidate_count(depths: int, k: int) -> int:
@@ -452,18 +417,6 @@ class Transformer:
     default: ``kernels.mla.paths_plan`` for the config's dims and the cache's capacity, which
     ``attention_paths`` also defaults to) is how attention cuts its work, fixed per engine: any
     plan keeps DDTree == AR, but two engines with different plans round differently.
-    ``linear_version``: the projections' and lm_head's ``kernels.linear`` order, one of
-    LINEAR_VERSIONS. "warps" (the default) runs as "lanes", its twin with the same bits: a warp
-    per few output columns, lane l summing k = l, l + 32, ..., each lane with a run of W loads in
-    flight. "tiles" sums each output along 32-wide chunks in slice order; its forwards of
-    GEMM_FROM_ROWS rows or more (tree verifies, prefill chunks) run "tiles_gemm", a register-tiled
-    GEMM, where the weight is large, and an AR step runs "stream" where Dout is small: all three
-    add each output's terms in "tiles"' order (``projection_version``). Both orders are
-    batch-invariant, so either keeps DDTree == AR, but they round differently: two engines with
-    different versions may differ in the last bits. On the H200 (lanes-h200-2026-12-02.txt) the
-    engine's "tiles" kernels took 330 µs for one row through a layer's projections and the
-    lm_head of small, "lanes" 137; "lanes" was faster on tiny and tiny-b at 1 to 72 rows, and on
-    small up to 24 rows (at 72 rows small's lm_head took 1076 µs against "tiles_gemm"'s 692).
     ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
     the round (``kernels.drafters``: the same logits, bit for bit), reading the committed tokens
     the engine keeps on the device; False, or any other drafter, runs ``propose`` on the host and
@@ -472,21 +425,18 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
                  max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, attention_plan: PathsPlan | None = None,
-                 linear_version: str = "warps", device_drafters: bool = True):
+                 device_drafters: bool = True):
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or max_tree_nodes < 2 or max_tree_nodes & (max_tree_nodes - 1):
             raise ValueError(f"max_tree_nodes must be a power of two >= 2, got {max_tree_nodes!r}")
         if attention_plan is not None:
             check_plan(attention_plan, config.num_attention_heads)
-        if linear_version not in LINEAR_VERSIONS:
-            raise ValueError(f"linear_version must be one of {LINEAR_VERSIONS}, got {linear_version!r}")
         if not isinstance(device_drafters, bool):
             raise ValueError(f"device_drafters must be True or False, got {device_drafters!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
-        self.linear_version = linear_version
         self.device_drafters = device_drafters
         self.embed_tokens = to_device(weights["model.embed_tokens.weight"], np.float32)
         self.final_norm = to_device(weights["model.norm.weight"], np.float32)
@@ -559,10 +509,8 @@ class Transformer:
     # --8<-- [end:forward_rows]
 
     def project(self, x, weight, *, out, stream):
-        """x (T, Din) times weight.T into out (T, Dout), by the engine's ``linear_version`` for T rows
-        (``projection_version``)."""
-        version = projection_version(self.linear_version, x.shape[0], weight.shape)
-        return linear(x, weight, version=version, out=out, stream=stream)
+        """x (T, Din) times weight.T into out (T, Dout): ``kernels.linear.linear``, its default ("lanes")."""
+        return linear(x, weight, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:

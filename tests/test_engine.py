@@ -27,16 +27,12 @@ from kernels import decode as engine_decode
 from kernels import model as engine_model
 from kernels.mla import PathsPlan, paths_plan
 from kernels.mla_unfused import UNFUSED_CHUNK
+from kernels.model import Transformer as EngineTransformer
 from kernels.model import (
-    GEMM_FROM_ROWS,
-    GEMM_MIN_WEIGHTS,
-    STREAM_MAX_OUTPUTS,
     bucket_rows,
     candidate_count,
-    projection_version,
     rows_of,
 )
-from kernels.model import Transformer as EngineTransformer
 from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
 from tests.test_accept import oracle_posterior, steered_tree
@@ -107,21 +103,6 @@ def test_buckets_and_candidate_counts():
     assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
 
 
-def test_projection_version_per_bucket():
-    """"tiles" runs as "tiles_gemm" (the same bits) from GEMM_FROM_ROWS rows on where W is large,
-    as "stream" (the same bits) for one row where Dout <= STREAM_MAX_OUTPUTS; "warps" always runs
-    as "lanes" (its bits)."""
-    assert GEMM_FROM_ROWS == 8
-    large_w = (STREAM_MAX_OUTPUTS, -(-GEMM_MIN_WEIGHTS // STREAM_MAX_OUTPUTS))        # (Dout, Din)
-    small_w, wide_w = (512, 256), (STREAM_MAX_OUTPUTS + 1, 4096)
-    assert [projection_version("tiles", rows, large_w) for rows in (1, 2, 7, 8, 40)] == \
-        ["stream", "tiles", "tiles", "tiles_gemm", "tiles_gemm"]
-    assert [projection_version("tiles", rows, small_w) for rows in (1, 2, 8, 128)] == \
-        ["stream", "tiles", "tiles", "tiles"]
-    assert [projection_version("tiles", rows, wide_w) for rows in (1, 7, 8)] == \
-        ["tiles", "tiles", "tiles_gemm"]
-    assert {projection_version("warps", rows, w) for rows in (1, 16, 128)
-            for w in (large_w, small_w)} == {"lanes"}
 
 
 # Each simulated forward of micro is slow (this file is a large share of the suite's time), so the
@@ -287,14 +268,12 @@ def test_rejection_verifier_matches_numpy():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("attention_plan", PathsPlan(splits=2, heads_per_block=2)), ("attention_plan", PathsPlan(unfused=True)),
-    ("linear_version", "tiles")])
+    ("attention_plan", PathsPlan(splits=2, heads_per_block=2)), ("attention_plan", PathsPlan(unfused=True))])
 def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     """An engine option's kernels in the whole engine: attention_paths' version 3 (G = 2: micro's
-    2 heads in one block, Z = 2), version 5 (unfused GEMMs), or linear's "tiles" order (run as
-    "tiles", "stream" and "tiles_gemm") for every projection and the lm_head. A branching DDTree
-    round gives the engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR
-    forwards, and one verify forward (one round)."""
+    2 heads in one block, Z = 2) or version 5 (unfused GEMMs). A branching DDTree round gives the
+    engine's AR tokens, which are numpy's. A one-token prompt: no prefill; two AR forwards, and one
+    verify forward (one round)."""
     config = preset("micro")
     model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
                               **{option: value})
@@ -307,16 +286,6 @@ def test_engine_options_ddtree_equals_ar_and_numpy(option, value):
     tokens, trace = engine_decode.generate_ddtree(model, prompt, 2, drafter, block_size=3, budget=3)
     assert_exact(tokens, expected, name="DDTree tokens")
     assert trace.verify_forwards == 1 and np.bincount(trace.rounds[0].parents[1:]).max() > 1   # siblings
-
-
-def test_tiles_engine_logits_match_numpy():
-    """linear's "tiles" order for every projection and the lm_head (the default is "warps"): one
-    4-token forward's logits are numpy's."""
-    config = preset("micro")
-    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
-                              linear_version="tiles")
-    prompt = golden.default_prompt("micro")[:4]
-    assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
 
 
 def test_attention_plan_is_the_kernels_default():
@@ -347,9 +316,6 @@ def test_engine_refuses_bad_input_before_running():
         EngineTransformer(model.config, init_weights(model.config, 0), max_tree_nodes=6)
     with pytest.raises(ValueError, match="heads_per_block must be 1, 2 or 4"):
         EngineTransformer(model.config, {}, attention_plan=PathsPlan(heads_per_block=4))   # micro: 2 heads
-    for version in ("gemv", "rows", None):
-        with pytest.raises(ValueError, match=r"linear_version must be one of \('tiles', 'warps'\)"):
-            EngineTransformer(model.config, init_weights(model.config, 0), linear_version=version)
     cache = model.new_cache()
     with pytest.raises(CacheOverflowError):
         model.prefill(cache, np.zeros(model.config.max_position_embeddings + 1, np.int64), emit_token=False)
@@ -473,30 +439,6 @@ def test_rejection_verifier_equals_numpy_on_hardware(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
-def test_tiles_gemm_projections_give_the_engine_the_same_logits(name, monkeypatch):
-    """The engine with linear's "tiles" order (``linear_version="tiles"``, not the default): a 1-row
-    and a 40-row forward with every projection and the lm_head forced to "tiles_gemm"
-    (GEMM_FROM_ROWS 1, GEMM_MIN_WEIGHTS 0), to "stream" for the one row, or left to "tiles"
-    (GEMM_FROM_ROWS past Tmax, STREAM_MAX_OUTPUTS 0): the same logits, bit for bit."""
-    config = preset(name)
-    weights = init_weights(config, golden.WEIGHT_SEED)
-    prompt = np.random.default_rng(5).integers(0, config.vocab_size, 40)
-
-    def logits(**settings):
-        for setting, value in settings.items():
-            monkeypatch.setattr(engine_model, setting, value)
-        model = EngineTransformer(config, weights, linear_version="tiles")
-        return np.concatenate([model.logits(prompt), model.logits(prompt[:1])]).view(np.uint32)
-
-    tiles = logits(GEMM_FROM_ROWS=129, STREAM_MAX_OUTPUTS=0)
-    stream = logits(STREAM_MAX_OUTPUTS=1 << 30)
-    gemm = logits(GEMM_FROM_ROWS=1, GEMM_MIN_WEIGHTS=0)
-    assert np.array_equal(gemm, tiles)
-    assert np.array_equal(stream, tiles)
-
-
-@pytest.mark.gpu
 def test_long_ngram_generation_equals_ar():
     model = engine("tiny")
     prompt = golden.default_prompt("tiny")
@@ -535,10 +477,3 @@ def test_unfused_attention_engine_equals_golden_and_ar():
     assert_option_keeps_golden_and_ddtree(600, attention_plan=PathsPlan(unfused=True))
 
 
-@pytest.mark.gpu
-def test_tiles_engine_equals_golden_and_ar():
-    """linear's "tiles" order (``linear_version="tiles"``, the default before "lanes") in the whole
-    engine on tiny: the golden AR tokens and logits, every drafter's DDTree tokens, and a 300-token
-    n-gram DDTree generation with budget 64 (verify buckets of up to 72 rows: "tiles_gemm") equal to
-    its own AR."""
-    assert_option_keeps_golden_and_ddtree(300, budget=64, linear_version="tiles")

@@ -59,25 +59,12 @@ def test_gemv_block_larger_than_din():
                  rtol=RTOL, atol=_atol(x, weight))
 
 
-def test_rows_version_is_batch_invariant_and_equals_gemv():
-    """Every row of "rows" is bit-identical to the same row run alone, and to "gemv" (the same
-    reduction order), whatever the row count: 11 rows span two passes of ROWS_PER_PASS."""
-    x, weight = _inputs(11, 45, 3, seed=2)
-    together = kernel.linear(x, weight, version="rows", threads=32)
-    for t in (0, 7, 8, 10):
-        alone = kernel.linear(x[t:t + 1], weight, version="rows", threads=32)
-        assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
-    assert np.array_equal(together, kernel.linear(x, weight, version="gemv", threads=32))
-
-
 @pytest.mark.parametrize("version, rows, depth, outputs", [
-    ("tiles", 11, 100, 37), ("tiles", 9, 33, 70), ("warps", 11, 100, 37), ("warps", 10, 290, 5),
-    ("lanes", 11, 100, 37), ("lanes", 10, 290, 5)])
+    ("warps", 11, 100, 37), ("warps", 10, 290, 5), ("lanes", 11, 100, 37), ("lanes", 10, 290, 5)])
 def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
-    """Every row of "tiles", "warps" and "lanes" is bit-identical to the same row run alone and to
-    the row in any other batch: Din spans several 32-wide chunks (for "warps", more than one
-    unrolled step of 4 x 32 and a partial one), Dout two column tiles of "tiles", the rows two
-    passes of ROWS_PER_PASS."""
+    """Every row of "warps" and "lanes" is bit-identical to the same row run alone and to the row
+    in any other batch: Din spans more than one unrolled step of 4 x 32 and a partial one, Dout
+    several blocks, the rows two passes of ROWS_PER_PASS."""
     x, weight = _inputs(rows, depth, outputs, seed=3)
     together = kernel.linear(x, weight, version=version)
     assert_close(together, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
@@ -91,55 +78,27 @@ def _bits(values):
     return np.asarray(values, np.float32).view(np.uint32)
 
 
-# (T, Din, Dout): Din = 70 is 3 chunks, 2 for slice 0 (the last one 6 wide) and 1 for slice 1; 100
-# is 4 chunks, 2 each, the last 4 wide; rows and columns span partial tiles of the simulator's
-# 8 x 16 tiles (and of a 16 x 8 one)
-@pytest.mark.parametrize("rows, depth, outputs", [(11, 70, 19), (3, 100, 5)])
-def test_tiles_gemm_equals_tiles_bit_for_bit(rows, depth, outputs):
-    """"tiles_gemm" sums every output in "tiles"' order: the same bits, with the simulator's tile
-    shape (two slices in one launch) and with one slice per launch (out carries the sum from one
-    launch to the next); both into NaN-poisoned outputs, so an unwritten element shows."""
-    x, weight = _inputs(rows, depth, outputs, seed=4)
-    tiles = kernel.linear(x, weight, version="tiles")
-    assert_close(tiles, reference.linear(x, weight), rtol=RTOL, atol=_atol(x, weight))
-    assert np.array_equal(_bits(kernel.linear(x, weight, version="tiles_gemm")), _bits(tiles))
-    out = device.poisoned((rows, outputs))
-    kernel.launch_tiles_gemm(cuda.to_device(x), cuda.to_device(weight), out,
-                             tiles=kernel.GemmTiles(16, 8, 4, 4, 1, 8))
-    assert np.array_equal(_bits(out.copy_to_host()), _bits(tiles))
+def test_the_default_is_lanes_with_the_engines_launch_shape():
+    """``linear(x, w)`` runs "lanes" at ``lanes_shape`` (the engine's projections call it so): the
+    bits of "warps", its readable form, at one row and at several."""
+    x, weight = _inputs(9, 100, 37, seed=16)
+    for rows in (1, 9):
+        default = kernel.linear(x[:rows], weight)
+        d_out = device.poisoned((rows, 37))
+        kernel.lanes_launch(cuda.to_device(x[:rows]), cuda.to_device(weight), d_out,
+                            shape=kernel.lanes_shape(rows, 37))
+        assert np.array_equal(_bits(default), _bits(d_out.copy_to_host()))
+        assert np.array_equal(_bits(default), _bits(kernel.linear(x[:rows], weight, version="warps")))
 
 
-def test_tiles_gemm_every_element_written():
-    """Negative control for the poison: a grid one column tile short leaves those columns NaN."""
-    x, weight = _inputs(3, 40, 20)
-    out = device.poisoned((3, 20))
-    kernel.tiles_gemm_kernel(kernel.GEMM_SIMULATED)[(1, 1), 16](cuda.to_device(x), cuda.to_device(weight),
-                                                                  out, kernel.k_slices(40), 0)
-    written = ~np.isnan(out.copy_to_host())
-    assert written[:, :16].all() and not written[:, 16:].any()
-
-
-def test_tiles_gemm_shapes(monkeypatch):
-    """The GPU's tile shapes fit (threads, 48 KB of shared memory) and are picked by the result's
-    size; shapes the kernel cannot run are refused by name."""
-    for tiles in (kernel.GEMM_WIDE, kernel.GEMM_NARROW, kernel.GEMM_SIMULATED):
-        kernel.check_gemm_tiles(tiles)
-    monkeypatch.setattr(kernel, "SIMULATOR", False)
-    assert kernel.gemm_tiles(4096, 2048) == kernel.GEMM_WIDE                # 512 wide tiles
-    assert kernel.gemm_tiles(128, 163840) == kernel.GEMM_WIDE
-    for rows, outputs in ((4096, 576), (64, 2048), (100, 163840)):          # 160 tiles; rows < 128
-        assert kernel.gemm_tiles(rows, outputs) == kernel.GEMM_NARROW
-    for bad in (kernel.GemmTiles(32, 32, 4, 6, 4, 16),         # not whole float4 fragments
-                kernel.GemmTiles(64, 64, 8, 8, 4, 16),         # 69632 bytes of shared memory
-                kernel.GemmTiles(8, 8, 4, 4, 2, 8),            # a group of 4 threads, fewer than step
-                (32, 32, 4, 4, 4, 16)):
-        with pytest.raises(ValueError, match="tiles must be a GemmTiles"):
-            kernel.check_gemm_tiles(bad)
-
-
-def test_version_choice():
-    assert [kernel.pick_version(rows) for rows in (1, 2, 3, 4, 5, 16, 64)] == \
-        ["gemv"] * 4 + ["gemm"] * 3
+def test_gemv_and_gemm_round_a_row_differently():
+    """Chapter 0's lesson: the GEMV and the GEMM sum each output in different orders, so a library
+    that picks one by the row count gives a row other bits alone (GEMV) than in a batch (GEMM)."""
+    x, weight = _inputs(19, 300, 21, seed=17)
+    alone = kernel.linear(x[:1], weight, version="gemv")
+    batched = kernel.linear(x, weight, version="gemm")[:1]
+    assert_close(alone, batched, rtol=RTOL, atol=_atol(x, weight))
+    assert not np.array_equal(_bits(alone), _bits(batched))
 
 
 def test_linear_vector_and_leading_axes():
@@ -197,7 +156,8 @@ def test_linear_device_arrays_stay_on_device(version, host_copies):
 @pytest.mark.parametrize("call, message", [
     (lambda x, w: kernel.linear(x, w[:, :-1]), r"weight must have shape \(Dout, 8\)"),
     (lambda x, w: kernel.linear(x, w[0]), r"weight must have shape \(Dout, 8\)"),
-    (lambda x, w: kernel.linear(x, w, version="tiled"), "version must be None or one of"),
+    (lambda x, w: kernel.linear(x, w, version="tiles"), "version must be one of"),
+    (lambda x, w: kernel.linear(x, w, version=None), "version must be one of"),
     (lambda x, w: kernel.linear(x, w, threads=100), "threads must be a power of two"),
     (lambda x, w: kernel.linear(np.float32(2.0), w), "x must have shape"),
     (lambda x, w: kernel.linear(x, cuda.to_device(w.astype(np.float64))),
@@ -394,40 +354,16 @@ def test_kimi_k26_linear():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["tiles", "tiles_gemm", "warps", "lanes"])
+@pytest.mark.parametrize("version", ["warps", "lanes"])
 def test_invariant_versions_batch_invariant_at_kimi_sizes(version):
-    """"tiles" (four warps splitting Din = 7168), "warps" (four columns per block) and "lanes" (its
-    wide shape for 72 rows, its one-row shape alone): 72 tree rows equal each row alone, bit for
-    bit."""
+    """"warps" (four columns per block) and "lanes" (its wide shape for 72 rows, its one-row shape
+    alone): 72 tree rows equal each row alone, bit for bit."""
     x, weight = _inputs(72, 7168, 300, seed=8)
     d_weight = cuda.to_device(weight)
     together = kernel.linear(x, d_weight, version=version).copy_to_host()
     for t in (0, 9, 40, 71):
         alone = kernel.linear(x[t:t + 1], d_weight, version=version).copy_to_host()
         assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("depth", [7168, 2048, 1536, 511])
-def test_tiles_gemm_bit_identical_to_tiles_at_kimi_sizes(depth):
-    """On the GPU the bits also need the same fused multiply-adds: "tiles_gemm" against "tiles" for
-    rows 1..64 and 4096, Dout 2048, 576 and 33 (Din 511: a partial last chunk), with the picked
-    tile shape, then with GEMM_WIDE and GEMM_NARROW forced at 64 and 4096 rows."""
-    x, weight = _inputs(4096, depth, 2048, seed=9)
-    d_x = cuda.to_device(x)
-    for outputs in (2048, 576, 33):
-        d_weight = cuda.to_device(np.ascontiguousarray(weight[:outputs]))
-        for rows in (*range(1, 65), 4096):
-            expected = _bits(kernel.linear(d_x[:rows], d_weight, version="tiles").copy_to_host())
-            runs = {"picked": kernel.linear(d_x[:rows], d_weight, version="tiles_gemm")}
-            if rows in (64, 4096):
-                for name, tiles in (("wide", kernel.GEMM_WIDE), ("narrow", kernel.GEMM_NARROW)):
-                    runs[name] = device.poisoned((rows, outputs))
-                    kernel.launch_tiles_gemm(d_x[:rows], d_weight, runs[name], tiles=tiles)
-            for name, run in runs.items():
-                actual = _bits(run.copy_to_host())
-                assert np.array_equal(actual, expected), \
-                    f"{name}, {rows}x{depth}x{outputs}: {int((actual != expected).sum())} elements differ"
 
 
 @pytest.mark.gpu
@@ -443,76 +379,6 @@ def test_kimi_k26_argmax_and_embed():
     table = rng.standard_normal((163840, 64)).astype(np.float32)
     tokens = rng.integers(0, 163840, size=64)
     assert_exact(kernel.embed(tokens, table), reference.embed(tokens, table))
-
-
-# ---------------------------------------------------------------- "stream": "tiles"' bits, streamed
-
-def _stream_and_tiles(x, weight, **variant):
-    """"stream" (``variant``: stream_launch's options) into a NaN-poisoned output, and "tiles";
-    both (T, Dout) on the host."""
-    d_x, d_weight = cuda.to_device(x), cuda.to_device(weight)
-    d_out = device.poisoned((x.shape[0], weight.shape[0]))
-    kernel.stream_launch(d_x, d_weight, d_out, **variant)
-    return d_out.copy_to_host(), kernel.linear(d_x, d_weight, version="tiles").copy_to_host()
-
-
-# (T, Din, Dout, variant): Din not a multiple of 32 (a partial last chunk, and a partial batch of
-# loads), 1-3 rows, Dout spanning 1-3 blocks; batches of two chunks (slice 1's second one past
-# Din), adjacent slices with batches inside a chunk, blocks of 12 threads (6 columns of 2
-# slices); the default variant through ``linear`` each time
-@pytest.mark.parametrize("rows, depth, outputs, variant", [
-    (1, 70, 5, {"loads": 64}), (3, 45, 37, {"adjacent": "slices", "loads": 16}),
-    (2, 100, 9, {"threads": 12, "loads": 8})])
-def test_stream_equals_tiles_bit_for_bit(rows, depth, outputs, variant):
-    x, weight = _inputs(rows, depth, outputs, seed=9)
-    streamed, tiled = _stream_and_tiles(x, weight, **variant)
-    assert not np.isnan(streamed).any(), "an output was never written"
-    assert np.array_equal(streamed, tiled)
-    assert np.array_equal(kernel.linear(x, weight, version="stream"), tiled)
-    # the order is visible at these sizes: summing each dot product straight along Din differs
-    straight = np.cumsum(x[:, None, :] * weight[None, :, :], axis=-1, dtype=np.float32)[..., -1]
-    assert not np.array_equal(straight, tiled)
-
-
-@pytest.mark.parametrize("option, message", [
-    ({"loads": 12}, "loads must divide 32"), ({"adjacent": "rows"}, "adjacent must be one of"),
-    ({"threads": 2}, r"threads must be an int in \[4, 1024\]"),
-    ({"resident": 0}, r"resident must be None or an int in \[1, 2048\]")])
-def test_stream_bad_variants(option, message):
-    with pytest.raises(ValueError, match=message):
-        kernel.stream_kernel(1, **option)
-
-
-@pytest.mark.gpu
-def test_stream_equals_tiles_at_real_sizes():
-    """"stream" (its default launch, through ``linear``) equals "tiles" bit for bit for 1, 2, 5 and
-    8 rows at every pairing of Din 7168, 2048, 1408, 511 (4 slices), 80 (3) and 20 (1) and Dout
-    18432, 2048, 33 (the H200's fused multiply-adds included); every output written."""
-    for depth in (7168, 2048, 1408, 511, 80, 20):
-        for outputs in (18432, 2048, 33):
-            x, weight = _inputs(8, depth, outputs, seed=10)
-            d_weight = cuda.to_device(weight)
-            for rows in (1, 2, 5, 8):
-                d_x = cuda.to_device(x[:rows])
-                d_out = device.poisoned((rows, outputs))
-                kernel.linear(d_x, d_weight, version="stream", out=d_out)
-                streamed = d_out.copy_to_host()
-                tiled = kernel.linear(d_x, d_weight, version="tiles").copy_to_host()
-                assert not np.isnan(streamed).any(), f"unwritten outputs at {rows}x{depth}x{outputs}"
-                assert np.array_equal(streamed, tiled), f"stream != tiles at {rows}x{depth}x{outputs}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", kernel.STREAM_VARIANTS,
-                         ids=lambda v: "-".join(f"{k}={value}" for k, value in v.items()) or "default")
-def test_stream_variants_equal_tiles(variant):
-    """Every variant in STREAM_VARIANTS (the ones offered for timing): "tiles"' bits for 1 and 5
-    rows (Din 7168 -> 2048, and 511 -> 33: a partial chunk, fewer columns than a block)."""
-    for rows, depth, outputs in ((1, 7168, 2048), (5, 7168, 2048), (1, 511, 33), (5, 511, 33)):
-        x, weight = _inputs(rows, depth, outputs, seed=11)
-        streamed, tiled = _stream_and_tiles(x, weight, **variant)
-        assert not np.isnan(streamed).any(), f"unwritten outputs: {variant} at {rows}x{depth}x{outputs}"
-        assert np.array_equal(streamed, tiled), f"{variant} at {rows}x{depth}x{outputs}"
 
 
 # ---------------------------------------------------------------- "lanes": "warps"' bits, in flight

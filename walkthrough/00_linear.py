@@ -1,8 +1,10 @@
 """Chapter 0: linear layers, the embedding gather and greedy argmax.
 
 Every projection of the model is ``y = x @ W.T`` with W stored (out, in) as in Hugging Face
-state dicts. This chapter runs the numpy reference and both numba.cuda kernel versions (a tiled
-shared-memory GEMM for many rows, a GEMV with one block per output for decode steps), checks the
+state dicts. This chapter runs the numpy reference and the numba.cuda kernel versions (a GEMV
+with one block per output for decode steps, a tiled shared-memory GEMM for many rows, and the
+engine's batch-invariant "lanes" with its readable form "warps"), shows that the GEMV and the GEMM
+round a row differently while "lanes" gives a row the same bits alone and in a batch, checks the
 embedding gather and the first-index argmax (ties go to the lowest id), and counts the bytes a
 decode step must move through the biggest matrix of Kimi K2.6, the lm_head: it is bandwidth
 bound until a few dozen rows share every weight read.
@@ -21,29 +23,31 @@ from ddtree import linear as ref
 from ddtree.config import preset
 from kernels import device
 from kernels import linear as knl
+from kernels.bench.cases import linear as costs
 
 STEM = "00_linear"
 
 
 # --8<-- [start:lm_head_cost]
 def lm_head_cost(rows: int, vocab: int, hidden: int) -> tuple[int, int]:
-    """(bytes, FLOPs) of the lm_head over ``rows`` rows: the kernel module's cost model."""
+    """(bytes, FLOPs) of the lm_head over ``rows`` rows: the benchmark's cost model."""
     dims = dict(T=rows, Din=hidden, Dout=vocab)
-    return knl.bytes_moved("linear", **dims), knl.flops("linear", **dims)
+    return costs.bytes_moved("linear", **dims), costs.flops("linear", **dims)
 # --8<-- [end:lm_head_cost]
 
 
 def check_kernels(rng) -> None:
-    """numpy reference vs both numba versions on irregular shapes (not multiples of a block)."""
+    """numpy reference vs every numba version on irregular shapes (not multiples of a block)."""
     weight = rng.standard_normal((21, 45)).astype(np.float32)          # [N, K]
-    for rows, version in ((2, "gemv"), (19, "gemm")):
-        x = rng.standard_normal((rows, 45)).astype(np.float32)         # [T, K]
+    x = rng.standard_normal((19, 45)).astype(np.float32)               # [T, K]
+    want = ref.linear(x, weight)
+    for version in knl.VERSIONS:
         with chapter.timed(f"numba linear {version}"):
-            got = knl.linear(x, weight, version=version, threads=32)
-        want = ref.linear(x, weight)
+            got = knl.linear(x, weight, version=version)
         print(f"linear {version}: x {x.shape} @ W.T {weight.shape} -> {got.shape}, "
               f"max |numpy - numba| = {np.abs(got - want).max():.2e}")
-    print(f"  version=None picks {knl.pick_version(1)!r} for 1 row and {knl.pick_version(19)!r} for 19")
+    with chapter.section("batch_invariance"):
+        batch_invariance(x, weight)
 
     table = rng.standard_normal((50, 24)).astype(np.float32)           # [V, D]
     tokens = np.array([7, 0, 49, 7, 13])
@@ -56,6 +60,19 @@ def check_kernels(rng) -> None:
     got, want = knl.argmax(logits, threads=32), ref.argmax(logits)
     print(f"argmax with ties: numpy {want.tolist()}, numba {got.tolist()} "
           f"(ties go to the lowest id: {np.array_equal(got, want)})")
+
+
+# --8<-- [start:batch_invariance]
+def batch_invariance(x, weight) -> None:
+    """Row 0 of ``x`` alone and in its batch: the GEMV for the one row against the GEMM for the
+    batch (a library that picks by the row count), then the engine's "lanes" (the default) both ways."""
+    for name, alone, batched in (
+            ("gemv alone, gemm in the batch", knl.linear(x[:1], weight, version="gemv"),
+             knl.linear(x, weight, version="gemm")[:1]),
+            ("lanes alone, lanes in the batch", knl.linear(x[:1], weight), knl.linear(x, weight)[:1])):
+        print(f"row 0, {name}: {np.count_nonzero(alone != batched)} of {alone.size} outputs differ "
+              f"(largest difference {np.abs(alone - batched).max():.1e})")
+# --8<-- [end:batch_invariance]
 
 
 def lm_head_report() -> None:

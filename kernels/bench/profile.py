@@ -168,7 +168,7 @@ def kernel_table(table: dict, rows_list) -> list[str]:
     return lines
 
 
-ENGINE_OPTIONS = ("linear_version",)
+ENGINE_OPTIONS = ()
 
 
 def profile(name: str, rows_list, context: int, **options) -> str:
@@ -206,8 +206,6 @@ def main(argv=None) -> int:
                         help="comma-separated forward sizes in rows (buckets)")
     parser.add_argument("--context", type=int, default=136, help="cached tokens before the forward "
                         "(default 136: the middle of the engine benchmark's 8 + 256)")
-    parser.add_argument("--linear-version", default=None,
-                        help="the projections' kernels.linear version: tiles (default) or warps")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")

@@ -23,7 +23,6 @@ from numba import cuda, float32, int32, uint8
 from ddtree.config import ModelConfig, preset
 from kernels.blocks import MAX_TPB, block_argmax, check_threads, comes_first, pow2_threads
 from kernels.device import poisoned, to_device
-from kernels.linear import linear
 from kernels.moe import (
     MAX_EXPERTS,
     MAX_GROUPS,
@@ -34,6 +33,7 @@ from kernels.moe import (
     check_route,
 )
 from lab.harness import Case
+from lab.linear.v2_tiles import run as tiles_linear
 
 SHIPPED = "kernels.moe.route"
 TWIN = "ddtree.moe.route"
@@ -151,7 +151,7 @@ def run(x, gate, bias, config: ModelConfig, *, threads: int | None = None):
     rows, experts = x.shape[0], config.n_routed_experts
     ids = poisoned((rows, config.num_experts_per_tok), np.int64)
     weights = poisoned((rows, config.num_experts_per_tok))
-    logits = linear(to_device(x, np.float32), to_device(gate, np.float32), version="tiles")   # [T, E]
+    logits = tiles_linear(to_device(x, np.float32), to_device(gate, np.float32))   # [T, E] "tiles"
     flags = (config.n_group, config.topk_group, config.norm_topk_prob, float32(config.routed_scaling_factor))
     route_kernel[rows, threads or pow2_threads(experts)](logits, to_device(bias, np.float32), *flags, ids,
                                                           weights)
