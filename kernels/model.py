@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import types
 
 import numpy as np
 from numba import cuda, int32, int64
@@ -62,14 +64,37 @@ from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
 from kernels.graphs import Graphs
-from kernels.kv_cache import compact_column, write_new_rows
-from kernels.linear import argmax, embed, linear
-from kernels.mla import PathsPlan, absorb_output, absorb_query, attention_paths, check_plan, paths_plan
-from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe, moe_scratch, swiglu
-from kernels.rmsnorm import rmsnorm
-from kernels.rope import apply_rope
-from kernels.sampling import rejection_step, sample
-from kernels.tree import TreeBatch, build_trees_device, positions_and_paths, top_candidates
+from kernels.kv_cache import compact_column
+from kernels.mla import PathsPlan, check_plan, paths_plan
+from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe_scratch
+from kernels.sampling import rejection_step
+from kernels.tree import TreeBatch, build_trees_device, top_candidates
+
+# --8<-- [start:engine_operations]
+# The kernels a forward launches, by module and name: the twin of ``ddtree.model.OPERATIONS``.
+# ``Transformer.ops`` holds them (``engine_operations``); every launch of a forward goes through it,
+# so replacing one there before the first forward (a lab version, say) runs the engine with it.
+ENGINE_OPERATIONS = {
+    "rmsnorm": ("rmsnorm",),
+    "rope": ("apply_rope",),
+    "linear": ("linear", "embed", "argmax"),
+    "mla": ("absorb_query", "attention_paths", "absorb_output"),
+    "moe": ("moe", "swiglu"),
+    "kv_cache": ("write_new_rows",),
+    "tree": ("positions_and_paths",),
+    "sampling": ("sample",),
+}
+# --8<-- [end:engine_operations]
+
+
+def engine_operations() -> types.SimpleNamespace:
+    """The engine's kernel functions, by name (a fresh namespace per engine, so patching one is local)."""
+    ops = {}
+    for stem, names in ENGINE_OPERATIONS.items():
+        module = importlib.import_module(f"kernels.{stem}")
+        ops.update({op: getattr(module, op) for op in names})
+    return types.SimpleNamespace(**ops)
+
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
 BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
@@ -435,6 +460,7 @@ class Transformer:
             raise ValueError(f"device_drafters must be True or False, got {device_drafters!r}")
         check_weights(config, weights)                  # named errors before anything is uploaded
         self.config = config
+        self.ops = engine_operations()
         self.graphs = Graphs(enabled=graphs)
         self.max_rows = max_tree_nodes
         self.device_drafters = device_drafters
@@ -488,63 +514,62 @@ class Transformer:
         """Launch a forward over ``rows`` rows into buffers.logits and .posterior: each
         row's argmax, or with ``sampling`` its token drawn at temperature (``kernels.sampling``);
         without ``outcome``, the logits only."""
-        b, c = self.buffers, self.config
-        positions_and_paths(b.tree.parents[:rows], b.tree.depths[:rows], b.prefix,
-                            positions=b.positions[:rows], paths=b.paths[:rows], stream=stream)
-        embed(b.tree.tokens[:rows], self.embed_tokens, out=b.h[:rows], stream=stream,
-              range_error=b.embed_error)                                           # [T, D]
+        b, c, ops = self.buffers, self.config, self.ops
+        ops.positions_and_paths(b.tree.parents[:rows], b.tree.depths[:rows], b.prefix,
+                                positions=b.positions[:rows], paths=b.paths[:rows], stream=stream)
+        ops.embed(b.tree.tokens[:rows], self.embed_tokens, out=b.h[:rows], stream=stream,
+                  range_error=b.embed_error)                                       # [T, D]
         for index, layer in enumerate(self.layers):
             self.decoder_layer(stream, index, layer, rows)
-        rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, residual=b.delta[:rows], out=b.a[:rows],
-                stream=stream)                                         # h += the last mlp(f); [T, D]
-        self.project(b.a[:rows], self.lm_head, out=b.logits[:rows], stream=stream)     # [T, V]
+        ops.rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, residual=b.delta[:rows], out=b.a[:rows],
+                    stream=stream)                                     # h += the last mlp(f); [T, D]
+        ops.linear(b.a[:rows], self.lm_head, out=b.logits[:rows], stream=stream)   # [T, V]
         if not outcome:
             return
         if sampling:                                                               # [T]
             add_one_kernel[blocks(rows, TPB), TPB, stream](b.positions[:rows], b.draw_positions[:rows])
-            sample(b.logits[:rows], b.draw_positions[:rows], b.temperature, b.seed, out=b.posterior[:rows],
-                   stream=stream)
+            ops.sample(b.logits[:rows], b.draw_positions[:rows], b.temperature, b.seed,
+                       out=b.posterior[:rows], stream=stream)
         else:
-            argmax(b.logits[:rows], out=b.posterior[:rows], stream=stream)
+            ops.argmax(b.logits[:rows], out=b.posterior[:rows], stream=stream)
     # --8<-- [end:forward_rows]
-
-    def project(self, x, weight, *, out, stream):
-        """x (T, Din) times weight.T into out (T, Dout): ``kernels.linear.linear``, its default ("lanes")."""
-        return linear(x, weight, out=out, stream=stream)
 
     # --8<-- [start:decoder_layer]
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:
-        b, c, s = self.buffers, self.config, stream
+        b, c, s, ops = self.buffers, self.config, stream, self.ops
         h, a, delta = b.h[:rows], b.a[:rows], b.delta[:rows]                       # [T, D] each
         residual = None if index == 0 else delta       # the layer before's mlp(f), not yet in h
-        rmsnorm(h, layer.input_norm, c.rms_norm_eps, residual=residual, out=a, stream=s)  # h += it
+        ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps, residual=residual, out=a, stream=s)  # h += it
         lora, nope = c.q_lora_rank or 0, c.qk_nope_head_dim
-        projected = self.project(a, layer.a_proj, out=b.a_proj[:rows], stream=s)   # [T, Rq + R + dr]
+        projected = ops.linear(a, layer.a_proj, out=b.a_proj[:rows], stream=s)     # [T, Rq + R + dr]
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
         a_q = b.q_a_normed[:rows] if lora else a                                   # [T, Rq] or [T, D]
         # q_a_norm, kv_a_norm and the rope key, the latent and the key into slots P .. P+T-1
-        write_new_rows(projected, lora, layer.q_a_norm, layer.kv_a_norm, LATENT_NORM_EPS, b.positions[:rows],
-                       self.inv_freq, self.rope_scale, cache_latent, cache_rope, b.prefix,
-                       q_normed=a_q if lora else None, stream=s)
+        ops.write_new_rows(projected, lora, layer.q_a_norm, layer.kv_a_norm, LATENT_NORM_EPS,
+                           b.positions[:rows], self.inv_freq, self.rope_scale, cache_latent, cache_rope,
+                           b.prefix, q_normed=a_q if lora else None, stream=s)
         q = b.q[:rows]                                                             # [T, H, dn+dr]
-        self.project(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
+        ops.linear(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
         q_nope, q_pe = q[:, :, :nope], q[:, :, nope:]                              # [T, H, dn], [T, H, dr]
-        apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
-        q_lat = absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)     # [T, H, R]
+        ops.apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
+        q_lat = ops.absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)  # [T, H, R]
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         scores = None if self.attention_scores is None \
             else self.attention_scores[:rows * c.num_attention_heads]                # [T H, C]
-        o_lat = attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
-                                b.paths[:rows], self.softmax_scale, plan=self.attention_plan, scores=scores,
-                                partials=partials, out=b.o_lat[:rows], stream=s)       # [T, H, R]
-        o = absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)             # [T, H, dv]
-        self.project(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
-        rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],
-                stream=s)                                                  # h += o_proj(o); [T, D]
-        if layer.moe is not None:
-            moe(b.f[:rows], layer.moe, c, out=delta, stream=s, scratch=rows_of(self.moe_scratch[index], rows))
-        else:                                      # h += mlp(f): the next norm's residual
-            swiglu(b.f[:rows], *layer.dense, out=delta, stream=s, scratch=rows_of(self.dense_scratch, rows))
+        o_lat = ops.attention_paths(q_lat, q_pe, cache_latent, cache_rope, b.prefix, b.tree.depths[:rows],
+                                    b.paths[:rows], self.softmax_scale, plan=self.attention_plan,
+                                    scores=scores, partials=partials, out=b.o_lat[:rows],
+                                    stream=s)                                      # [T, H, R]
+        o = ops.absorb_output(o_lat, layer.w_uv, out=b.o[:rows], stream=s)         # [T, H, dv]
+        ops.linear(o.reshape(rows, o.size // rows), layer.o_proj, out=delta, stream=s)
+        ops.rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],
+                    stream=s)                                              # h += o_proj(o); [T, D]
+        if layer.moe is not None:                  # h += mlp(f): the next norm's residual
+            ops.moe(b.f[:rows], layer.moe, c, out=delta, stream=s,
+                    scratch=rows_of(self.moe_scratch[index], rows))
+        else:
+            ops.swiglu(b.f[:rows], *layer.dense, out=delta, stream=s,
+                       scratch=rows_of(self.dense_scratch, rows))
     # --8<-- [end:decoder_layer]
 
     # ------------------------------------------------------------------------------------------

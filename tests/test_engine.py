@@ -27,12 +27,13 @@ from kernels import decode as engine_decode
 from kernels import model as engine_model
 from kernels.mla import PathsPlan, paths_plan
 from kernels.mla_unfused import UNFUSED_CHUNK
-from kernels.model import Transformer as EngineTransformer
 from kernels.model import (
+    ENGINE_OPERATIONS,
     bucket_rows,
     candidate_count,
     rows_of,
 )
+from kernels.model import Transformer as EngineTransformer
 from kernels.moe import MoEScratch
 from tests.helpers import assert_close, assert_ddtree_equals, assert_exact
 from tests.test_accept import oracle_posterior, steered_tree
@@ -477,3 +478,28 @@ def test_unfused_attention_engine_equals_golden_and_ar():
     assert_option_keeps_golden_and_ddtree(600, attention_plan=PathsPlan(unfused=True))
 
 
+
+
+def test_the_engine_launches_its_ops_table():
+    """Every kernel of a forward goes through ``model.ops`` (``ENGINE_OPERATIONS``, the twin of the
+    reference's ``model.ops``): an op replaced there before the first forward is what runs."""
+    config = preset("micro")
+    model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8)
+    assert sorted(vars(model.ops)) == sorted(op for ops in ENGINE_OPERATIONS.values() for op in ops)
+    calls = {}
+
+    def counting(name, launch):
+        def wrapped(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return launch(*args, **kwargs)
+        return wrapped
+
+    for name, launch in vars(model.ops).items():
+        setattr(model.ops, name, counting(name, launch))
+    prompt = golden.default_prompt("micro")[:4]
+    assert_logits_close(model.logits(prompt), reference("micro").logits(prompt))
+    layers = config.num_hidden_layers
+    moe_layers = sum(map(config.is_moe_layer, range(layers)))
+    assert calls["attention_paths"] == layers and calls["moe"] == moe_layers
+    assert calls["linear"] == 3 * layers + 1                               # a_proj, q_proj, o_proj; lm_head
+    assert set(calls) == set(vars(model.ops)) - {"sample"}                 # greedy: no sampling
