@@ -172,7 +172,8 @@ def test_the_report_says_where_its_fp32_rate_comes_from(quick_report):
         return
     recorded = next(line for line in hardware.RESULTS.read_text(encoding="utf-8").splitlines()
                     if "fp32 peak" in line)
-    expected = recorded.split("; ridge")[0].replace("(measured here", "(not measured here")  # in the record's run
+    # the record's run measured it, this one did not
+    expected = recorded.split("; ridge")[0].replace("(measured here", "(not measured here")
     assert fp32_line.split("; ridge")[0] == expected
 
 
