@@ -169,7 +169,9 @@ def test_the_report_says_where_its_fp32_rate_comes_from(quick_report):
         return
     recorded = next(line for line in hardware.RESULTS.read_text(encoding="utf-8").splitlines()
                     if "fp32 peak" in line)
-    assert fp32_line.split("; ridge")[0] == recorded.split("; ridge")[0]
+    # the record's run measured it, this one did not
+    expected = recorded.split("; ridge")[0].replace("(measured here", "(not measured here")
+    assert fp32_line.split("; ridge")[0] == expected
 
 
 def test_digest_hashes_values_not_where_they_live():

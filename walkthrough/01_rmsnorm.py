@@ -29,7 +29,7 @@ from kernels import rmsnorm as knl
 from kernels.bench.cases import rmsnorm as cost
 
 STEM = "01_rmsnorm"
-BATCH_RECORD = "bench-h200-2026-12-04.md"     # both batches at Kimi's width, one run on the H200
+BATCH_RECORD = "bench-bandwidth.md"            # both batches at Kimi's width, one run on the H200
 
 
 # --8<-- [start:tree_reduction]

@@ -32,7 +32,7 @@ from kernels import device
 from kernels import rope as knl
 
 STEM = "02_rope"
-VERSIONS_RECORD = "bench-h200-2026-12-04.md"     # both kernel versions, one run on the H200
+VERSIONS_RECORD = "bench-bandwidth.md"            # both kernel versions, one run on the H200
 
 
 # --8<-- [start:interleaved]

@@ -6,8 +6,8 @@ launches that read every per-step value from device buffers, so that one CUDA gr
 replays them. This chapter runs one round on ``micro`` (in the CUDA simulator without a GPU, where
 the same code launches directly) and prints every kernel launch in order with its grid, block and
 the shapes it reads and writes; then what crosses the bus per round, in bytes; then the measured
-H200 results (tokens/s of the engine with and without graphs, numpy, transformers; the round's
-time split), read from the committed benchmark record.
+H200 results (tokens/s of the engine with and without graphs, transformers; a round's cost in AR
+steps; the round's time split), read from the committed engine record docs/results/engine.json.
 
 Run: python walkthrough/12_engine.py
 
@@ -16,7 +16,6 @@ Writes docs/assets/figures/12_engine_report.txt, 12_engine_tokens.png and 12_eng
 
 import contextlib
 import json
-import pathlib
 
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
@@ -29,12 +28,14 @@ from kernels import decode as engine_decode
 from kernels.device import SIMULATOR
 from kernels.model import Transformer, candidate_count
 
-# the round's phases in every record's split, old and new (the accept and compact phases became
-# one launch, "accept+compact", on 2026-12-03)
+# the round's phases as a record's split names them: "accept+compact" is round_end_kernel's one
+# launch; a record of the engine before it has "accept" and "compact" apart
 ROUND_PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "accept+compact", "host")
+DEVICE_PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "accept+compact")
 
 STEM = "12_engine"
-RESULTS = sorted((chapter.ROOT / "docs" / "results").glob("engine-h200-*.json"))
+RECORD = chapter.ROOT / "docs" / "results" / "engine.json"       # python -m kernels.bench engine
+NEW_TOKENS = 256                                                   # the benchmark's generation length
 BLOCK, BUDGET = 4, 6                    # one small round: a tree of 7 nodes that branches
 
 
@@ -108,18 +109,14 @@ def bus_bytes() -> None:
                   f"{read:>11,} B")
 
 
-def measured(complete: bool) -> dict | None:
-    """The newest committed engine record; with ``complete``, the newest that is not an
-    ``--engine-only`` run (the engine with and without graphs, transformers where installed;
-    numpy only in records run without ``--no-numpy``)."""
-    for path in reversed(RESULTS):
-        record = json.loads(path.read_text())
-        systems = {run["system"] for result in record["results"] for run in result.get("runs", [])}
-        if not complete or "engine, no graphs" in systems:
-            print(f"measured on the H200: {pathlib.Path(path).name}")
-            return record
-    print("no committed engine benchmark record under docs/results (python -m kernels.bench engine)")
-    return None
+def measured() -> dict | None:
+    """The committed engine record (its command, code, date and machine are in its header)."""
+    if not RECORD.exists():
+        print(f"no committed engine record {RECORD.name} under docs/results (python -m kernels.bench engine)")
+        return None
+    record = json.loads(RECORD.read_text(encoding="utf-8"))
+    print(f"measured on the H200: docs/results/{RECORD.name}")
+    return record
 
 
 def plot_tokens(record) -> None:
@@ -170,8 +167,36 @@ def print_results(record) -> None:
                     print(f"  {system} AR: {rate:.0f} tok/s (the engine with graphs: {speedup:.1f}x)")
             for (system, decoder, budget), run in runs.items():
                 if system == "engine, graphs" and budget == 32:
+                    host = runs.get(("engine, host drafters", decoder, budget))
+                    beside = f"; drafters on the host: {host['tokens_per_second']:.0f}" if host else ""
                     print(f"  {decoder} (budget 32): {run['tokens_per_second']:.0f} tok/s, "
-                          f"{run['forwards']} forwards")
+                          f"{run['forwards']} forwards{beside}")
+
+
+def round_budget(record) -> None:
+    """Each drafter's round at budget 32 in AR steps: the round's wall time (the run's new tokens
+    over its tokens/s, shared among its rounds: forwards less the prefill) and the split's verify,
+    against the 1.25 steps the second target allows (each round is one forward)."""
+    with chapter.section("round_budget"):
+        for result in record["results"]:
+            runs = {(r["system"], r["decoder"], r["budget"]): r for r in result["runs"]}
+            step = 1e6 / runs[("engine, graphs", "AR", None)]["tokens_per_second"]
+            print(f"round at budget 32 on {result['preset']}, in AR steps of {step:.0f} us "
+                  f"(the target allows 1.25)")
+            print(f"  {'drafter':<8} {'rounds':>6} {'round us':>9} {'AR steps':>9} {'verify':>7} "
+                  f"{'own kernels':>12}")
+            for name in ("oracle", "noisy", "ngram"):
+                run = runs.get(("engine, graphs", f"DDTree {name}", 32))
+                split = result.get("split", {}).get(name)
+                if run is None or split is None:
+                    continue
+                rounds = run["forwards"] - 1
+                wall = 1e6 * NEW_TOKENS / run["tokens_per_second"] / rounds
+                own = sum(split.get(p, 0.0) for p in DEVICE_PHASES if p != "verify")
+                verify = split["verify"]
+                print(f"  {name:<8} {rounds:>6} {wall:>9.0f} {wall / step:>9.2f} {verify / step:>7.2f} "
+                      f"{own / step:>12.2f}")
+            print()
 
 
 def main() -> None:
@@ -180,13 +205,12 @@ def main() -> None:
         with chapter.timed("one round on the engine"):
             one_round(setup)
         bus_bytes()
-        record = measured(complete=True)
+        record = measured()
         if record:
             print_results(record)
+            round_budget(record)
             plot_tokens(record)
-        newest = measured(complete=False)
-        if newest:
-            plot_split(newest)
+            plot_split(record)
 
 
 if __name__ == "__main__":

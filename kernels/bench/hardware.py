@@ -1,15 +1,15 @@
 """The H200's figures, read from the committed benchmark record (never retyped).
 
-Every number here comes from ``RESULTS`` (docs/results/bench-h200-2026-11-29.md), the report
-``python -m kernels.bench`` wrote on the project's H200; a new record replaces the file name,
-and the figures follow. ``figures()`` gives each one with where it comes from:
+Every number here comes from ``RESULTS`` (docs/results/bench.md), the report
+``python -m kernels.bench`` wrote on the project's H200 (its date, GPU and command are inside); a
+new run replaces the file, and the figures follow. ``figures()`` gives each one with where it comes from:
 
 - ``copy_bandwidth()``: bytes/s of a 1 GiB device-to-device copy, read + write counted: the
   memory-bound ceiling measured in that run (below the 4.8 TB/s on the datasheet);
 - ``launch_seconds()``: an empty kernel launch between two CUDA events, and
   ``host_launch_seconds()``: host time per launch, back to back, from Python;
-- ``fp32_flops()``: the fp32 rate the report used for compute-bound cases; not measured by the
-  benchmark itself but recorded there (torch SGEMM with TF32 off on the same H200).
+- ``fp32_flops()``: the fp32 rate the report used for compute-bound cases: torch SGEMM with TF32
+  off on the same H200, as the record states it.
 
 The record lives in the source tree (docs/), so these work from a checkout, not an installed wheel.
 """
@@ -21,7 +21,7 @@ import re
 import typing
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench-h200-2026-11-29.md"
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench.md"
 
 _UNITS = {"GB/s": 1e9, "µs": 1e-6, "TFLOP/s": 1e12}
 _PATTERNS = {   # figure -> (a regular expression: groups number, unit and a note if any; what it is)

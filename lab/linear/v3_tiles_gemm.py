@@ -9,11 +9,11 @@ slice order; with 128 x 128 tiles one launch per slice continues the sum in y. A
 "tiles"' order ran it for forwards of 8 rows or more where W had 2^20 elements or more (commit
 f97fc93). On the H200 its 64-row 7168 -> 2048 projection took 124 µs against v2's 309 and torch's
 71, 4096 prefill rows 3587 against 16264 and 2354, 40 rows of 2048 -> 3072 60 against 83
-(docs/results/linear-versions-h200-2026-12-01.txt, which also checked the bits against v2 at every
+(docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9, which also checked the bits against v2 at every
 shape timed); at tiny's sizes it lost, a 40-row verify 780 µs with it against 723 without
-(docs/results/engine-linear-h200-2026-12-01.txt). It left with "tiles"' order when the engine took
+(docs/results/engine-linear-h200-2026-12-01.txt at commit f61189f). It left with "tiles"' order when the engine took
 "lanes" (commit 6fe9e42), although at 72 rows small's lm_head took 692 µs with it against "lanes"'
-1076 (docs/results/lanes-h200-2026-12-02.txt): a register-tiled GEMM in "lanes"' order is the way
+1076 (docs/results/lanes-h200-2026-12-02.txt at commit 6fe9e42): a register-tiled GEMM in "lanes"' order is the way
 left open for many rows. Its bits are v2's, not "lanes"' (``SAME_BITS`` False; the tests compare it
 with v2).
 """
@@ -67,7 +67,7 @@ class GemmTiles(NamedTuple):
 
 # ptxas (sm_90) for the GPU's shapes: no spills; WIDE 128 registers and 33 KB of shared memory,
 # NARROW 98 and 36 KB: two blocks of 256 threads per SM either way. The fastest of 12 shapes timed
-# on the H200 at 64 and at 4096 rows (linear-versions-h200-2026-12-01.txt)
+# on the H200 at 64 and at 4096 rows (linear-versions-h200-2026-12-01.txt at commit d604ab9)
 GEMM_WIDE = GemmTiles(128, 128, 8, 8, 1, 16)   # many rows: a slice per launch
 GEMM_NARROW = GemmTiles(32, 32, 4, 4, 4, 16)   # few rows: 4 slices at once, so 64 rows fill the GPU
 GEMM_SIMULATED = GemmTiles(8, 16, 4, 4, 2, 8)  # the simulator's: 16 threads per block

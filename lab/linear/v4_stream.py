@@ -7,9 +7,9 @@ barriers; here no barrier sits inside the sum, so warps run independently and mo
 flight. The price: a warp's load touches 32 rows of W instead of one, and the next loads of those
 rows must find them in L1, which holds only while the chains are few. For one decode row on the
 H200 it took 4.7 / 26 / 85 µs where v2 took 7.5 / 38 / 124 (Dout 512 / 1408 / 2048) but 627 against
-356 at Dout 18432 (docs/results/linear-versions-h200-2026-12-01.txt); an engine in "tiles"' order
+356 at Dout 18432 (docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9); an engine in "tiles"' order
 ran it for one row where Dout <= 2048 (commit f1dcd85), tiny's AR step 486 µs against 523, while a
-40-row verify was slower with it, 787 against 723 (docs/results/engine-linear-h200-2026-12-01.txt).
+40-row verify was slower with it, 787 against 723 (docs/results/engine-linear-h200-2026-12-01.txt at commit f61189f).
 Launch bounds (``resident``) let ptxas spend the registers to issue a batch's loads before the first
 multiply-add (without them it kept 56 and issued about half); ``STREAM_VARIANTS`` (threads, loads in
 flight, bounds, adjacent columns or slices) change no bit. It left with "tiles"' order when the
