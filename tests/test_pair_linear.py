@@ -451,9 +451,10 @@ def test_lanes_passes_of_one_row_equal_warps():
 
 @pytest.mark.gpu
 def test_lanes_equals_warps_at_real_sizes():
-    """"lanes" at every shape ``lanes_shape`` picks and at those timed (lanes-h200-2026-12-02.txt at commit 6fe9e42)
-    equals "warps" bit for bit for 1, 2, 8, 16, 24 and 72 rows at small's projection sizes and an
-    odd one (Din 511 -> 33), the H200's fused multiply-adds included; every output written."""
+    """"lanes" at every shape ``lanes_shape`` picks and at those once timed (lanes-h200-2026-12-02.txt
+    at commit 6fe9e42) equals "warps" bit for bit for 1, 2, 8, 16, 24 and 72 rows at small's
+    projection sizes and an odd one (Din 511 -> 33), the GPU's fused multiply-adds included; every
+    output written."""
     shapes = {(4, 1, 16), (4, 2, 16), (4, 2, 8), (4, 4, 4), (8, 1, 8), (8, 2, 8), (2, 2, 8), (4, 1, 8),
               (8, 1, 16), (4, 8, 2), (8, 4, 4), (2, 8, 2), (4, 8, 4), None}
     for depth, outputs in ((2048, 1536), (1536, 1024), (2048, 64), (2048, 32000), (511, 33)):

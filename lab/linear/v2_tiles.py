@@ -2,16 +2,17 @@
 6fe9e42). A lane owns an output column and a block 32 columns; each lane sums its column
 sequentially along 32-wide chunks of Din for 8 rows at once, in registers, and the block's S warps
 take chunks s, s + S, ... whose partial sums are added in slice order (``kernels.linear.tile_dots``,
-which the MoE router still runs; S = ``k_slices(Din)``, never a function of T). Each warp stages
-its 32 x 32 weight tile through shared memory, so the loads stay coalesced and every staged weight
+which the MoE router still runs; S = ``k_slices(Din)``, never a function of T). Each warp stages its
+32 x 32 weight tile through shared memory, so the loads stay coalesced and every staged weight
 serves all the rows. Against "rows" (v1) its fewer, fuller blocks took tiny's AR from 1090 to 1453
 tok/s on the H200 and a 40-row verify from 1.6 to 1.3 AR steps (commit 2c061a4). It lost to "lanes"
-because it keeps few warps busy, each waiting at two barriers per chunk: small's AR step spent
-2.3 ms in it, 0.30 TB/s of a 3.5 TB/s copy bandwidth (docs/results/profile-h200-2026-12-01d.md at commit 551c111);
-one row through a layer's projections and the lm_head of small took 330 µs with the engine's
-tiles-order kernels against 137 with "lanes" (docs/results/lanes-h200-2026-12-02.txt at commit 6fe9e42), and small's
-AR step went from 4424 to 3032 µs with the switch (commit 6fe9e42). Its order rounds differently
-from "lanes"' (``SAME_BITS`` False); v3 and v4 give its bits with other kernels.
+because it keeps few warps busy, each waiting at two barriers per chunk: small's AR step spent 2.3
+ms in it, 0.30 TB/s of a 3.5 TB/s copy bandwidth (docs/results/profile-h200-2026-12-01d.md at commit
+551c111); one row through a layer's projections and the lm_head of small took 330 µs with the
+engine's tiles-order kernels against 137 with "lanes" (docs/results/lanes-h200-2026-12-02.txt at
+commit 6fe9e42), and small's AR step went from 4424 to 3032 µs with the switch (commit 6fe9e42). Its
+order rounds differently from "lanes"' (``SAME_BITS`` False); v3 and v4 give its bits with other
+kernels.
 """
 
 from __future__ import annotations

@@ -5,17 +5,17 @@ a 32 x 32 or 128 x 128 tile of y (``GemmTiles``), each thread a 4 x 4 or 8 x 8 s
 registers, so every staged weight serves a whole tile of rows and every fragment read (one float4)
 feeds 4 or 8 multiply-adds; the next step's tiles load into registers while the current step's sums
 run. With 32 x 32 tiles a block's 4 thread groups sum the 4 slices at once and add them into y in
-slice order; with 128 x 128 tiles one launch per slice continues the sum in y. An engine in
-"tiles"' order ran it for forwards of 8 rows or more where W had 2^20 elements or more (commit
-f97fc93). On the H200 its 64-row 7168 -> 2048 projection took 124 µs against v2's 309 and torch's
-71, 4096 prefill rows 3587 against 16264 and 2354, 40 rows of 2048 -> 3072 60 against 83
-(docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9, which also checked the bits against v2 at every
-shape timed); at tiny's sizes it lost, a 40-row verify 780 µs with it against 723 without
-(docs/results/engine-linear-h200-2026-12-01.txt at commit f61189f). It left with "tiles"' order when the engine took
-"lanes" (commit 6fe9e42), although at 72 rows small's lm_head took 692 µs with it against "lanes"'
-1076 (docs/results/lanes-h200-2026-12-02.txt at commit 6fe9e42): a register-tiled GEMM in "lanes"' order is the way
-left open for many rows. Its bits are v2's, not "lanes"' (``SAME_BITS`` False; the tests compare it
-with v2).
+slice order; with 128 x 128 tiles one launch per slice continues the sum in y. An engine in "tiles"'
+order ran it for forwards of 8 rows or more where W had 2^20 elements or more (commit f97fc93). On
+the H200 its 64-row 7168 -> 2048 projection took 124 µs against v2's 309 and torch's 71, 4096
+prefill rows 3587 against 16264 and 2354, 40 rows of 2048 -> 3072 60 against 83
+(docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9, which also checked the bits
+against v2 at every shape timed); at tiny's sizes it lost, a 40-row verify 780 µs with it against
+723 without (docs/results/engine-linear-h200-2026-12-01.txt at commit f61189f). It left with
+"tiles"' order when the engine took "lanes" (commit 6fe9e42), although at 72 rows small's lm_head
+took 692 µs with it against "lanes"' 1076 (docs/results/lanes-h200-2026-12-02.txt at commit
+6fe9e42): a register-tiled GEMM in "lanes"' order is the way left open for many rows. Its bits are
+v2's, not "lanes"' (``SAME_BITS`` False; the tests compare it with v2).
 """
 
 from __future__ import annotations

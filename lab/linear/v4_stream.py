@@ -1,20 +1,21 @@
 """Version "stream": "tiles"' sums (v2) bit for bit with the W tile's detour through shared memory
 taken out. A thread owns one (column n, slice s) chain and reads its own W row's 32 consecutive
 floats of each chunk straight into registers, 64 loads before the first add; its rows' sums stay in
-registers, and only the S partials meet in shared memory, once per pass, added in slice order. In
-v2 each lane stores its 32 loaded weights to shared memory and reads 32 back between two block-wide
+registers, and only the S partials meet in shared memory, once per pass, added in slice order. In v2
+each lane stores its 32 loaded weights to shared memory and reads 32 back between two block-wide
 barriers; here no barrier sits inside the sum, so warps run independently and more of W is in
 flight. The price: a warp's load touches 32 rows of W instead of one, and the next loads of those
-rows must find them in L1, which holds only while the chains are few. For one decode row on the
-H200 it took 4.7 / 26 / 85 µs where v2 took 7.5 / 38 / 124 (Dout 512 / 1408 / 2048) but 627 against
-356 at Dout 18432 (docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9); an engine in "tiles"' order
-ran it for one row where Dout <= 2048 (commit f1dcd85), tiny's AR step 486 µs against 523, while a
-40-row verify was slower with it, 787 against 723 (docs/results/engine-linear-h200-2026-12-01.txt at commit f61189f).
-Launch bounds (``resident``) let ptxas spend the registers to issue a batch's loads before the first
-multiply-add (without them it kept 56 and issued about half); ``STREAM_VARIANTS`` (threads, loads in
-flight, bounds, adjacent columns or slices) change no bit. It left with "tiles"' order when the
-engine took "lanes" (commit 6fe9e42), which keeps a warp's loads on one W row. Its bits are v2's,
-not "lanes"' (``SAME_BITS`` False; the tests compare it with v2).
+rows must find them in L1, which holds only while the chains are few. For one decode row on the H200
+it took 4.7 / 26 / 85 µs where v2 took 7.5 / 38 / 124 (Dout 512 / 1408 / 2048) but 627 against 356
+at Dout 18432 (docs/results/linear-versions-h200-2026-12-01.txt at commit d604ab9); an engine in
+"tiles"' order ran it for one row where Dout <= 2048 (commit f1dcd85), tiny's AR step 486 µs against
+523, while a 40-row verify was slower with it, 787 against 723 (docs/results/engine-
+linear-h200-2026-12-01.txt at commit f61189f). Launch bounds (``resident``) let ptxas spend the
+registers to issue a batch's loads before the first multiply-add (without them it kept 56 and issued
+about half); ``STREAM_VARIANTS`` (threads, loads in flight, bounds, adjacent columns or slices)
+change no bit. It left with "tiles"' order when the engine took "lanes" (commit 6fe9e42), which
+keeps a warp's loads on one W row. Its bits are v2's, not "lanes"' (``SAME_BITS`` False; the tests
+compare it with v2).
 """
 
 from __future__ import annotations
