@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kernels.bench.compare import assert_close, assert_exact
-from kernels.device import SIMULATOR, cuda, to_device
+from kernels.device import SIMULATOR, is_device_array, to_device
 
 LAB = pathlib.Path(__file__).resolve().parent
 DEFAULT_TOLERANCE = (1e-5, 1e-6)
@@ -82,7 +82,7 @@ def compare(actual, expected, *, exact: bool, tolerance=DEFAULT_TOLERANCE, name:
             compare(a, e, exact=exact, tolerance=tolerance, name=f"{name}[{i}]")
         return
     expected = np.asarray(expected)
-    actual = np.asarray(actual.copy_to_host() if cuda.is_cuda_array(actual) else actual)
+    actual = np.asarray(actual.copy_to_host() if is_device_array(actual) else actual)
     if np.issubdtype(expected.dtype, np.floating) and not exact:
         assert_close(actual, expected, *tolerance, name=name)
     elif np.issubdtype(expected.dtype, np.floating):
