@@ -11,10 +11,11 @@ import types
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
-from ddtree.decode import DEFAULT_BUDGET, check_block_size, check_budget, check_prompt, check_topk
+from ddtree.decode import DEFAULT_BUDGET, budget_limit, check_block_size, check_prompt, check_topk
 from ddtree.drafters import DRAFTERS, check_seed, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
 from ddtree.sampling import check_sampling_seed, check_temperature
+from ddtree.tree import check_budget
 from ddtree.weights import init_weights
 
 BACKENDS = ("numpy", "numba")
@@ -65,7 +66,7 @@ def check_flags(args, model, prompt, backend=None) -> None:
     checks = [
         ("--tokens", lambda: check_prompt(model, prompt, args.tokens)),
         ("--block-size", lambda: check_block_size(args.block_size, limit)),
-        ("--budget", lambda: check_budget(args.budget)),
+        ("--budget", lambda: check_budget(args.budget, *budget_limit(model))),
         ("--topk", lambda: check_topk(args.topk)),
         ("--seed", lambda: check_seed(args.seed)),
         ("--temperature", lambda: check_temperature(args.temperature)),
@@ -73,8 +74,6 @@ def check_flags(args, model, prompt, backend=None) -> None:
     ]
     if backend is not None:
         checks.append(("--temperature", lambda: check_sampling_backend(backend, args.temperature)))
-    if hasattr(model, "check_budget"):                 # a backend with its own limit on trees
-        checks.append(("--budget", lambda: model.check_budget(args.budget)))
     for flag, check in checks:
         try:
             check()

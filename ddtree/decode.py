@@ -28,7 +28,7 @@ from ddtree.sampling import (
     rejection_step,
     sample,
 )
-from ddtree.tree import top_candidates
+from ddtree.tree import check_budget, top_candidates, tree_size
 
 
 def is_integer(value) -> bool:
@@ -105,9 +105,15 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
 # DDTree: draft, build the tree, verify it in one forward, accept, compact.
 
 DEFAULT_BUDGET = 32
-# a verify forward over B + 1 rows costs O(B (P + B)) attention work and memory; the published
-# DDTree runs use budgets up to 1024, so a larger one is a typo rather than a plan
+# the reference verifies a tree in one forward whose mask and attention scores grow as B (P + B):
+# its limit is what host memory holds comfortably (four times the largest budget DDTree is run at)
 MAX_BUDGET = 4096
+
+
+def budget_limit(model) -> tuple[int, str]:
+    """The largest budget ``model`` verifies and what that limit is: the model's own
+    ``budget_limit`` (the engine's: its buffers' rows), else the reference's MAX_BUDGET."""
+    return getattr(model, "budget_limit", (MAX_BUDGET, "MAX_BUDGET of the reference decoder"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +156,6 @@ def check_block_size(block_size, limit: int) -> int:
     return int(block_size)
 
 
-def check_budget(budget) -> int:
-    if not is_integer(budget) or not 0 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget must be an integer in [0, MAX_BUDGET={MAX_BUDGET}], got {budget!r}")
-    return int(budget)
-
-
 def check_topk(topk) -> int | None:
     if topk is not None and (not is_integer(topk) or topk < 1):
         raise ValueError(f"topk must be None or an integer >= 1, got {topk!r}")
@@ -176,7 +176,7 @@ def check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk
                          seed=0, verifier="node"):
     prompt = check_prompt(model, prompt, max_new_tokens)
     check_block_size(block_size, model.config.max_position_embeddings)
-    check_budget(budget)
+    check_budget(budget, *budget_limit(model))
     check_topk(topk)
     check_temperature(temperature)
     check_sampling_seed(seed)
@@ -190,16 +190,9 @@ def candidates_per_depth(budget: int, topk: int | None, vocab: int) -> int:
 
 
 def largest_tree(block_size: int, budget: int, topk: int | None, vocab: int) -> int:
-    """N of the largest tree a round can build: the root + min(B, K + K^2 + ... + K^L) drafted
-    nodes (each node has at most K children, the tree at most L levels)."""
-    per_depth = candidates_per_depth(budget, topk, vocab)
-    drafted, level = 0, 1
-    for _ in range(block_size - 1):
-        level *= per_depth                                   # nodes at this depth
-        drafted += level
-        if drafted >= budget:
-            break
-    return 1 + min(budget, drafted)
+    """N of the largest tree a round can build (``ddtree.tree.tree_size``): the root + min(B, K +
+    K^2 + ... + K^L) drafted nodes (each node has at most K children, the tree at most L levels)."""
+    return tree_size(block_size - 1, candidates_per_depth(budget, topk, vocab), budget)
 
 
 def check_draft(logits, depths: int, vocab: int) -> np.ndarray:

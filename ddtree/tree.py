@@ -100,10 +100,29 @@ def check_candidates(top_logprobs, top_ids):
     return lp, ids.astype(np.int64)
 
 
-def check_budget(budget) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise ValueError(f"budget must be an integer, got {budget!r}")
+# --8<-- [start:check_budget]
+def check_budget(budget, limit: int | None = None, limit_is: str = "", name: str = "budget") -> int:
+    """The node budget's one rule, wherever a budget enters: an integer (not a bool) with
+    0 <= budget <= ``limit``. Each caller passes its real limit and says what it is in
+    ``limit_is`` (an engine's buffers, the GPU builder's shared memory); None: no limit but memory."""
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)) or budget < 0 \
+            or (limit is not None and budget > limit):
+        bound = ">= 0" if limit is None else f"in [0, {limit}] ({limit_is})"
+        raise ValueError(f"{name} must be an integer {bound}, got {budget!r}")
     return int(budget)
+# --8<-- [end:check_budget]
+
+
+def tree_size(depths: int, k: int, budget: int) -> int:
+    """N of the largest tree of at most ``budget`` drafted nodes over ``depths`` levels of ``k``
+    candidates: the root + min(B, K + K^2 + ... + K^L) (a node has at most K children)."""
+    drafted, level = 0, 1
+    for _ in range(depths):
+        level *= k                                           # nodes at this depth
+        drafted += level
+        if drafted >= budget:
+            break
+    return 1 + min(budget, drafted)
 
 
 def check_token(value, name: str) -> int:

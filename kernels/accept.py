@@ -9,7 +9,7 @@ own node: node i is on the walk iff every edge of its path matches, ``tokens[c] 
 posterior[parents[c]]`` for each node c on the path root..i (at most L steps up). Siblings carry
 distinct tokens, so at most one child of a node matches and the matching nodes form one chain
 root..deepest; the node at depth j is ``accepted[j]``. No barrier per step, one per phase.
-``bytes_moved`` and ``flops`` give the cost model.
+The engine's round end runs ``mark_walk`` inside its own kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from ddtree.accept import check_posterior, check_siblings
 from ddtree.tree import DraftTree, check_parents
 from kernels.blocks import pow2_threads
 from kernels.device import check_out, deliver, is_device_array, output, to_device
-
-I64 = 8
 
 
 # --8<-- [start:accept_kernel]
@@ -144,47 +142,3 @@ def accept(tree: DraftTree, posterior_tokens):
                                             np.array([tree.size], np.int64), posterior[None])
     return accepted[0, :lengths[0]].copy(), int(bonus[0])
 # --8<-- [end:accept]
-
-
-def bytes_moved(*, Bq: int, W: int) -> int:
-    """Fewest bytes ``accept_batch`` moves: tokens, parents, posterior (Bq, W) and sizes (Bq,) read
-    once, accepted (Bq, W), lengths and bonus (Bq,) written once; all int64."""
-    return I64 * (3 * Bq * W + Bq) + I64 * (Bq * W + 2 * Bq)
-
-
-def flops(*, Bq: int, W: int) -> int:
-    """Floating-point operations: none (acceptance compares token ids)."""
-    return 0
-
-
-def bench_cases(sizes):
-    """This module's case of ``python -m kernels.bench``: Bq trees whose deepest path is accepted."""
-    import zlib
-
-    from ddtree.tree import build_tree
-    from kernels.bench.case import (  # lazily: kernels.bench imports this module
-        Case,
-        accepted_path,
-        drafter_candidates,
-    )
-
-    requests, budget, vocab = sizes.requests, sizes.accept_budget, sizes.config.vocab_size
-    width = budget + 1
-    rng = np.random.default_rng(zlib.crc32(b"accept_batch"))
-    logprobs, ids = drafter_candidates(rng, requests, sizes.depths, budget, vocab)
-    tokens = np.zeros((requests, width), np.int64)                            # [Bq, W] padding 0
-    parents = np.full((requests, width), -1, np.int64)                        # [Bq, W] padding -1
-    tree_sizes = np.zeros(requests, np.int64)
-    posterior = rng.integers(0, vocab, (requests, width)).astype(np.int64)    # [Bq, W] target's picks
-    for b in range(requests):
-        tree = build_tree(0, logprobs[b], ids[b], budget)
-        tokens[b, :tree.size], parents[b, :tree.size], tree_sizes[b] = tree.tokens, tree.parents, tree.size
-        path = accepted_path(tree, 1 + int(tree.depths.max()))                # a deepest walk ...
-        posterior[b, path[:-1]] = tree.tokens[path[1:]]                       # ... is what the target picks
-    return [Case("accept_batch", f"greedy acceptance of {requests} trees of {width} nodes "
-                 "(deepest path accepted)", f"Bq={requests} W={width}",
-                 setup=lambda seed: tuple(cuda.to_device(a)
-                                          for a in (tokens, parents, tree_sizes, posterior)),
-                 call=lambda inputs, **given: accept_batch(*inputs, **given),
-                 bytes=bytes_moved(Bq=requests, W=width), flops=flops(Bq=requests, W=width),
-                 note="3 poisoned outputs")]

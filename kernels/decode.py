@@ -106,7 +106,6 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
                                   seed, verifier)
-    model.check_budget(budget)
     check_drafter(drafter, model.config.vocab_size)
     tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
     cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)

@@ -52,23 +52,23 @@ from numba import cuda, int32, int64
 
 from ddtree.config import ModelConfig
 from ddtree.drafters import check_tokens as check_tokens_named
-from ddtree.kv_cache import CacheOverflowError, LatentKVCache
+from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import LATENT_NORM_EPS, check_tokens
 from ddtree.moe import MoEParams
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
 from ddtree.sampling import KeyedRandom, child_tokens, draw_children
-from ddtree.tree import DraftTree
+from ddtree.tree import DraftTree, check_budget, tree_size
 from ddtree.weights import check_weights
 from kernels.accept import mark_walk
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
 from kernels.graphs import Graphs
-from kernels.kv_cache import compact_column
+from kernels.kv_cache import DeviceCache, compact_column
 from kernels.mla import PathsPlan, check_plan, paths_plan
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe_scratch
 from kernels.sampling import rejection_step
-from kernels.tree import TreeBatch, build_trees_device, top_candidates
+from kernels.tree import BUDGET_LIMIT_IS, MAX_TREE_NODES, TreeBatch, build_trees_device, top_candidates
 
 # --8<-- [start:engine_operations]
 # The kernels a forward launches, by module and name: the twin of ``ddtree.model.OPERATIONS``.
@@ -114,17 +114,6 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     return min(bucket, max_rows)
 
 
-
-
-def candidate_count(depths: int, k: int) -> int:
-    """Candidates a tree of ``depths`` levels with ``k`` per level can hold (capped, no overflow)."""
-    total, level = 0, 1
-    for _ in range(depths):
-        level *= k
-        total += level
-        if total > 1 << 20:
-            break
-    return total
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,34 +238,7 @@ def round_end_kernel(width: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# weights, cache and buffers on the device
-
-class DeviceCache:
-    """The latent KV cache on the device: the twin of ``ddtree.kv_cache.LatentKVCache``.
-
-    ``latent`` (Ly, C, R) and ``rope`` (Ly, C, dr) are device arrays; ``length`` mirrors the
-    device's state[LENGTH] on the host (the engine updates both). Rows past ``length`` are
-    scratch: a forward writes its whole bucket there, and only the committed rows count.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, latent_dim: int, rope_dim: int):
-        self.latent = poisoned((num_layers, capacity, latent_dim))   # [Ly, C, R]
-        self.rope = poisoned((num_layers, capacity, rope_dim))       # [Ly, C, dr]
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.latent.shape[1]
-
-    def to_host(self) -> LatentKVCache:
-        """A numpy copy (for tests and chapters; copies the whole cache)."""
-        layers, capacity, rank = self.latent.shape
-        host = LatentKVCache(layers, capacity, rank, self.rope.shape[2])
-        host.latent[:] = self.latent.copy_to_host()
-        host.rope[:] = self.rope.copy_to_host()
-        host.length = self.length
-        return host
-
+# weights and buffers on the device (the cache: kernels.kv_cache.DeviceCache)
 
 @dataclasses.dataclass(frozen=True)
 class DeviceLayer:
@@ -693,10 +655,13 @@ class Transformer:
             raise CacheOverflowError(f"KV cache overflow: {cache.length} rows cached + {rows} new > "
                                      f"max_position_embeddings {limit}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget > self.max_rows - 1:
-            raise ValueError(f"budget must be <= {self.max_rows - 1} (max_tree_nodes - 1 of this engine), "
-                             f"got {budget}")
+    @property
+    def budget_limit(self) -> tuple[int, str]:
+        """The largest budget a round takes, and what that limit is: a tree's rows fit the buffers
+        of max_tree_nodes rows, and the builder's shared memory (``kernels.tree``)."""
+        if self.max_rows - 1 <= MAX_TREE_NODES - 1:
+            return self.max_rows - 1, "max_tree_nodes - 1 of this engine"
+        return MAX_TREE_NODES - 1, BUDGET_LIMIT_IS
 
     def prefill(self, cache: DeviceCache, tokens, emit_token: bool, return_logits: bool = False):
         """Causal forward over ``tokens`` in chunks of at most Tmax rows; commits them all.
@@ -777,7 +742,7 @@ class Transformer:
         """
         if self.unread:
             raise ValueError("start_round: a launched round is unread (finish_round it first)")
-        self.check_budget(budget)
+        check_budget(budget, *self.budget_limit)
         kind = None
         if draft is None:
             kind = self.buffers.drafter.kind
@@ -787,7 +752,7 @@ class Transformer:
             check_round(self.buffers.drafter, len(context), depths)
         depths = min(depths if kind else draft.shape[0], budget)    # deeper rows can never be reached
         k = min(k, max(budget, 1))                    # neither can ranks >= B
-        budget = min(budget, candidate_count(depths, k))   # the nodes the tree will have: the same tree
+        budget = tree_size(depths, k, budget) - 1     # the nodes the tree will have: the same tree
         rows = budget + 1        # the tree's nodes exactly: the key below has the budget, L and K
         self._reserve(cache, rows)                    # anyway, so buckets would save no graph
         self.sync_context(context, rows)

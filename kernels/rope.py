@@ -4,13 +4,13 @@ Legend: T rows, H heads, dr rotary width (qk_rope_head_dim), dr/2 frequencies, T
 
 Two kernel versions, the same bits (``version``):
 
-* version 1 (``rope_kernel``): one thread per (row t, head h, frequency i). It rotates the pair
-  (x[t, h, i], x[t, h, i + dr/2]) by the angle positions[t] * inv_freq[i] (NeoX rotate-halves).
-* version 2 (``rope_heads_kernel``, the default): one thread per (row t, frequency i, group of
-  ROPE_HEADS heads). Every head of a row turns by the same angle, so version 1 computes each
-  cos and sin H times; version 2 computes them once per group and rotates the group's heads with
-  them, its 2 x ROPE_HEADS loads issued before the first store. On the H200, for a prefill's
-  4096 rows of Kimi's 64 heads: 37.5 µs against version 1's 95.5 (bench-h200-2026-12-04.md).
+* version 1 (``rope_kernel``, the readable one chapter 2 starts from): one thread per (row t,
+  head h, frequency i). It rotates the pair (x[t, h, i], x[t, h, i + dr/2]) by the angle
+  positions[t] * inv_freq[i] (NeoX rotate-halves).
+* version 2 (``rope_heads_kernel``, the default, what the engine runs): one thread per (row t,
+  frequency i, group of ROPE_HEADS heads). Every head of a row turns by the same angle, so
+  version 1 computes each cos and sin H times; version 2 computes them once per group and
+  rotates the group's heads with them, its 2 x ROPE_HEADS loads issued before the first store.
 
 Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
 assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
@@ -48,11 +48,10 @@ from kernels.device import (
     output,
     to_device,
 )
+from kernels.tuning import ROPE_HEADS
 
 TPB = 128   # threads per block; the grid covers T * H * dr/2 (row, head, frequency) triples
-ROPE_HEADS = 8   # version 2: heads a thread turns with one cos and sin (2 loads each in flight)
 VERSIONS = (1, 2)
-F32, I64 = 4, 8
 
 
 # --8<-- [start:rope_kernel]
@@ -68,7 +67,7 @@ def cos_sin(position, frequency, scale):
 def turned(first, second, cos, sin):
     """The pair (first, second) turned by (cos, sin): NeoX's rotate-halves, each output one fused
     multiply-add around one product, written out: left to the compiler, which of the two products
-    it fuses depends on the code around it (versions 1 and 2 differed in the last bit on the H200)."""
+    it fuses depends on the code around it (and two kernels could differ in the last bit)."""
     return cuda.fma(first, cos, -(second * sin)), cuda.fma(second, cos, first * sin)
 
 
@@ -170,40 +169,3 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, *, out=None, stream=N
             to_device(inv_freq, np.float32), float(scale), as_triples(d_out, rows, heads, width))
     return deliver(d_out, out, x, positions, inv_freq)
 # --8<-- [end:apply_rope]
-
-
-def bytes_moved(*, T: int, H: int, dr: int) -> int:
-    """Fewest bytes ``apply_rope`` moves: x (T, H, dr) read once and written once, inv_freq (dr/2,)
-    read once (float32), positions (T,) read once (int64)."""
-    return F32 * (2 * T * H * dr + dr // 2) + I64 * T
-
-
-def flops(*, T: int, H: int, dr: int) -> int:
-    """Floating-point operations of the rotation: 6 per (row, head, frequency) pair (four
-    multiplies, two adds); the cos and sin are not counted."""
-    return 6 * T * H * (dr // 2)
-
-
-def _case(name: str, what: str, config, rows: int, first: int, version: int = 2):
-    from kernels.bench.case import Case, uniform  # lazily: kernels.bench imports this module
-
-    heads, rope_dim = config.num_attention_heads, config.qk_rope_head_dim
-    frequencies, scale = reference.inv_freq(config), reference.cos_sin_scale(config)
-    positions = np.arange(first, first + rows)
-    return Case(name, what, f"x ({rows}, {heads}, {rope_dim})",
-                setup=lambda seed: (uniform((rows, heads, rope_dim), seed), cuda.to_device(positions),
-                                    cuda.to_device(frequencies), scale),
-                call=lambda inputs, **given: apply_rope(*inputs, version=version, **given),
-                bytes=bytes_moved(T=rows, H=heads, dr=rope_dim), flops=flops(T=rows, H=heads, dr=rope_dim),
-                note=f"version {version}; FLOPs: the rotation, sin/cos not counted")
-
-
-def bench_cases(sizes):
-    """This module's cases of ``python -m kernels.bench``: q_pe of a verified tree (the model's
-    size: launch-bound) and of a prefill's rows (large: bandwidth-bound), each by both versions."""
-    config = sizes.config
-    return [case for version, suffix in ((2, ""), (1, "_v1")) for case in (
-        _case(f"rope_q_pe{suffix}", f"rotate q_pe of {sizes.rows} tree rows (YaRN)", config, sizes.rows,
-              sizes.verify_prefix, version),
-        _case(f"rope_q_pe_large{suffix}", f"rotate q_pe of {sizes.large_rows} prefill rows (YaRN)", config,
-              sizes.large_rows, 0, version))]

@@ -77,5 +77,13 @@ LANE_WIDE_FROM_ROWS = 16
 
 # ---------------------------------------------------------------------------------- tree, top-K, compaction
 
+TOPK_CHUNK = 4096         # top-K's sort buffer of (log-prob, id) pairs (32 KB); longer rows stream through it
+TREE_STAGE_FLOATS = 1536  # the builder copies the log-probs it can reach to shared memory if they fit (6 KB)
+TREE_STAGE_BATCH = 8      # ... that many per thread at a time, so their loads overlap
+KEYED_TREE_NODES = 257    # the keyed builder's tables (16 bytes more per entry) fit trees of this many nodes
+VIS_TILE = 16             # visibility: 16 x 16 threads per block over (i, j)
+COMPACT_BATCH = 8         # compaction: rows a thread reads into registers before it writes them
+ROPE_HEADS = 8            # RoPE: heads a thread turns with one cos and sin (2 loads each in flight)
+
 
 # ---------------------------------------------------------------------------------- engine

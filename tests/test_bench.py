@@ -32,10 +32,9 @@ CASE_NAMES = [
     "paths_v5_tree_many", "paths_v5_tree_many_rank_long",
     "absorb_query_decode", "absorb_output_decode", "absorb_query_verify", "absorb_output_verify",
     "moe_route", "moe_reduced",
-    "tree_build_small", "tree_build_medium", "tree_build_large",
-    "tree_build_medium_v1", "tree_build_one", "tree_build_one_v1", "tree_build_one_v2",
-    "top_candidates_v1", "top_candidates_v2",
-    "accept_batch", "kv_compact", "kv_compact_v1", "sample", "rejection_step",
+    "tree_build_small", "tree_build_medium", "tree_build_large", "tree_build_one", "tree_build_one_v2",
+    "top_candidates_v2",
+    "accept_batch", "kv_compact", "sample", "rejection_step",
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from ddtree.config import preset
 from ddtree.drafters import make_drafter
 from ddtree.kv_cache import CacheOverflowError, LatentKVCache, compact
 from ddtree.model import Transformer as ReferenceTransformer
+from ddtree.tree import tree_size
 from ddtree.weights import init_weights
 from kernels import decode as engine_decode
 from kernels import model as engine_model
@@ -30,7 +32,6 @@ from kernels.mla_unfused import UNFUSED_CHUNK
 from kernels.model import (
     ENGINE_OPERATIONS,
     bucket_rows,
-    candidate_count,
     rows_of,
 )
 from kernels.model import Transformer as EngineTransformer
@@ -97,11 +98,17 @@ def test_bucket_views_of_a_scratch_without_a_shared_expert():
     assert all(field.shape[0] == 3 for name, field in view._asdict().items() if name != "shared")
 
 
-def test_buckets_and_candidate_counts():
+def test_buckets_and_tree_sizes():
     assert [bucket_rows(n, 64) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 40, 64, 64]
-    assert candidate_count(3, 2) == 2 + 4 + 8
-    assert candidate_count(0, 5) == 0
-    assert candidate_count(60, 10) > 1 << 20      # capped, not a 10^60 integer loop
+    assert tree_size(3, 2, 100) == 1 + 2 + 4 + 8
+    assert tree_size(0, 5, 100) == 1
+    assert tree_size(60, 10, 127) == 128          # cut at the budget, not a 10^60 integer loop
+
+
+def test_the_engines_budget_limit_is_its_buffers_or_the_builders():
+    limit = EngineTransformer.budget_limit.fget     # only max_rows matters: no engine to build
+    assert limit(types.SimpleNamespace(max_rows=128)) == (127, "max_tree_nodes - 1 of this engine")
+    assert limit(types.SimpleNamespace(max_rows=2048))[0] == 1024     # the builder's shared memory
 
 
 
@@ -308,7 +315,7 @@ def test_engine_refuses_bad_input_before_running():
     model = engine("micro", max_tree_nodes=8)
     prompt = golden.default_prompt("micro")
     count = model.forward_count
-    with pytest.raises(ValueError, match="budget must be <= 7"):
+    with pytest.raises(ValueError, match=r"budget must be an integer in \[0, 7\] \(max_tree_nodes - 1 of"):
         engine_decode.generate_ddtree(model, prompt, 2, make_drafter("ngram", model, prompt, 2),
                                       budget=8)
     with pytest.raises(ValueError, match="tokens must lie in"):

@@ -1,9 +1,9 @@
 """Equivalence: kernels/kv_cache.py compact (numba.cuda) against ddtree/kv_cache.py compact (numpy).
 
 Compaction only copies float32 rows, so the caches must be equal bit for bit: assert_exact.
-The caches are filled with random values in every slot (no NaN), and version 1's scratch
-buffers start as NaN: a row the gather missed would show up as NaN in the compacted cache.
-Both versions (version 2: a thread per column, one launch) run every case.
+The caches are filled with random values in every slot (no NaN): a row the kernel missed keeps
+its old value, which differs from the one numpy moves there. The engine's ``DeviceCache`` starts
+as NaN: a row never written shows up as NaN in its host copy.
 """
 
 import numpy as np
@@ -50,20 +50,32 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("layers, latent_dim, rope_dim, start, tree, accepted", CASES)
-def test_compact_matches_reference(layers, latent_dim, rope_dim, start, tree, accepted, version):
+def test_compact_matches_reference(layers, latent_dim, rope_dim, start, tree, accepted):
     cache = filled_cache(layers, start + tree + 3, latent_dim, rope_dim, start + tree, seed=tree)
     expected = copy_cache(cache)
     reference.compact(expected, start, np.array(accepted))
-    kernel.compact(cache, start, np.array(accepted), version=version)
+    kernel.compact(cache, start, np.array(accepted))
     assert_same_cache(cache, expected)
 
 
-def test_bad_version_is_refused():
-    cache = filled_cache(1, 12, 4, 2, 8)
-    with pytest.raises(ValueError, match="version"):
-        kernel.compact(cache, 2, np.array([0, 2]), version=3)
+def test_device_cache_compacts_in_place_like_the_reference():
+    # the engine's cache: NaN until written, compacted by the one launch the round makes (device
+    # start, path and count), its host copy a LatentKVCache
+    cache = kernel.DeviceCache(2, 12, 6, 4)
+    assert cache.capacity == 12 and cache.length == 0
+    assert np.isnan(cache.to_host().latent).all() and np.isnan(cache.to_host().rope).all()
+    expected = filled_cache(2, 12, 6, 4, 10, seed=3)
+    cache.latent, cache.rope = cuda.to_device(expected.latent), cuda.to_device(expected.rope)
+    accepted = np.array([0, 2, 5])
+    reference.compact(expected, 3, accepted)
+    kernel.launch_compact_columns(cache.latent, cache.rope, cuda.to_device(np.array([3])),
+                                  cuda.to_device(accepted[None]), cuda.to_device(np.array([3])))
+    cache.length = 6
+    host = cache.to_host()
+    assert host.length == expected.length
+    assert_exact(host.latent, expected.latent, "latent")
+    assert_exact(host.rope, expected.rope, "rope")
 
 
 def test_naive_parallel_in_place_copy_races():
@@ -86,7 +98,6 @@ def test_fast_path_launches_nothing(monkeypatch):
     def fail(*args):
         raise AssertionError("compact launched a kernel for an in-place path")
 
-    monkeypatch.setattr(kernel, "launch_compact", fail)
     monkeypatch.setattr(kernel, "launch_compact_columns", fail)
     cache = filled_cache(2, 12, 8, 4, 10)
     expected = copy_cache(cache)
@@ -134,9 +145,8 @@ def test_mixed_host_and_device_cache_raises():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("on_device", [False, True])
-def test_compact_kimi_dims(on_device, version):
+def test_compact_kimi_dims(on_device):
     # Kimi-K2 per-layer dims (R 512, dr 64), 4 layers instead of 61, 8192 slots, a 257-node tree
     layers, capacity, start, tree = 4, 8192, 7000, 257
     cache = filled_cache(layers, capacity, 512, 64, start + tree, seed=7)
@@ -146,7 +156,7 @@ def test_compact_kimi_dims(on_device, version):
     reference.compact(expected, start, accepted)
     if on_device:
         cache.latent, cache.rope = cuda.to_device(cache.latent), cuda.to_device(cache.rope)
-    kernel.compact(cache, start, accepted, version=version)
+    kernel.compact(cache, start, accepted)
     assert_same_cache(cache, expected)
 
 

@@ -3,8 +3,8 @@
 Discrete results (tokens, parents, depths, ranks, sizes, masks) must be equal, and so must the
 float32 weights, bit for bit: both sides add the same two float32 numbers for every node (the
 path sum root to leaf) and break ties by the same rank-tuple rule. So everything is compared
-with assert_exact, ties included, for every kernel version (the builder's
-``kernel.BUILD_VERSIONS``, top-K's ``kernel.VERSIONS``).
+with assert_exact, ties included, for both of the builder's kernels (``kernel.BUILD_VERSIONS``:
+sorted and keyed) and top-K. The lab's builder and top-K versions are checked by tests/test_lab.py.
 """
 
 import dataclasses
@@ -98,8 +98,7 @@ def max_frontier(tree: reference.DraftTree, depths: int, k: int) -> int:
 @pytest.mark.parametrize("version", kernel.BUILD_VERSIONS)
 def test_strided_frontier_scan(version):
     # all 40 depth-1 tokens outweigh every depth-2 one: the frontier grows to 40 entries for 32
-    # threads, so threads scan two slots (version 1) or two gaps (version 2) each; then 40 tied
-    # depth-2 candidates
+    # threads, so threads merge two gaps each; then 40 tied depth-2 candidates
     rng = np.random.default_rng(12)
     top_logprobs = np.array([[-0.1] * 40, [-5.0] * 40], np.float32)
     top_ids = np.stack([rng.permutation(100)[:40] for _ in range(2)])
@@ -159,8 +158,8 @@ def test_device_inputs_give_device_outputs():
 
 
 def test_builder_versions_agree_with_global_log_probs(monkeypatch):
-    # version 2 copies the log-probs to shared memory when min(L, B) x min(K, B + 1) fits
-    # (_STAGE floats) and reads them from global memory otherwise: force the second path
+    # the builder copies the log-probs to shared memory when min(L, B) x min(K, B + 1) fits
+    # (TREE_STAGE_FLOATS) and reads them from global memory otherwise: force the second path
     rng = np.random.default_rng(22)
     cases = [make_candidates(rng, 4, 5, kind) for kind in ("random", "repeated", "zero")]
     lp, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases])
@@ -202,12 +201,15 @@ def test_bad_inputs_raise_like_the_reference(name):
 
 def test_budget_limit():
     lp, ids = make_candidates(np.random.default_rng(16), 2, 2)
-    with pytest.raises(ValueError, match=f"budget must be <= {kernel.MAX_BUDGET}"):
-        kernel.build_tree(0, lp, ids, kernel.MAX_BUDGET + 1)
+    limit = r"budget must be an integer in \[0, 1024\] \(MAX_TREE_NODES - 1: the GPU builder keeps the tree"
+    for budget in (kernel.MAX_TREE_NODES, -1):
+        with pytest.raises(ValueError, match=limit + rf" in shared memory\), got {budget}"):
+            kernel.build_tree(0, lp, ids, budget)
+    assert kernel.build_tree(0, lp, ids, kernel.MAX_TREE_NODES - 1).size == 7     # every candidate
     with pytest.raises(ValueError, match="root_tokens"):
         kernel.build_trees(np.array([1, 2]), lp[None], ids[None], 3)
-    with pytest.raises(ValueError, match=r"version must be one of \(1, 2, 3\), got 4"):
-        kernel.build_tree(0, lp, ids, 3, version=4)
+    with pytest.raises(ValueError, match=r"version must be one of \(2, 3\), got 1"):
+        kernel.build_tree(0, lp, ids, 3, version=1)
     with pytest.raises(ValueError, match="version 3 needs budget <= 256"):
         kernel.build_tree(0, lp, ids, kernel.MAX_KEYED_BUDGET + 1, version=3)
 
@@ -219,7 +221,7 @@ def test_version_3_keys_fit_where_its_tables_do():
     assert kernel.key_shape(40, 64, 64) == (0, 0)                     # 40 depths > 2 x 10
     assert kernel.key_shape(7, 32, kernel.MAX_KEYED_BUDGET + 1) == (0, 0)
     assert kernel.key_shape(3, 1, 5) == (2, 61)                       # one rank: base 2
-    assert kernel.key_shape(3, 2, 0) == kernel.key_shape(3, 2, -1) == (0, 0)   # no tree to key
+    assert kernel.key_shape(3, 2, 0) == (0, 0)                        # no tree to key
 
 
 @settings(max_examples=6, deadline=None)
@@ -270,7 +272,7 @@ def check_batch_against_reference(requests, depths, vocab, k, budget, seed):
     roots = rng.integers(0, vocab, requests)
     expected = [reference.build_tree(int(roots[b]), lp[b], ids[b], budget) for b in range(requests)]
     keyed = kernel.key_shape(depths, k, budget) != (0, 0)                 # version 3 only where it fits
-    for version in kernel.BUILD_VERSIONS if keyed else (1, 2):
+    for version in kernel.BUILD_VERSIONS if keyed else (2,):
         trees = kernel.build_trees(roots, lp, ids, budget, version=version)
         for b in range(requests):
             assert_same_tree(trees[b], expected[b])
@@ -294,7 +296,7 @@ def test_build_trees_issue_size():
 
 @pytest.mark.gpu
 def test_build_trees_max_budget():
-    check_batch_against_reference(requests=4, depths=15, vocab=4096, k=1024, budget=kernel.MAX_BUDGET,
+    check_batch_against_reference(requests=4, depths=15, vocab=4096, k=1024, budget=kernel.MAX_TREE_NODES - 1,
                                   seed=20)
 
 
@@ -307,14 +309,13 @@ def assert_same_top(actual, expected):
     assert_exact(actual[1], expected[1], "top_ids")
 
 
-@pytest.mark.parametrize("version", kernel.VERSIONS)
 @pytest.mark.parametrize("depths, vocab, k", [(3, 37, 5), (2, 70, 1), (1, 9, 9)])
-def test_top_candidates_match_numpy_exactly(depths, vocab, k, version):
+def test_top_candidates_match_numpy_exactly(depths, vocab, k):
     logits = np.random.default_rng(vocab).normal(0, 3, (depths, vocab)).astype(np.float32)
     logits[0, 4] = logits[0, 7] = logits[0].max() + 1                   # a tie at the top: lower id first
     if vocab > 20:
         logits[-1, 10:20] = -np.inf                                      # masked tokens sort last, by id
-    assert_same_top(kernel.top_candidates(logits, k, version=version), reference.top_candidates(logits, k))
+    assert_same_top(kernel.top_candidates(logits, k), reference.top_candidates(logits, k))
 
 
 def tied_logits(rng, depths, vocab):
@@ -326,8 +327,8 @@ def tied_logits(rng, depths, vocab):
 
 # (vocab, k, chunk, kind): V < chunk, V not a power of two, K = 1, K = V, V = chunk + 37 (the
 # streamed tiles), rising logits (every tile beats the running K-th: the buffer refills and is
-# re-sorted again and again), K > chunk / 2 with V > chunk (version 2 runs version 1), a
-# drafter's row (every token at one floor but a few above it)
+# re-sorted again and again), K = chunk / 2 with V > chunk (the streamed tiles are one token
+# long), a drafter's row (every token at one floor but a few above it)
 TOP_CASES = [
     (37, 5, None, "tied"),
     (50, 1, None, "tied"),
@@ -336,7 +337,7 @@ TOP_CASES = [
     (69, 16, 32, "normal"),
     (69, 1, 32, "tied"),
     (45, 3, 8, "rising"),
-    (21, 12, 16, "normal"),
+    (21, 8, 16, "normal"),
     (96, 16, None, "floor"),
     (96, 16, 32, "floor"),
 ]
@@ -355,12 +356,10 @@ def test_top_candidates_versions_exact_with_ties_and_chunks(vocab, k, chunk, kin
         logits[1, ::3] = logits[1, 0]                                    # and ties with the first token
     else:
         logits = rng.normal(0, 3, (2, vocab)).astype(np.float32)
-    expected = reference.top_candidates(logits, k)
-    for version in kernel.VERSIONS:
-        out = (cuda.to_device(np.full((2, k), np.nan, np.float32)),         # poisoned: all must be written
-               cuda.to_device(np.full((2, k), -7, np.int64)))
-        kernel.top_candidates(cuda.to_device(logits), k, out=out, version=version, chunk=chunk)
-        assert_same_top((out[0].copy_to_host(), out[1].copy_to_host()), expected)
+    out = (cuda.to_device(np.full((2, k), np.nan, np.float32)),             # poisoned: all must be written
+           cuda.to_device(np.full((2, k), -7, np.int64)))
+    kernel.top_candidates(cuda.to_device(logits), k, out=out, chunk=chunk)
+    assert_same_top((out[0].copy_to_host(), out[1].copy_to_host()), reference.top_candidates(logits, k))
 
 
 def test_top_candidates_sort_buffer():
@@ -368,20 +367,19 @@ def test_top_candidates_sort_buffer():
     assert kernel.sort_slots(69, 32) == 32
     with pytest.raises(ValueError, match=r"chunk must be None or a power of two in \[4, 4096\], got 48"):
         kernel.top_candidates(np.zeros((1, 64), np.float32), 3, chunk=48)
-    with pytest.raises(ValueError, match="version must be one of"):
-        kernel.top_candidates(np.zeros((1, 64), np.float32), 3, version=0)
+    # a row longer than the buffer streams through it: K must leave room for a tile
+    with pytest.raises(ValueError, match=r"k must be <= 8 \(half the sort buffer of 16 pairs"):
+        kernel.top_candidates(np.zeros((1, 21), np.float32), 9, chunk=16)
 
 
 def test_top_candidates_into_device_buffers_allocate_nothing():
     logits = np.random.default_rng(1).normal(0, 2, (2, 33)).astype(np.float32)
     d_logits = cuda.to_device(logits)
     out = (cuda.to_device(np.zeros((2, 4), np.float32)), cuda.to_device(np.zeros((2, 4), np.int64)))
-    for version in kernel.VERSIONS:
-        with no_transfers():
-            result = kernel.top_candidates(d_logits, 4, out=out, stream=cuda.default_stream(),
-                                           version=version)
-        assert result[0] is out[0] and result[1] is out[1]
-        assert_exact(out[1].copy_to_host(), reference.top_candidates(logits, 4)[1])
+    with no_transfers():
+        result = kernel.top_candidates(d_logits, 4, out=out, stream=cuda.default_stream())
+    assert result[0] is out[0] and result[1] is out[1]
+    assert_exact(out[1].copy_to_host(), reference.top_candidates(logits, 4)[1])
 
 
 def test_top_candidates_refuse_like_numpy():
@@ -392,19 +390,17 @@ def test_top_candidates_refuse_like_numpy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [64, 1024, 3000])
+@pytest.mark.parametrize("k", [64, 1024, 2048])
 def test_top_candidates_kimi_vocab(k):
-    # V = 163840 (Kimi): version 2 streams 40 sort buffers' worth; K = 3000 > TOPK_CHUNK / 2
-    # makes version 2 run version 1. Rows of N(0, 3^2) logits with many exact ties
+    # V = 163840 (Kimi): the kernel streams 40 sort buffers' worth; K = 2048 = TOPK_CHUNK / 2,
+    # the largest K it streams. Rows of N(0, 3^2) logits with many exact ties
     rng = np.random.default_rng(k)
     logits = (np.round(rng.normal(0, 3, (15, 163840)) * 64) / 64).astype(np.float32)
     logits[1] = tied_logits(rng, 1, 163840)[0]
     logits[2] = np.linspace(-4, 4, 163840, dtype=np.float32)             # rising: the buffer refills
     expected = reference.top_candidates(logits, k)
-    d_logits = cuda.to_device(logits)
-    for version in kernel.VERSIONS:
-        actual = kernel.top_candidates(d_logits, k, version=version)
-        assert_same_top((actual[0].copy_to_host(), actual[1].copy_to_host()), expected)
+    actual = kernel.top_candidates(cuda.to_device(logits), k)
+    assert_same_top((actual[0].copy_to_host(), actual[1].copy_to_host()), expected)
 
 
 def test_positions_and_paths_walk_the_parents():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.tree import DraftTree, build_tree, positions, top_candidates, visibility
+from ddtree.tree import DraftTree, build_tree, check_budget, positions, top_candidates, visibility
 from tests.helpers import assert_close, assert_exact
 
 VOCAB = 97
@@ -131,13 +131,26 @@ def test_all_zero_logprobs_give_the_lexicographic_order():
                                     (1,), (1, 0), (1, 0, 0), (1, 0, 1), (1, 1), (1, 1, 0), (1, 1, 1)]
 
 
-@pytest.mark.parametrize("budget", [0, -1, -5])
-def test_nonpositive_budget_gives_root_only(budget):
+def test_zero_budget_gives_root_only():
     top_logprobs, top_ids = make_candidates(np.random.default_rng(0), 3, 3)
-    tree = build_tree(42, top_logprobs, top_ids, budget)
+    tree = build_tree(42, top_logprobs, top_ids, 0)
     assert tree.size == 1
     assert_exact(tree.tokens, [42])
     assert_exact(tree.parents, [-1])
+
+
+@pytest.mark.parametrize("budget", [-1, -5, np.int64(-2)])
+def test_negative_budget_is_refused(budget):
+    top_logprobs, top_ids = make_candidates(np.random.default_rng(0), 3, 3)
+    with pytest.raises(ValueError, match="budget must be an integer >= 0, got "):
+        build_tree(42, top_logprobs, top_ids, budget)
+
+
+def test_one_budget_rule_names_its_limit():
+    assert check_budget(np.int64(7), 7, "a limit") == 7 and type(check_budget(np.int64(7))) is int
+    for bad in (8, -1, True, np.bool_(True), 2.0, "3", None):
+        with pytest.raises(ValueError, match=r"nodes must be an integer in \[0, 7\] \(the rows\), got "):
+            check_budget(bad, 7, "the rows", name="nodes")
 
 
 def test_no_depths_gives_root_only():
@@ -181,7 +194,7 @@ def candidate_sets(draw):
             for _ in range(depths)]
     ids = [draw(st.permutations(range(8)))[:k] for _ in range(depths)]
     return (np.array(rows, np.float32).reshape(depths, k), np.array(ids, np.int64).reshape(depths, k),
-            draw(st.integers(-1, 45)))
+            draw(st.integers(0, 45)))
 
 
 @settings(max_examples=50, deadline=None)

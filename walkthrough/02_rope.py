@@ -30,6 +30,7 @@ from ddtree.config import preset
 from ddtree.tree import visibility
 from kernels import device
 from kernels import rope as knl
+from kernels.bench.cases import rope as rope_costs
 
 STEM = "02_rope"
 VERSIONS_RECORD = "bench-bandwidth.md"            # both kernel versions, one run on the H200
@@ -154,7 +155,7 @@ def bytes_report() -> None:
     """A Kimi decode row's rotation (query heads and the shared key) against one launch."""
     kimi = preset("kimi-k2.6")
     heads, dim = kimi.num_attention_heads, kimi.qk_rope_head_dim
-    moved = knl.bytes_moved(T=1, H=heads, dr=dim) + knl.bytes_moved(T=1, H=1, dr=dim)
+    moved = rope_costs.bytes_moved(T=1, H=heads, dr=dim) + rope_costs.bytes_moved(T=1, H=1, dr=dim)
     with chapter.section("bytes"):
         chapter.print_h200()
         print(f"Kimi K2.6 decode row: q_pe (1, {heads}, {dim}) and k_pe (1, {dim}) rotated, "

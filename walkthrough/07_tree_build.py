@@ -29,6 +29,8 @@ import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.tree as gpu
 from ddtree import tree as ref
 from ddtree.drafters import make_drafter
+from kernels.bench.cases import tree as tree_costs
+from kernels.blocks import pow2_threads
 from kernels.device import SIMULATOR
 
 STEM = "07_tree_build"
@@ -74,15 +76,15 @@ def _timed(function, *args) -> float:
 
 
 def builder_cost(depths: int, budget: int, requests: int) -> None:
-    """Bytes the GPU builder moves (kernels.tree's cost model) and barriers it waits on."""
-    moved = gpu.bytes_moved("build_trees", Bq=requests, L=depths, K=budget, B=budget)
-    threads = gpu.builder_threads(budget)
+    """Bytes the GPU builder moves (its cost model in kernels.bench.cases.tree) and barriers it waits on."""
+    moved = tree_costs.bytes_moved("build_trees", Bq=requests, L=depths, K=budget, B=budget)
+    threads = pow2_threads(budget + 1)                     # about one frontier entry per thread
     per_pop = 2 + int(np.log2(threads))                    # loop top, after the scan, one per level
     print(f"  L={depths}, K=B={budget}, {requests} requests: {moved / 1e3:.1f} KB in and out, "
           f"{chapter.time_floor(moved) * 1e9:.0f} ns at the copy bandwidth")
-    print(f"    but {budget} sequential pops x {per_pop} barriers = {budget * per_pop} block barriers "
-          f"(version 1, {threads} threads)")
-    print(f"    version 2: one barrier per pop, {budget + 1} with the start")
+    print(f"    a block argmax per pop ({threads} threads): {budget} sequential pops x {per_pop} barriers "
+          f"= {budget * per_pop}")
+    print(f"    a sorted frontier (kernels.tree): one barrier per pop, {budget + 1} with the start")
 
 
 def print_pops(tree: ref.DraftTree, count: int) -> None:

@@ -32,6 +32,7 @@ import kernels.tree as gpu_tree
 from ddtree import tree as ref
 from ddtree.drafters import make_drafter
 from ddtree.mla import attention_paths, key_mask
+from kernels.bench.cases import tree as tree_costs
 from kernels.device import SIMULATOR
 
 STEM = "08_tree_attention"
@@ -49,7 +50,7 @@ def path_to(tree: ref.DraftTree, node: int) -> list[int]:
 
 def mask_bytes(budget: int, requests: int) -> None:
     """What the visibility kernel moves (kernels.tree's cost model): parents in, the mask out."""
-    moved = gpu_tree.bytes_moved("visibility", Bq=requests, W=budget + 1)
+    moved = tree_costs.bytes_moved("visibility", Bq=requests, W=budget + 1)
     print(f"  visibility, {requests:>2} requests x budget {budget}: {moved:>6} bytes in and out, "
           f"{chapter.time_floor(moved) * 1e9:.1f} ns")
 

@@ -27,6 +27,7 @@ import kernels.accept as gpu
 from ddtree.accept import accept
 from ddtree.decode import generate_ddtree
 from ddtree.drafters import make_drafter
+from kernels.bench.cases import accept as accept_costs
 from kernels.device import SIMULATOR
 
 STEM = "09_accept"
@@ -129,8 +130,8 @@ def check_kernels(rounds, shown: int) -> None:
 
 
 def accept_bytes(nodes: int) -> None:
-    """What accept_batch moves for one request of ``nodes`` tree nodes (kernels.accept's model)."""
-    moved = gpu.bytes_moved(Bq=1, W=nodes)
+    """What accept_batch moves for one request of ``nodes`` tree nodes (its cost model)."""
+    moved = accept_costs.bytes_moved(Bq=1, W=nodes)
     with chapter.section("bytes"):
         chapter.print_h200()
         print(f"accept_batch, one request of {nodes} nodes: {moved} bytes in and out, "

@@ -9,8 +9,7 @@ The copy is a gather with accepted[j] >= j. In increasing j, in place, it is saf
 overwritten by step j, after every step that reads it. A parallel in-place copy is not: thread j
 may overwrite slot j while thread j' < j still has to read it (when accepted[j'] = j). This chapter
 finds such a round in a real generation, shows what one bad interleaving does, counts the fast path
-(nothing to move), and runs the numba compaction (both versions: a thread per column in one launch,
-and gather to scratch then write back) against numpy.
+(nothing to move), and runs the numba compaction (a thread per column, in one launch) against numpy.
 
 Run: python walkthrough/10_kv_compaction.py
 
@@ -30,6 +29,7 @@ from ddtree.config import preset
 from ddtree.decode import generate_ddtree
 from ddtree.drafters import make_drafter
 from ddtree.kv_cache import compact
+from kernels.bench.cases import kv_cache as kv_costs
 from kernels.device import SIMULATOR
 
 STEM = "10_kv_compaction"
@@ -74,12 +74,13 @@ def draw_slots(ax, y, labels, colors, title, edges=None):
 
 
 def kimi_compaction_bytes(kept: int) -> None:
-    """Compaction at Kimi K2.6 scale: the fewest bytes (kernels.kv_cache's cost model, what
-    version 2 moves), what version 1's two launches really move, and the host time of launches."""
+    """Compaction at Kimi K2.6 scale: the fewest bytes (the cost model in kernels.bench.cases.kv_cache,
+    what the column kernel moves), what a gather through scratch (two launches) would move, and the
+    host time of launches."""
     kimi = preset("kimi-k2.6")
     dims = dict(Ly=kimi.num_hidden_layers, R=kimi.kv_lora_rank, dr=kimi.qk_rope_head_dim, m=kept)
     row = kimi.num_hidden_layers * kimi.latent_cache_width * 4         # one token, every layer, fp32
-    fewest = gpu.bytes_moved(**dims, moved=kept - 1)                   # every accepted row but the root
+    fewest = kv_costs.bytes_moved(**dims, moved=kept - 1)                   # every accepted row but the root
     gathered = 2 * 2 * kept * row                                       # 2 launches x (read + write)
     hw = chapter.h200()
     with chapter.section("kimi"):
@@ -88,10 +89,10 @@ def kimi_compaction_bytes(kept: int) -> None:
               f"{kimi.latent_cache_width} floats x 4 B = {row / 1e3:.0f} KB; m = {kept} accepted rows")
         print(f"  fewest bytes (the {kept - 1} rows after the root move): {fewest / 1e6:.2f} MB, "
               f"{chapter.time_floor(fewest) * 1e6:.2f} us")
-        print(f"  version 1 (all {kept} rows through scratch): {gathered / 1e6:.2f} MB, "
+        print(f"  gather through scratch, then write back (all {kept} rows): {gathered / 1e6:.2f} MB, "
               f"{chapter.time_floor(gathered) * 1e6:.2f} us")
-        print(f"  launches: version 2 one, {hw.launch * 1e6:.1f} us of host time; version 1 two, "
-              f"{2 * hw.launch * 1e6:.1f} us")
+        print(f"  launches: a thread per column one, {hw.launch * 1e6:.1f} us of host time; through "
+              f"scratch two, {2 * hw.launch * 1e6:.1f} us")
 
 
 def compactions(setup, drafter_name: str, seed: int = 0):
@@ -177,19 +178,17 @@ def plot_race(seed, shown, call, verify_tokens, good_rows, bad_rows) -> None:
 
 
 def check_kernel(call, good) -> None:
-    """numba, both versions: a thread per column in one launch (2), gather into scratch then
-    write back (1); the same cache afterwards."""
+    """numba: a thread per column in one launch; the same cache afterwards."""
     before, start, accepted = call
     print(f"numba ({'CUDA simulator' if SIMULATOR else 'GPU'}):")
     print(f"  compact (cache {before.latent.shape} latent + {before.rope.shape} rope, m = {accepted.size}):")
-    for version in gpu.VERSIONS[::-1]:
-        on_gpu = copy.deepcopy(before)
-        with chapter.timed(f"numba compact, version {version}"):
-            gpu.compact(on_gpu, start, accepted, version=version)
-        same = (on_gpu.length == good.length and np.array_equal(on_gpu.latent, good.latent, equal_nan=True)
-                and np.array_equal(on_gpu.rope, good.rope, equal_nan=True))
-        print(f"    version {version}: identical to numpy, length {on_gpu.length}: {same}")
-        assert same
+    on_gpu = copy.deepcopy(before)
+    with chapter.timed("numba compact"):
+        gpu.compact(on_gpu, start, accepted)
+    same = (on_gpu.length == good.length and np.array_equal(on_gpu.latent, good.latent, equal_nan=True)
+            and np.array_equal(on_gpu.rope, good.rope, equal_nan=True))
+    print(f"    identical to numpy, length {on_gpu.length}: {same}")
+    assert same
 
 
 def main() -> None:

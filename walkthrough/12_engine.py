@@ -24,9 +24,10 @@ import numpy as np
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 from ddtree import decode as reference_decode
 from ddtree.drafters import make_drafter
+from ddtree.tree import tree_size
 from kernels import decode as engine_decode
 from kernels.device import SIMULATOR
-from kernels.model import Transformer, candidate_count
+from kernels.model import Transformer
 
 # the round's phases as a record's split names them: "accept+compact" is round_end_kernel's one
 # launch; a record of the engine before it has "accept" and "compact" apart
@@ -103,7 +104,7 @@ def bus_bytes() -> None:
         for name, block, budget in (("tiny", 8, 32), ("tiny-b", 8, 32), ("small", 8, 64)):
             config = chapter.preset(name)
             depths, k = min(block - 1, budget), min(config.vocab_size, budget)
-            rows = 1 + min(budget, candidate_count(depths, k))                  # the tree's nodes
+            rows = tree_size(depths, k, budget)                                 # the tree's nodes
             sent, read = 4 * depths * config.vocab_size, 8 * (3 + 4 * rows)
             print(f"{name:<7} {depths:>2} {k:>3} {budget:>3} {rows:>4} {0:>18,} B {sent:>16,} B "
                   f"{read:>11,} B")

@@ -1,0 +1,1 @@
+"""Tree builder and top-K versions the engine does not run."""
