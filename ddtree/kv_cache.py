@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.rmsnorm import rmsnorm
+from ddtree.rope import apply_rope
+
 
 class CacheOverflowError(ValueError):
     """Raised when new rows would not fit; the cache is left unchanged."""
@@ -112,3 +115,23 @@ def compact(cache: LatentKVCache, start: int, accepted: np.ndarray) -> None:
             cache.rope[:, start + j] = cache.rope[:, start + accepted[j]]
     cache.truncate(start + kept)
 # --8<-- [end:compact]
+
+
+# --8<-- [start:write_new_rows]
+def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, positions, inv_freq,
+                   scale: float, cache_latent, cache_rope, start: int):
+    """A forward's new attention rows from the stacked projection ``projected`` (T, Rq + R + dr)
+    of its rows, the reference's three steps in the engine's order: the query latent's norm
+    (returned, (T, Rq); None when ``q_rank`` Rq is 0), then into slots start .. start + T - 1 of
+    one layer's cache_latent (C, R) and cache_rope (C, dr) the normalised latent and the rope key
+    rotated at ``positions``. The twin of ``kernels.kv_cache.write_new_rows`` (one launch there)."""
+    projected = np.asarray(projected, np.float32)
+    rows, rank, first = projected.shape[0], cache_latent.shape[1], int(start)
+    q_normed = rmsnorm(projected[:, :q_rank], q_weight, eps) if q_rank else None   # [T, Rq]
+    latent = projected[:, q_rank:q_rank + rank]                                     # [T, R]
+    rope = projected[:, q_rank + rank:]                                             # [T, dr]
+    cache_latent[first:first + rows] = rmsnorm(latent, kv_weight, eps)
+    cache_rope[first:first + rows] = apply_rope(rope, positions, inv_freq, scale)
+    return q_normed
+# --8<-- [end:write_new_rows]
+

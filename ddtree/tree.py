@@ -247,3 +247,22 @@ def positions(tree: DraftTree, start: int) -> np.ndarray:
     """Rotary position of each node: start + depth (siblings share a position)."""
     return (start + tree.depths).astype(np.int64)                             # [N]
 # --8<-- [end:positions]
+
+
+# --8<-- [start:positions_and_paths]
+def positions_and_paths(parents: np.ndarray, depths: np.ndarray, start: int):
+    """The engine's form of a tree's rows for attention: each row's rotary position start + depth,
+    and its path by depth, paths[i, d] = the ancestor of row i at depth d (paths[i, depths[i]] =
+    i), -1 past its depth. A padding row (parent -1, depth 0) gets the path [i]: it sees the
+    prefix and itself. Returns (positions (N,), paths (N, max depth + 1))."""
+    parents, depths = np.asarray(parents, np.int64), np.asarray(depths, np.int64)
+    positions = (int(start) + depths).astype(np.int64)                         # [N]
+    paths = np.full((depths.size, int(depths.max(initial=0)) + 1), -1, np.int64)  # [N, L+1]
+    for i, depth in enumerate(depths):
+        node = i
+        for d in range(depth, -1, -1):                                          # row i up to the root
+            paths[i, d] = node
+            node = parents[node]
+    return positions, paths
+# --8<-- [end:positions_and_paths]
+

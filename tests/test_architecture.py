@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
@@ -258,3 +259,21 @@ def test_the_glossary_page_says_where_each_name_appears():
             expected[name].append(f"ddtree/{module}")
     expected = {name: sorted(modules) for name, modules in expected.items()}
     assert where_table() == expected
+
+
+# --------------------------------------------------------------------------------------------
+# twins by name
+
+# the engine's launches outside a forward's ops table (``kernels.model.round_phases``), by module
+ROUND_OPERATIONS = {"tree": ("top_candidates", "positions_and_paths"), "sampling": ("rejection_step",)}
+
+
+def test_every_kernel_the_engine_calls_has_a_numpy_twin_of_the_same_name():
+    """``kernels.<stem>.<name>`` for every op the engine launches (its ops table and a round's)
+    has ``ddtree.<stem>.<name>``: the pair the site shows side by side."""
+    from kernels.model import ENGINE_OPERATIONS
+
+    missing = [f"ddtree.{stem}.{name}" for table in (ENGINE_OPERATIONS, ROUND_OPERATIONS)
+               for stem, names in table.items() for name in names
+               if not callable(getattr(importlib.import_module(f"ddtree.{stem}"), name, None))]
+    assert not missing, f"kernels the engine runs without a numpy twin: {missing}"

@@ -218,6 +218,16 @@ def test_new_rows_have_the_bits_of_their_parts(rows, q_rank, rank, rope_dim):
     if q_rank:
         expected_q = rmsnorm(np.ascontiguousarray(projected[:, :q_rank]), q_weight, eps)
         assert_exact(bits(q_normed.copy_to_host()), bits(expected_q), "q_normed")
+    twin_latent = np.full((capacity, rank), np.nan, np.float32)                # the numpy twin
+    twin_rope = np.full((capacity, rope_dim), np.nan, np.float32)
+    twin_q = reference.write_new_rows(projected, q_rank, q_weight, kv_weight, eps, positions, inv_freq,
+                                      scale, twin_latent, twin_rope, start)
+    assert_close(latent, twin_latent, rtol=1e-5, name="latent against the numpy twin")   # NaN masks first
+    assert_close(rope, twin_rope, rtol=1e-5, atol=1e-6, name="rope against the numpy twin")
+    if q_rank:
+        assert_close(q_normed.copy_to_host(), twin_q, rtol=1e-5, name="q_normed against the numpy twin")
+    else:
+        assert twin_q is None
 
 
 @pytest.mark.parametrize("threads, q_threads, kv_threads", [(64, 32, 32), (64, 64, 32), (64, 32, 64)])

@@ -414,3 +414,21 @@ def test_positions_and_paths_walk_the_parents():
     table = paths.copy_to_host()
     for i, chain in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [5]]):
         assert_exact(table[i, :len(chain)], np.array(chain))
+
+
+def test_positions_and_paths_match_the_numpy_twin():
+    """The kernel against ``ddtree.tree.positions_and_paths`` on a tree of 9 rows with padding
+    rows at its end: the same positions, the same path of every row up to its depth."""
+    parents = np.array([-1, 0, 0, 1, 1, 2, 4, -1, -1], np.int64)
+    depths = np.array([0, 1, 1, 2, 2, 2, 3, 0, 0], np.int64)
+    expected_positions, expected_paths = reference.positions_and_paths(parents, depths, 17)
+    positions = cuda.to_device(np.full(9, -7, np.int64))
+    paths = cuda.to_device(np.full((9, 4), -7, np.int64))
+    kernel.positions_and_paths(cuda.to_device(parents), cuda.to_device(depths),
+                               cuda.to_device(np.array([17], np.int64)), positions=positions, paths=paths)
+    assert_exact(positions.copy_to_host(), expected_positions)
+    table = paths.copy_to_host()
+    for i, depth in enumerate(depths):
+        assert_exact(table[i, :depth + 1], expected_paths[i, :depth + 1], name=f"path of row {i}")
+        assert (expected_paths[i, depth + 1:] == -1).all()
+
