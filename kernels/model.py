@@ -69,6 +69,7 @@ from kernels.mla import PathsPlan, check_plan, paths_plan
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe_scratch
 from kernels.sampling import rejection_step
 from kernels.tree import BUDGET_LIMIT_IS, MAX_TREE_NODES, TreeBatch, build_trees_device, top_candidates
+from kernels.tuning import BUCKET_STEP
 
 # --8<-- [start:engine_operations]
 # The kernels a forward launches, by module and name: the twin of ``ddtree.model.OPERATIONS``.
@@ -97,7 +98,6 @@ def engine_operations() -> types.SimpleNamespace:
 
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
-BUCKET_STEP = 8                 # buckets past 8 rows are multiples of this
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 

@@ -87,3 +87,6 @@ ROPE_HEADS = 8            # RoPE: heads a thread turns with one cos and sin (2 l
 
 
 # ---------------------------------------------------------------------------------- engine
+# a prompt chunk's rows run in a bucket (one captured graph per bucket): 1, 2, 4, 8, then multiples
+# of BUCKET_STEP, since each padding row costs a whole row of work (``kernels.model.bucket_rows``)
+BUCKET_STEP = 8
