@@ -7,8 +7,8 @@ instead, so the next pop is known without a reduction: one barrier per pop again
 2 + log2(TPB) here, and no global load on thread 0's critical path. The same trees bit for bit,
 ties included, but 1.3 to 2.1 times the shipped builder's time on one request from B = 8 up
 (B = 32: 49.50 against 28.31 µs; B = 64: 107.7 against 50.5 µs, rows without ties; on tied rows
-2 to 4 times the keyed builder's) in docs/results/tree-build-h200-2026-12-03b.txt, and 110
-against 59.3 µs as tree_build_one_v1 in docs/results/bench-tree-h200-2026-12-03.md.
+2 to 4 times the keyed builder's) in docs/results/tree-build-h200-2026-12-03b.txt at commit 4ec1155, and 110
+against 59.3 µs as tree_build_one_v1 in docs/results/bench-tree-h200-2026-12-03.md at commit 4ec1155.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Top-K version 1, K block argmaxes: after the log-softmax (the shipped kernel's
-``_max_log_sum``), K picks, each a block argmax over the row's entries after the previous pick in
-the order (log-prob descending, token id ascending), so no token needs a "taken" mark and V may
-be any size, K too. The shipped kernel (``kernels.tree.top_candidates_sort_kernel``) sorts the
-(log-prob, id) pairs once in shared memory instead: log2(S)(log2(S) + 1)/2 barrier stages for a
-buffer of S pairs whatever K is, against K x (2 + log2 TPB) barriers and K scans of the row here.
-The same bits; at V = 512, K = 32 (7 rows) 69.22 against 13.62 µs
-(docs/results/tree-build-h200-2026-12-03b.txt), and at Kimi's V = 163840, K = 64 (15 rows) 2885
-against 622 µs (top_candidates_v1 and _v2 in docs/results/bench-tree-h200-2026-12-01.md). Only a
-K over half the sort buffer on a row longer than it needed this version; the engine's K never is.
+"""Top-K version 1, K block argmaxes: after the log-softmax (the shipped kernel's ``_max_log_sum``), K
+picks, each a block argmax over the row's entries after the previous pick in the order (log-prob
+descending, token id ascending), so no token needs a "taken" mark and V may be any size, K too. The
+shipped kernel (``kernels.tree.top_candidates_sort_kernel``) sorts the (log-prob, id) pairs once in
+shared memory instead: log2(S)(log2(S) + 1)/2 barrier stages for a buffer of S pairs whatever K is,
+against K x (2 + log2 TPB) barriers and K scans of the row here. The same bits; at V = 512, K = 32
+(7 rows) 69.22 against 13.62 µs (docs/results/tree-build-h200-2026-12-03b.txt at commit 4ec1155),
+and at Kimi's V = 163840, K = 64 (15 rows) 2885 against 622 µs (top_candidates_v1 and _v2 in
+docs/results/bench-tree-h200-2026-12-01.md at commit 551c111). Only a K over half the sort buffer on
+a row longer than it needed this version; the engine's K never is.
 """
 
 from __future__ import annotations
