@@ -10,9 +10,9 @@ because it keeps few warps busy, each waiting at two barriers per chunk: small's
 ms in it, 0.30 TB/s of a 3.5 TB/s copy bandwidth (docs/results/profile-h200-2026-12-01d.md at commit
 551c111); one row through a layer's projections and the lm_head of small took 330 µs with the
 engine's tiles-order kernels against 137 with "lanes" (docs/results/lanes-h200-2026-12-02.txt at
-commit 6fe9e42 at commit 6fe9e42), and small's AR step went from 4424 to 3032 µs with the switch
-(commit 6fe9e42). Its order rounds differently from "lanes"' (``SAME_BITS`` False); v3 and v4 give
-its bits with other kernels.
+commit 6fe9e42), and small's AR step went from 4424 to 3032 µs with the switch (commit 6fe9e42). Its
+order rounds differently from "lanes"' (``SAME_BITS`` False); v3 and v4 give its bits with other
+kernels.
 """
 
 from __future__ import annotations
