@@ -6,16 +6,16 @@ loads feed 16 FMAs, where versions 1 to 3 pay 2 loads per FMA), the softmax's ma
 thread per head in key order, and O += P V with each thread's 4 heads x 8 columns of O in registers
 for the whole kernel; the same partials and merge as versions 2 and 3. On the H200 it was 3.6x to 4x
 faster than version 3 at Kimi's shapes (bench-h200-2026-12-01c.md at commit c6cfc10) and cut small's
-forward at 16k context by 29% at T = 1 and 69% at T = 72 (profile-h200-2026-12-01f.md at commit c6cfc10), so the engine took it from R = 512 until version 5 (unfused GEMMs,
-kernels/mla_unfused.py) beat it 3x to 4.8x at the same shapes (bench-h200-2026-12-01e.md at commit
-47a2538; small's graph replay at 16k context 8.8 -> 7.1 ms at T = 1 and 127 -> 49 ms at T = 72,
-profile-h200-2026-12-01g.md at commit 47a2538). At tiny's R = 64 its AR step was
-slower than version 3 (533 against 496 µs of graph replay, profile-h200-2026-12-01f.md at commit
-c6cfc10 against -01e.md). Limiting it to 128 registers (two blocks per SM, 136 bytes of spills) cut
-its time by 10-24% at Kimi's shapes (docs/results/attention-v4-registers-h200-2026-12-01.md at
-commit 485e3b7); that was never adopted, since version 5 replaced it. Written in commit 3ad4bb1. Its
-sums depend on its own tile (32 keys, 8 column parts), so its bits differ from the shipped
-versions'.
+forward at 16k context by 29% at T = 1 and 69% at T = 72 (profile-h200-2026-12-01f.md at commit
+c6cfc10), so the engine took it from R = 512 until version 5 (unfused GEMMs, kernels/mla_unfused.py)
+beat it 3x to 4.8x at the same shapes (bench-h200-2026-12-01e.md at commit 47a2538; small's graph
+replay at 16k context 8.8 -> 7.1 ms at T = 1 and 127 -> 49 ms at T = 72, profile-h200-2026-12-01g.md
+at commit 47a2538). At tiny's R = 64 its AR step was slower than version 3 (533 against 496 µs of
+graph replay, profile-h200-2026-12-01f.md at commit c6cfc10 against -01e.md). Limiting it to 128
+registers (two blocks per SM, 136 bytes of spills) cut its time by 10-24% at Kimi's shapes
+(docs/results/attention-v4-registers-h200-2026-12-01.md at commit 485e3b7); that was never adopted,
+since version 5 replaced it. Written in commit 3ad4bb1. Its sums depend on its own tile (32 keys, 8
+column parts), so its bits differ from the shipped versions'.
 """
 
 from __future__ import annotations
