@@ -10,10 +10,10 @@ Then the summary: tokens committed per round, tokens generated against target fo
 prefill counted for every decoder), and tokens per verify forward against the budget for a chain
 (topk=1) and a tree. Everything runs on the numpy reference; every generation equals AR.
 
-Run: python walkthrough/13_generation.py
+Run: .venv/bin/python walkthrough/12_generation.py
 
-Writes docs/assets/figures/13_generation_<drafter>_round_<i>.png, 13_generation_rounds.md (the
-tabs), 13_generation_{commits,forwards,budget}.png and 13_generation_report.txt (what it prints).
+Writes docs/assets/figures/12_generation_<drafter>_round_<i>.png, 12_generation_rounds.md (the
+tabs), 12_generation_{commits,forwards,budget}.png and 12_generation_report.txt (what it prints).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ddtree.decode import generate_ar, generate_ddtree
 from ddtree.drafters import make_drafter
 from ddtree.kv_cache import compact
 
-STEM = "13_generation"
+STEM = "12_generation"
 NEW_TOKENS, BLOCK_SIZE, BUDGET = 12, 8, 16
 DRAFTER_NAMES = ("noisy", "ngram")
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
@@ -145,7 +145,7 @@ def round_text(r: Round) -> str:
 
 
 def write_tabs(generations) -> None:
-    """docs/assets/figures/13_generation_rounds.md: one snippet section per drafter, a tab per round."""
+    """docs/assets/figures/12_generation_rounds.md: one snippet section per drafter, a tab per round."""
     lines = []
     for name, (rounds, _) in generations.items():
         lines.append(f"<!-- --8<-- [start:{name}] -->")
