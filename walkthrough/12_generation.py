@@ -126,19 +126,25 @@ def draw_round(r: Round, name: str, index: int) -> str:
 def round_text(r: Round) -> str:
     """The tab's text under the figure, from the recorded round."""
     chain = top1_chain(r.tree.parents)
-    path = " → ".join(str(int(t)) for t in r.tree.tokens[r.accepted])
-    off = [j for j in range(1, r.accepted.size) if j >= len(chain) or r.accepted[j] != chain[j]]
-    where = (f"It leaves the drafter's top-1 chain at depth {off[0]}." if off else
-             "It follows the drafter's top-1 chain.")
+    if r.accepted.size > 1:
+        path = " → ".join(str(int(t)) for t in r.tree.tokens[r.accepted])
+        off = [j for j in range(1, r.accepted.size) if j >= len(chain) or r.accepted[j] != chain[j]]
+        where = (f"It leaves the drafter's top-1 chain at depth {off[0]}." if off else
+                 "It follows the drafter's top-1 chain.")
+        verdict = f"The target accepted the path {path} (nodes {r.accepted.tolist()}). {where}"
+        after = f"node #{int(r.accepted[-1])}"
+    else:
+        verdict = "The target accepted no drafted node: no child of the root carries its token."
+        after = "the root"
     committed = [int(t) for t in r.tree.tokens[r.accepted[1:]]] + [r.bonus]
     moved = "nothing moves (the accepted rows already sit in order)" if \
         np.array_equal(r.accepted, np.arange(r.accepted.size)) else \
         f"slots {r.start}..{r.start + r.accepted.size - 1} receive the rows of nodes " \
         f"{', '.join(f'#{int(a)}' for a in r.accepted)}"
     return (f"Root **{int(r.tree.tokens[0])}** at position {r.start}; the builder drafted "
-            f"{r.tree.size - 1} nodes. The target accepted the path {path} (nodes "
-            f"{r.accepted.tolist()}). {where} Bonus: **{r.bonus}**, so the round commits "
-            f"{len(committed)} token{'s' if len(committed) > 1 else ''}: {committed}. "
+            f"{r.tree.size - 1} nodes. {verdict} Bonus: **{r.bonus}**, the target's own token after "
+            f"{after}, so the round commits {len(committed)} token{'s' if len(committed) > 1 else ''}: "
+            f"{committed}. "
             f"KV cache: the verify forward wrote {r.before.length - r.start} rows at slots "
             f"{r.start}..{r.before.length - 1}; compaction keeps {r.accepted.size}: {moved}, and the "
             f"length becomes {r.after.length}.")
