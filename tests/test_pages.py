@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tomllib
 import warnings
+from unittest import mock
 
 import pytest
 import yaml
@@ -284,7 +285,7 @@ def parse_with_the_parser(argv: list[str], run) -> str | None:
     output = io.StringIO()
     try:
         with parse_only(), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), \
-                warnings.catch_warnings():
+                warnings.catch_warnings(), mock.patch.dict(os.environ):        # a script may set variables
             warnings.simplefilter("ignore", RuntimeWarning)      # runpy: a package's module already imported
             run()
     except Parsed:
@@ -358,7 +359,8 @@ def check_python(words: list[str], heredocs: list[str]) -> str | None:
             sys.path.remove(str(script.parent))
     sys.path.insert(0, str(script.parent))            # as python does for a script: its helpers import
     try:
-        demos = runpy.run_path(str(script), run_name="pages_check").get("DEMOS", {})
+        with mock.patch.dict(os.environ):
+            demos = runpy.run_path(str(script), run_name="pages_check").get("DEMOS", {})
     finally:
         sys.path.remove(str(script.parent))
     return None if rest[0] in demos else \
