@@ -19,7 +19,7 @@ so u would round to 1 (g = +inf) once in 2^25 draws, which a vocabulary of 16384
 200 tokens, and the scores logit / T + g would tie in float32 about 2^29 times more often. float32
 logits convert to float64 exactly, and division, addition and conversion are correctly rounded on
 every IEEE machine: only ``log`` and ``exp`` can differ between numpy and a GPU, by an ulp (see
-docs/15_sampling.md for where that can move a draw, and how rarely).
+docs/13_sampling.md for where that can move a draw, and how rarely).
 
 **Sampling** (``sample``): token = argmax over v of logits[v] / T + g(seed, SAMPLE, p, v), ties to
 the lower index (np.argmax): the Gumbel-max trick draws exactly from softmax(logits / T).

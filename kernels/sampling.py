@@ -11,7 +11,7 @@ Everything after the bits is float64: division, addition and conversion are corr
 everywhere, ``math.log`` and ``math.exp`` are not (CUDA's double log and exp are within 1 ulp,
 numpy's SIMD versions too, and they differ now and then), which is the one place where numpy and
 this module can disagree: a draw whose two best scores lie within an ulp or two of each other
-(chapter 15 counts how rarely; tests/test_pair_sampling.py too).
+(chapter 13 counts how rarely; tests/test_pair_sampling.py too).
 
 Kernels (one block per row, TPB threads strided over the vocabulary, block reductions from
 ``kernels.blocks`` in float64; the argmax in np.argmax's order):

@@ -3,7 +3,8 @@ would paste them.
 
 The pages are the single home of the exercises: each has a ``bash`` block with the command to try
 and a folded answer (``??? question``). This test collects the blocks from docs/*.md and runs
-each in bash from the repository root, with ``python`` the interpreter running the tests and the
+each in bash from the repository root as the page writes it (``.venv/bin/python``, the quickstart's
+interpreter, being the one running the tests; tests/test_pages.py checks the convention), with the
 kernels in the CUDA simulator. A command that stops working, or a page whose exercises lose their
 command or their answer, fails here instead of on a reader's machine.
 """
@@ -15,19 +16,17 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
+
+from tests.test_pages import as_run_here
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^(?P<indent>[ ]*)```bash\n(?P<body>.*?)^(?P=indent)```$", re.M | re.S)
 TIMEOUT = 120                      # seconds per command; every one takes a few on two cores
-# the pages that must have exercises (a new chapter adds its page here once its section exists)
-PAGES_WITH_EXERCISES = [f"{page}.md" for page in (
-    "00_linear", "01_rmsnorm", "02_rope", "03_mla", "04_moe", "05_model", "06_drafters", "07_tree_build",
-    "08_tree_attention", "09_accept", "10_kv_compaction", "11_ddtree_loop", "generation", "12_engine",
-    "15_sampling", "16_performance", "debugging", "kimi_scale")]
+# the pages that must have exercises: every chapter (docs/NN_topic.md)
+PAGES_WITH_EXERCISES = sorted(page.name for page in DOCS.glob("[0-9][0-9]_*.md"))
 
 
 def exercise_sections() -> dict[str, str]:
@@ -47,7 +46,7 @@ def exercise_commands() -> list[tuple[str, str]]:
             for match in FENCE.finditer(section)]
 
 
-PYTEST = re.compile(r"^python -m pytest (?P<arguments>[^\n]*)\n?$")
+PYTEST = re.compile(r"^\.venv/bin/python -m pytest (?P<arguments>[^\n]*)\n?$")
 
 
 def collecting_only(command: str) -> str:
@@ -57,14 +56,13 @@ def collecting_only(command: str) -> str:
     match = PYTEST.match(command)
     if match is None:
         return command
-    return f"python -m pytest --collect-only -q -p no:cacheprovider {match['arguments']}"
+    return f".venv/bin/python -m pytest --collect-only -q -p no:cacheprovider {match['arguments']}"
 
 
 def run(command: str) -> subprocess.CompletedProcess:
-    """The command in bash from the repository root, ``python`` being this interpreter."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPLBACKEND="Agg",
-               PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    return subprocess.run(["bash", "-e", "-c", collecting_only(command)], cwd=ROOT, env=env,
+    """The command in bash from the repository root, ``.venv/bin/python`` being this interpreter."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPLBACKEND="Agg")
+    return subprocess.run(["bash", "-e", "-c", as_run_here(collecting_only(command))], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -90,7 +88,7 @@ def test_every_exercise_command_runs():
 
 
 @pytest.mark.parametrize("command, expected", [
-    ("```bash\npython -c 'print(1)'\n```\n", ["python -c 'print(1)'\n"]),
+    ("```bash\n.venv/bin/python -c 'print(1)'\n```\n", [".venv/bin/python -c 'print(1)'\n"]),
     ("    ```bash\n    echo a\n    echo b\n    ```\n", ["    echo a\n    echo b\n"]),
     ("```text\nnot a command\n```\n", []),
 ])
@@ -101,10 +99,12 @@ def test_the_fence_pattern_finds_bash_blocks_only(command, expected):
 def test_a_pytest_exercise_is_collected_and_must_select_tests():
     """A line of the suite's own tests is collected, not run again; a selection that finds no
     test fails (pytest exits 5), as a missing file does (4)."""
-    assert collecting_only("python -m pytest -q tests/test_config.py\n") == \
-        "python -m pytest --collect-only -q -p no:cacheprovider -q tests/test_config.py"
-    assert collecting_only("python -m pytest -q a.py\necho b\n") == "python -m pytest -q a.py\necho b\n"
-    found = run("python -m pytest -q tests/test_config.py -k preset\n")
+    assert collecting_only(".venv/bin/python -m pytest -q tests/test_config.py\n") == \
+        ".venv/bin/python -m pytest --collect-only -q -p no:cacheprovider -q tests/test_config.py"
+    assert collecting_only(".venv/bin/python -m pytest -q a.py\necho b\n") == \
+        ".venv/bin/python -m pytest -q a.py\necho b\n"
+    found = run(".venv/bin/python -m pytest -q tests/test_config.py -k preset\n")
     assert found.returncode == 0 and "tests/test_config.py: " in found.stdout
-    assert run("python -m pytest -q tests/test_config.py -k no_such_test_anywhere\n").returncode == 5
-    assert run("python -m pytest -q tests/no_such_file.py\n").returncode == 4
+    missing = run(".venv/bin/python -m pytest -q tests/test_config.py -k no_such_test_anywhere\n")
+    assert missing.returncode == 5
+    assert run(".venv/bin/python -m pytest -q tests/no_such_file.py\n").returncode == 4

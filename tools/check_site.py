@@ -51,7 +51,7 @@ SQUEEZED_CELL_PX = 120  # a table cell holding a sentence is at least this wide
 SENTENCE_CHARS = 40  # ... where a sentence is this many characters or more
 COMMAND_TIMEOUT_S = 30
 PAGE_TIMEOUT_S = 20
-SCREENSHOT_PAGES = ("", "03_mla/", "11_ddtree_loop/", "generation/")  # home page and three chapters
+SCREENSHOT_PAGES = ("", "03_mla/", "11_ddtree_loop/", "12_generation/")  # home page and three chapters
 SCREENSHOT_MAX_HEIGHT = 2400
 
 

@@ -9,7 +9,7 @@ embedding gather and the first-index argmax (ties go to the lowest id), and coun
 decode step must move through the biggest matrix of Kimi K2.6, the lm_head: it is bandwidth
 bound until a few dozen rows share every weight read.
 
-    python walkthrough/00_linear.py
+    .venv/bin/python walkthrough/00_linear.py
 
 Writes docs/assets/figures/00_linear_lm_head_roofline.png and 00_linear_report.txt (what it prints).
 """

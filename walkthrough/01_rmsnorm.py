@@ -10,7 +10,7 @@ the numpy reference on irregular shapes and block sizes, counts the bytes the la
 Kimi K2.6's hidden size, and prints the two batches' device times on the H200 from the committed
 benchmark record.
 
-    python walkthrough/01_rmsnorm.py
+    .venv/bin/python walkthrough/01_rmsnorm.py
 
 Writes docs/assets/figures/01_rmsnorm_tree_reduction.png and 01_rmsnorm_report.txt (what it prints).
 """

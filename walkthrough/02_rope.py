@@ -11,7 +11,7 @@ position, so q . k depends only on the distance between the two positions. This 
   siblings share a position, and at Kimi's last position (262143);
 * prints the two kernel versions' device times on the H200 from the committed benchmark record.
 
-    python walkthrough/02_rope.py
+    .venv/bin/python walkthrough/02_rope.py
 
 Writes docs/assets/figures/02_rope_yarn_inv_freq.png and 02_rope_report.txt (what it prints).
 """

@@ -13,7 +13,7 @@ query and W_UV after the softmax and attends in latent space. This chapter
 * runs the tiny model with both forms and prints the largest logit difference;
 * runs the numba.cuda absorb kernels against numpy on a tree behind a cached prefix.
 
-    python walkthrough/03_mla.py
+    .venv/bin/python walkthrough/03_mla.py
 
 Writes docs/assets/figures/03_mla_cost.png, 03_mla_masks.png and 03_mla_report.txt (what it prints).
 """

@@ -11,7 +11,7 @@ dense) by wrapping the model's ``moe`` operation, and draws the routing weights 
 and the load per expert. It then runs the numba.cuda router on the same inputs, which must pick
 exactly the same experts, and the numba SwiGLU and MoE against numpy.
 
-    python walkthrough/04_moe.py
+    .venv/bin/python walkthrough/04_moe.py
 
 Writes docs/assets/figures/04_moe_routing.png, 04_moe_load.png and 04_moe_report.txt (what it prints).
 """

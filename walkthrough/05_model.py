@@ -12,7 +12,7 @@ The layers of chapters 0-4 assemble into a DeepSeek-V3 / Kimi-K2 style decoder. 
 * records every operation call of one forward on preset "micro" and replays each call through
   its numba.cuda twin (the kernel function of the same name), printing the largest difference.
 
-    python walkthrough/05_model.py
+    .venv/bin/python walkthrough/05_model.py
 
 Writes docs/assets/figures/05_model_golden_gaps.png and 05_model_report.txt (what it prints).
 """

@@ -12,7 +12,7 @@ the noisy oracle (the oracle with seeded mistakes) and the n-gram drafter (copie
 earlier occurrences of the context's suffix). Their numba twins (``kernels/drafters.py``, the
 same logits bit for bit) are what the engine runs in its round; this chapter calls the numpy ones.
 
-Run: python walkthrough/06_drafters.py
+Run: .venv/bin/python walkthrough/06_drafters.py
 
 Writes docs/assets/figures/06_drafters_distributions.png and 06_drafters_report.txt (what it prints).
 """

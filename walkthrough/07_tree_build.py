@@ -11,7 +11,7 @@ that the pops are exactly the B best candidates of the whole (K^1 + ... + K^L)-c
 sorted by (-weight, rank tuple); shows the tie rule; and runs the numba builder (one block per
 request) against the heap, single and batched, requiring identical trees.
 
-Run: python walkthrough/07_tree_build.py
+Run: .venv/bin/python walkthrough/07_tree_build.py
 
 Writes docs/assets/figures/07_tree_build_budget_{4,16,64}.png, 07_tree_build_weights.png and
 07_tree_build_report.txt (what it prints).

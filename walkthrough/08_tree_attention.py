@@ -14,7 +14,7 @@ prefix + its path alone. Then it runs the numba visibility kernel and the numba 
 (with the tree mask, on the layer-0 inputs of that verify forward) against numpy, and the engine's
 attention_paths (each row's keys from its path, no mask) in numpy and numba on the same inputs.
 
-Run: python walkthrough/08_tree_attention.py
+Run: .venv/bin/python walkthrough/08_tree_attention.py
 
 Writes docs/assets/figures/08_tree_attention_{tree,mask}.png and 08_tree_attention_report.txt (what it
 prints).

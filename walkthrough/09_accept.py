@@ -12,7 +12,7 @@ This chapter records (tree, posterior) for every round of a generation with the 
 leaves the drafter's top-1 chain, draws it, and runs the numba accept (one tree) and accept_batch
 (every round in one launch) against numpy.
 
-Run: python walkthrough/09_accept.py
+Run: .venv/bin/python walkthrough/09_accept.py
 
 Writes docs/assets/figures/09_accept_path.png and 09_accept_report.txt (what it prints).
 """

@@ -11,7 +11,7 @@ may overwrite slot j while thread j' < j still has to read it (when accepted[j']
 finds such a round in a real generation, shows what one bad interleaving does, counts the fast path
 (nothing to move), and runs the numba compaction (a thread per column, in one launch) against numpy.
 
-Run: python walkthrough/10_kv_compaction.py
+Run: .venv/bin/python walkthrough/10_kv_compaction.py
 
 Writes docs/assets/figures/10_kv_compaction_slots.png and 10_kv_compaction_report.txt (what it prints).
 """

@@ -11,7 +11,7 @@ budget 32, noisy oracle; the generation page draws each round), then sweeps the 
 for a single chain (topk=1, the DFlash-style baseline) against a tree, for each drafter; every run
 is asserted equal to AR. Last, the same loop runs with the tree operations on the numba kernels.
 
-Run: python walkthrough/11_ddtree_loop.py
+Run: .venv/bin/python walkthrough/11_ddtree_loop.py
 
 Writes docs/assets/figures/11_ddtree_loop_budget_sweep.png and 11_ddtree_loop_report.txt (what it
 prints).

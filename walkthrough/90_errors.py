@@ -6,7 +6,7 @@ itself (temporary paths and the machine's free memory replaced by placeholders).
 checks the same rows (type, name, and that nothing changed), so the page shows what the code
 raises today.
 
-Run: python walkthrough/90_errors.py
+Run: .venv/bin/python walkthrough/90_errors.py
 
 Writes docs/assets/figures/errors_catalogue.md (included by docs/errors.md).
 """

@@ -24,7 +24,7 @@ second target's DDTree / AR ratios after a kernel change, without the slow colum
 
 Timing: NEW_TOKENS new tokens after a PROMPT_TOKENS-token prompt; weights uploaded, kernels
 compiled and graphs captured (one warm-up run of each configuration) before the clock starts;
-the median of REPEATS runs. The results go to a markdown report and a JSON file (chapter 12
+the median of REPEATS runs. The results go to a markdown report and a JSON file (chapter 14
 draws from it).
 """
 

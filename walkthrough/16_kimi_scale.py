@@ -12,9 +12,9 @@ checkpoint's tensor shapes (``ddtree.weights.weight_shapes``), never typed:
 * what one rank of tensor-parallel 8 holds (8 heads, 1/8 of every expert or 48 whole experts, the
   whole latent cache) and the collectives each layer needs, in bytes, for a decode row and a tree.
 
-Run: python walkthrough/14_kimi_scale.py
+Run: .venv/bin/python walkthrough/16_kimi_scale.py
 
-Writes docs/assets/figures/14_kimi_scale_report.txt (what it prints).
+Writes docs/assets/figures/16_kimi_scale_report.txt (what it prints).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from ddtree.config import preset
 from ddtree.weights import weight_shapes
 
-STEM = "14_kimi_scale"
+STEM = "16_kimi_scale"
 CONTEXT = 131072                     # a 128k-token context
 TP = 8                               # tensor-parallel ranks
 GROUP = 32                           # INT4 quantisation group (weights per scale)

@@ -1,4 +1,4 @@
-"""Chapter 12: the device-resident engine, one DDTree round as the data flows through it.
+"""Chapter 14: the device-resident engine, one DDTree round as the data flows through it.
 
 ``kernels.model.Transformer`` keeps the weights, the latent KV cache and every activation on the
 device, and runs a whole round (top-K, tree build, verify forward, argmax, accept, compaction) as
@@ -9,9 +9,9 @@ the shapes it reads and writes; then what crosses the bus per round, in bytes; t
 H200 results (tokens/s of the engine with and without graphs, transformers; a round's cost in AR
 steps; the round's time split), read from the committed engine record docs/results/engine.json.
 
-Run: python walkthrough/12_engine.py
+Run: .venv/bin/python walkthrough/14_engine.py
 
-Writes docs/assets/figures/12_engine_report.txt, 12_engine_tokens.png and 12_engine_split.png.
+Writes docs/assets/figures/14_engine_report.txt, 14_engine_tokens.png and 14_engine_split.png.
 """
 
 import contextlib
@@ -34,7 +34,7 @@ from kernels.model import Transformer
 ROUND_PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "accept+compact", "host")
 DEVICE_PHASES = ("draft", "top-k", "build", "verify", "accept", "compact", "accept+compact")
 
-STEM = "12_engine"
+STEM = "14_engine"
 RECORD = chapter.ROOT / "docs" / "results" / "engine.json"       # python -m kernels.bench engine
 NEW_TOKENS = 256                                                   # the benchmark's generation length
 BLOCK, BUDGET = 4, 6                    # one small round: a tree of 7 nodes that branches

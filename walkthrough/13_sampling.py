@@ -1,4 +1,4 @@
-"""Chapter 15: sampling at temperature > 0, checkable token for token, and a sampled tree.
+"""Chapter 13: sampling at temperature > 0, checkable token for token, and a sampled tree.
 
 The token at absolute position p is drawn with random numbers that are a pure function of
 (seed, p) (Philox4x32-10, Gumbel-max). A tree node at position p has AR's logits there, bit for
@@ -15,10 +15,10 @@ committed tokens per verify forward against the temperature, for the noisy oracl
 drafter (preset tiny, golden prompt, 40 tokens, block 8, budget 32, three sampling seeds). Last,
 the numba sampler and rejection step against numpy, and how rarely log rounding can move a draw.
 
-Run: python walkthrough/15_sampling.py
+Run: .venv/bin/python walkthrough/13_sampling.py
 
-Writes docs/assets/figures/15_sampling_acceptance.png, 15_sampling_one_step.png,
-15_sampling_exact.png and 15_sampling_report.txt (what it prints).
+Writes docs/assets/figures/13_sampling_acceptance.png, 13_sampling_one_step.png,
+13_sampling_exact.png and 13_sampling_report.txt (what it prints).
 """
 
 import collections
@@ -40,7 +40,7 @@ from ddtree.tree import build_tree, top_candidates
 from kernels.bench.cases import sampling as cost
 from kernels.device import SIMULATOR
 
-STEM = "15_sampling"
+STEM = "13_sampling"
 NEW_TOKENS, BLOCK_SIZE, BUDGET = 40, 8, 32
 TEMPERATURES = (0.0, 0.3, 0.6, 1.0, 1.5, 2.0)
 SEEDS = (0, 1, 2)                 # sampling seeds: each point of the sweep averages over them

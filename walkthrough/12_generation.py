@@ -10,10 +10,10 @@ Then the summary: tokens committed per round, tokens generated against target fo
 prefill counted for every decoder), and tokens per verify forward against the budget for a chain
 (topk=1) and a tree. Everything runs on the numpy reference; every generation equals AR.
 
-Run: python walkthrough/13_generation.py
+Run: .venv/bin/python walkthrough/12_generation.py
 
-Writes docs/assets/figures/13_generation_<drafter>_round_<i>.png, 13_generation_rounds.md (the
-tabs), 13_generation_{commits,forwards,budget}.png and 13_generation_report.txt (what it prints).
+Writes docs/assets/figures/12_generation_<drafter>_round_<i>.png, 12_generation_rounds.md (the
+tabs), 12_generation_{commits,forwards,budget}.png and 12_generation_report.txt (what it prints).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ddtree.decode import generate_ar, generate_ddtree
 from ddtree.drafters import make_drafter
 from ddtree.kv_cache import compact
 
-STEM = "13_generation"
+STEM = "12_generation"
 NEW_TOKENS, BLOCK_SIZE, BUDGET = 12, 8, 16
 DRAFTER_NAMES = ("noisy", "ngram")
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
@@ -126,26 +126,32 @@ def draw_round(r: Round, name: str, index: int) -> str:
 def round_text(r: Round) -> str:
     """The tab's text under the figure, from the recorded round."""
     chain = top1_chain(r.tree.parents)
-    path = " → ".join(str(int(t)) for t in r.tree.tokens[r.accepted])
-    off = [j for j in range(1, r.accepted.size) if j >= len(chain) or r.accepted[j] != chain[j]]
-    where = (f"It leaves the drafter's top-1 chain at depth {off[0]}." if off else
-             "It follows the drafter's top-1 chain.")
+    if r.accepted.size > 1:
+        path = " → ".join(str(int(t)) for t in r.tree.tokens[r.accepted])
+        off = [j for j in range(1, r.accepted.size) if j >= len(chain) or r.accepted[j] != chain[j]]
+        where = (f"It leaves the drafter's top-1 chain at depth {off[0]}." if off else
+                 "It follows the drafter's top-1 chain.")
+        verdict = f"The target accepted the path {path} (nodes {r.accepted.tolist()}). {where}"
+        after = f"node #{int(r.accepted[-1])}"
+    else:
+        verdict = "The target accepted no drafted node: no child of the root carries its token."
+        after = "the root"
     committed = [int(t) for t in r.tree.tokens[r.accepted[1:]]] + [r.bonus]
     moved = "nothing moves (the accepted rows already sit in order)" if \
         np.array_equal(r.accepted, np.arange(r.accepted.size)) else \
         f"slots {r.start}..{r.start + r.accepted.size - 1} receive the rows of nodes " \
         f"{', '.join(f'#{int(a)}' for a in r.accepted)}"
     return (f"Root **{int(r.tree.tokens[0])}** at position {r.start}; the builder drafted "
-            f"{r.tree.size - 1} nodes. The target accepted the path {path} (nodes "
-            f"{r.accepted.tolist()}). {where} Bonus: **{r.bonus}**, so the round commits "
-            f"{len(committed)} token{'s' if len(committed) > 1 else ''}: {committed}. "
+            f"{r.tree.size - 1} nodes. {verdict} Bonus: **{r.bonus}**, the target's own token after "
+            f"{after}, so the round commits {len(committed)} token{'s' if len(committed) > 1 else ''}: "
+            f"{committed}. "
             f"KV cache: the verify forward wrote {r.before.length - r.start} rows at slots "
             f"{r.start}..{r.before.length - 1}; compaction keeps {r.accepted.size}: {moved}, and the "
             f"length becomes {r.after.length}.")
 
 
 def write_tabs(generations) -> None:
-    """docs/assets/figures/13_generation_rounds.md: one snippet section per drafter, a tab per round."""
+    """docs/assets/figures/12_generation_rounds.md: one snippet section per drafter, a tab per round."""
     lines = []
     for name, (rounds, _) in generations.items():
         lines.append(f"<!-- --8<-- [start:{name}] -->")

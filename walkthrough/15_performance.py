@@ -12,9 +12,9 @@ records under docs/results/, one per kind (nothing is measured on this machine):
   tree's size (``python -m kernels.bench engine --floor-only --presets small``);
 * sweep.json: ``small`` against context length (``python -m kernels.bench sweep``).
 
-Run: python walkthrough/16_performance.py
+Run: .venv/bin/python walkthrough/15_performance.py
 
-Writes docs/assets/figures/16_performance_*.png and 16_performance_report.txt (what it prints).
+Writes docs/assets/figures/15_performance_*.png and 15_performance_report.txt (what it prints).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import chapter  # walkthrough/chapter.py: figures, the report file, the Agg back
 import matplotlib.pyplot as plt
 import numpy as np
 
-STEM = "16_performance"
+STEM = "15_performance"
 RESULTS = chapter.ROOT / "docs" / "results"
 BENCH = RESULTS / "bench.md"
 PROFILE = RESULTS / "profile.md"

@@ -13,10 +13,10 @@ and Python's tracebacks work inside a kernel, and an index past the end of an ar
   and a missing barrier's race (the kernel run ten times, its wrong elements counted); races and
   timing are the subject of the page, with the GPU tools that see them.
 
-Each demo is also a command to try: ``python walkthrough/91_debugging.py stop`` (interactive pdb),
+Each demo is also a command to try: ``.venv/bin/python walkthrough/17_debugging.py stop`` (interactive pdb),
 ``oob``, ``shuffle`` and ``race`` (a missing barrier, run a few times).
 
-Writes docs/assets/figures/91_debugging_report.txt (what it prints).
+Writes docs/assets/figures/17_debugging_report.txt (what it prints).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import kernels  # noqa: F401  (decides GPU or CUDA simulator before numba loads)
 from kernels.device import cuda, where
 
-STEM = "91_debugging"
+STEM = "17_debugging"
 PDB_COMMANDS = ["p cuda.blockIdx.x, cuda.threadIdx.x", "p row, tid, acc", "p x[row, tid], x[row, tid + 4]",
                 "l", "c"]
 
@@ -126,7 +126,7 @@ DEMOS = {"stop": demo_stop, "oob": demo_oob, "shuffle": demo_shuffle, "race": de
 
 
 def run_demo(name: str, stdin: str = "") -> list[str]:
-    """Run ``python walkthrough/91_debugging.py <name>`` in the simulator; its output, with the
+    """Run ``python walkthrough/17_debugging.py <name>`` in the simulator; its output, with the
     machine's paths replaced by short names so that the report is the same everywhere."""
     result = subprocess.run([sys.executable, __file__, name], input=stdin, capture_output=True, text=True,
                             cwd=chapter.ROOT, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout=300)
