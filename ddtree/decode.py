@@ -174,19 +174,16 @@ def describe_round(record: RoundTrace, index: int) -> list[str]:
         if node == accepted[-1]:
             lines.append("  " * (depth + 2) + f"+ {record.bonus}  bonus")
         stack += [(child, depth + 1) for child in reversed(children[node])]
-    committed = [int(tokens[a]) for a in accepted[1:]] + [record.bonus]
     if len(accepted) == 1:
-        lines.append("  nothing accepted (nodes [0]: the root alone)")
+        lines.append("  nothing accepted (the path is the root alone)")
     else:
         off = [depth for depth, node in enumerate(accepted[1:], start=1) if rank[node] > 0]
-        path = f"leaves the drafter's top-1 chain at depth {off[0]}" if off else \
-            "is the drafter's top-1 chain"
-        drafts = " ".join(map(str, committed[:-1]))
-        lines.append(f"  accepted {drafts} (nodes {accepted}; the path {path})")
-    after = "the root" if len(accepted) == 1 else f"node #{accepted[-1]}"
-    tokens_word = "tokens" if len(committed) > 1 else "token"
-    lines.append(f"  bonus {record.bonus}, the target's own token after {after}; the round commits "
-                 f"{len(committed)} {tokens_word}: {' '.join(map(str, committed))}")
+        path = f"off the drafter's top-1 chain from depth {off[0]}" if off else "the drafter's top-1 chain"
+        lines.append(f"  accepted nodes {' '.join(f'#{a}' for a in accepted[1:])} ({path})")
+    after = "the root" if len(accepted) == 1 else f"#{accepted[-1]}"
+    committed = [int(tokens[a]) for a in accepted[1:]] + [record.bonus]
+    lines.append(f"  bonus {record.bonus} (the target's own token after {after}); commits {len(committed)} "
+                 f"token{'s' if len(committed) > 1 else ''}: {' '.join(map(str, committed))}")
     return lines
 
 

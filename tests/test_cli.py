@@ -74,20 +74,20 @@ def test_a_round_reads_as_an_indented_tree_with_its_path_and_bonus():
         "      * 14  #4 rank 1",
         "        + 9  bonus",
         "      12  #2 rank 1",
-        "  accepted 11 14 (nodes [0, 1, 4]; the path leaves the drafter's top-1 chain at depth 2)",
-        "  bonus 9, the target's own token after node #4; the round commits 3 tokens: 11 14 9",
+        "  accepted nodes #1 #4 (off the drafter's top-1 chain from depth 2)",
+        "  bonus 9 (the target's own token after #4); commits 3 tokens: 11 14 9",
     ]
     assert describe_round(hand_made_round([0, 1, 3, 5], 2), 0)[-2:] == [
-        "  accepted 11 13 15 (nodes [0, 1, 3, 5]; the path is the drafter's top-1 chain)",
-        "  bonus 2, the target's own token after node #5; the round commits 4 tokens: 11 13 15 2",
+        "  accepted nodes #1 #3 #5 (the drafter's top-1 chain)",
+        "  bonus 2 (the target's own token after #5); commits 4 tokens: 11 13 15 2",
     ]
 
 
 def test_a_round_that_accepts_nothing_says_so():
     lines = describe_round(hand_made_round([0], 9), 0)
     assert lines[1:3] == ["  * 7  root", "    + 9  bonus"]
-    assert lines[-2:] == ["  nothing accepted (nodes [0]: the root alone)",
-                          "  bonus 9, the target's own token after the root; the round commits 1 token: 9"]
+    assert lines[-2:] == ["  nothing accepted (the path is the root alone)",
+                          "  bonus 9 (the target's own token after the root); commits 1 token: 9"]
 
 
 def test_demo_rounds_prints_every_rounds_tree(capsys):
@@ -102,7 +102,7 @@ def test_demo_rounds_prints_every_rounds_tree(capsys):
     lines = out.splitlines()
     first = lines.index(expected[0])
     assert lines[first:first + len(expected)] == expected
-    assert "    nothing accepted (nodes [0]: the root alone)" in lines        # the noisy oracle misses
+    assert "    nothing accepted (the path is the root alone)" in lines        # the noisy oracle misses
 
 
 # ----------------------------------------------------------------------------------------------
