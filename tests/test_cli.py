@@ -204,3 +204,16 @@ def test_bad_checkpoint_inputs_are_refused_in_one_line(checkpoint, flags, messag
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1
     assert err.startswith("error: " + message.format(dir=directory))
+
+
+def test_the_generation_chapters_help_lists_its_settings_and_runs_nothing(tmp_path):
+    """The round-by-round chapter's settings are arguments; --help prints them and writes nothing."""
+    root = golden.GOLDEN_DIR.parent.parent
+    (script,) = root.glob("walkthrough/*_generation.py")
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env={"MPLBACKEND": "Agg", "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    for setting in ("--preset", "--drafters", "--tokens", "--block-size", "--budget", "--budgets", "--seed"):
+        assert setting in out
+    assert "(default: 16)" in out and "(default: 12)" in out and "wrote" not in result.stdout + result.stderr

@@ -230,8 +230,8 @@ def plot_forwards(generations, new_tokens: int) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     forwards = np.arange(new_tokens + 1)
     ax.step(forwards, forwards, where="post", color="#777777", label="AR: the prefill makes token 1")
-    colors = ("#3182bd", "#756bb1")
-    for (name, (rounds, _)), color in zip(generations.items(), colors, strict=True):
+    colors = ("#3182bd", "#756bb1", "#31a354")                     # one per drafter (DRAFTERS)
+    for (name, (rounds, _)), color in zip(generations.items(), colors[:len(generations)], strict=True):
         done = np.concatenate([[0, 0], np.cumsum([r.accepted.size for r in rounds])])   # prefill: none
         ax.step(np.arange(done.size), done, where="post", color=color, lw=2,
                 label=f"DDTree, {TITLES[name]}: {done.size - 1} forwards")
