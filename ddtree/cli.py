@@ -156,25 +156,24 @@ def check_flags(args, model, prompt, backend=None) -> None:
 
 
 def load_model(args):
-    """(config, a function that returns the weights, prompt, where from): --checkpoint and --prompt,
-    or a random --preset (its weights built only once every cheaper check has passed)."""
+    """(config, weights, prompt, where from): --checkpoint and --prompt, or a random --preset."""
     prompt = None if args.prompt is None else flagged("--prompt", lambda: parse_prompt(args.prompt))
     if args.checkpoint is not None:
         if prompt is None:
             raise ValueError("--prompt: a checkpoint has no default prompt; give its token ids "
                              "(e.g. --prompt 5,17,42)")
         config, weights = flagged("--checkpoint", lambda: load_checkpoint(args.checkpoint))
-        return config, lambda: weights, prompt, f"checkpoint {args.checkpoint}"
+        return config, weights, prompt, f"checkpoint {args.checkpoint}"
     name = flagged("--preset", lambda: check_preset(args.preset))
     config = preset(name)
     prompt = default_prompt(name) if prompt is None else prompt
-    return config, lambda: init_weights(config, WEIGHT_SEED), prompt, f"preset {name}"
+    return config, init_weights(config, WEIGHT_SEED), prompt, f"preset {name}"
 
 
 def run_demo(args) -> int:
     config, weights, prompt, source = load_model(args)
     backend = load_backend(args.backend)
-    model = backend.Transformer(config, weights())
+    model = backend.Transformer(config, weights)
     check_flags(args, model, prompt, backend)
     for note in (simulator_note(backend, config), degenerate_note(args)):   # before the slow part
         if note:
