@@ -1,42 +1,118 @@
-"""Command line: ``python -m ddtree demo`` runs AR and DDTree side by side on a random model,
-greedy or, with ``--temperature``, sampled (``--sample-seed`` keys the draws)."""
+"""Command line: ``python -m ddtree demo`` runs AR and DDTree side by side on a random model of a
+preset or on a saved checkpoint, greedy or, with ``--temperature``, sampled (``--sample-seed`` keys
+the draws), and checks that both emit the same tokens."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import pathlib
+import re
 import sys
 import types
 
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
-from ddtree.decode import DEFAULT_BUDGET, budget_limit, check_block_size, check_prompt, check_topk
+from ddtree.decode import (
+    DEFAULT_BUDGET,
+    budget_limit,
+    check_block_size,
+    check_prompt,
+    check_topk,
+    describe_round,
+)
 from ddtree.drafters import DRAFTERS, check_seed, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
 from ddtree.sampling import check_sampling_seed, check_temperature
 from ddtree.tree import check_budget
-from ddtree.weights import init_weights
+from ddtree.weights import init_weights, load_pretrained, weights_nbytes
 
+DESCRIPTION = ("Speculative decoding with draft trees (DDTree) on a DeepSeek-V3-style model. The demo "
+               "command runs plain autoregressive (AR) decoding and DDTree side by side, on a random "
+               "model of a preset or on a saved checkpoint, and checks that both emit the same tokens.")
 BACKENDS = ("numpy", "numba")
-
-
-SIMULATOR_NOTE = ("note: no GPU, so the kernels run in numba's CUDA simulator (every CUDA thread is a "
-                  "Python thread): expect minutes; '--preset micro --tokens 4' is the quickest")
+DEMO_PRESETS = tuple(p for p in PRESET_NAMES if p in DEFAULT_PROMPTS)      # the ones with a golden prompt
+# a random preset the demo cannot build (its weights would fill host memory), and where it runs instead
+TOO_BIG = {
+    "small": "the numba engine on a GPU runs it (python -m kernels.bench engine --presets small)",
+    "kimi-k2.6": "it is shapes only, never built (the Kimi K2.6 at full scale page counts what it holds)",
+}
+QUICKEST = "--preset micro --tokens 4"
 
 
 def load_backend(name: str) -> types.SimpleNamespace:
     """The model and decoders of ``name``: the numpy reference, or the numba engine (imported only
-    when asked for, so the reference never loads numba); ``note`` says where the engine runs."""
-    note = None
+    when asked for, so the reference never loads numba); ``simulator``: the engine runs in numba's
+    CUDA simulator."""
+    simulator = False
     if name == "numba":
         from kernels import decode, device, model  # the kernels package picks GPU or simulator first
 
-        note = SIMULATOR_NOTE if device.SIMULATOR else None
+        simulator = device.SIMULATOR
     else:
         from ddtree import decode, model
-    return types.SimpleNamespace(name=name, Transformer=model.Transformer, note=note,
+    return types.SimpleNamespace(name=name, Transformer=model.Transformer, simulator=simulator,
                                  generate_ar=decode.generate_ar, generate_ddtree=decode.generate_ddtree)
+
+
+def simulator_note(backend, config) -> str | None:
+    """One line when the run will be slow: the engine in the simulator on a model larger than micro."""
+    if not backend.simulator or weights_nbytes(config) <= weights_nbytes(preset("micro")):
+        return None
+    return ("note: no GPU, so the numba backend runs in numba's CUDA simulator (every CUDA thread a "
+            f"Python thread): this run is expected to take minutes; use {QUICKEST} to try it")
+
+
+def degenerate_note(args) -> str | None:
+    """One line when the settings leave nothing to draft: every round is a plain AR step."""
+    if args.block_size == 1:
+        why = "--block-size 1 drafts no depth"
+    elif args.budget == 0:
+        why = "--budget 0 drafts no node"
+    else:
+        return None
+    return (f"note: {why}: every round verifies the root alone and commits the target's own token, "
+            "so DDTree runs plain AR steps (one token per verify forward)")
+
+
+def check_preset(name: str) -> str:
+    if name not in DEMO_PRESETS:
+        gib = weights_nbytes(preset(name)) / 2**30
+        where = TOO_BIG.get(name, "it has no golden prompt")
+        raise ValueError(f"{name}'s random weights take {gib:.1f} GiB of float32, too many for this demo "
+                         f"(which builds them in host memory); {where}. The demo takes "
+                         f"{', '.join(DEMO_PRESETS)}")
+    return name
+
+
+def parse_prompt(text: str) -> np.ndarray:
+    """Token ids separated by commas or spaces ("1,2,3" or "1 2 3")."""
+    words = [w for w in re.split(r"[,\s]+", text.strip()) if w]
+    if not words or not all(re.fullmatch(r"[+-]?\d+", w) for w in words):
+        raise ValueError(f"the prompt must be token ids separated by commas or spaces (e.g. 5,17,42), "
+                         f"got {text!r}")
+    return np.array([int(w) for w in words], dtype=np.int64)
+
+
+def load_checkpoint(directory: str):
+    """(config, weights) of a checkpoint directory; errors say what is missing."""
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"{directory}: no such directory (a checkpoint directory holds config.json and "
+                         "model.safetensors, as ddtree.weights.save_pretrained writes them)")
+    try:
+        return load_pretrained(path)
+    except FileNotFoundError as error:
+        raise ValueError(str(error)) from None
+
+
+def flagged(flag: str, check):
+    """``check()``, its ValueError prefixed with ``flag``."""
+    try:
+        return check()
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
 
 
 def format_tokens(tokens) -> str:
@@ -61,9 +137,10 @@ def sampling_options(args) -> dict:
 
 
 def check_flags(args, model, prompt, backend=None) -> None:
-    """Every flag, before anything is decoded; an error names its flag."""
+    """Every flag that needs the model, before anything is decoded; an error names its flag."""
     limit = model.config.max_position_embeddings
     checks = [
+        ("--prompt", lambda: check_prompt(model, prompt, 0)),
         ("--tokens", lambda: check_prompt(model, prompt, args.tokens)),
         ("--block-size", lambda: check_block_size(args.block_size, limit)),
         ("--budget", lambda: check_budget(args.budget, *budget_limit(model))),
@@ -75,21 +152,33 @@ def check_flags(args, model, prompt, backend=None) -> None:
     if backend is not None:
         checks.append(("--temperature", lambda: check_sampling_backend(backend, args.temperature)))
     for flag, check in checks:
-        try:
-            check()
-        except ValueError as error:
-            raise ValueError(f"{flag}: {error}") from None
+        flagged(flag, check)
+
+
+def load_model(args):
+    """(config, weights, prompt, where from): --checkpoint and --prompt, or a random --preset."""
+    prompt = None if args.prompt is None else flagged("--prompt", lambda: parse_prompt(args.prompt))
+    if args.checkpoint is not None:
+        if prompt is None:
+            raise ValueError("--prompt: a checkpoint has no default prompt; give its token ids "
+                             "(e.g. --prompt 5,17,42)")
+        config, weights = flagged("--checkpoint", lambda: load_checkpoint(args.checkpoint))
+        return config, weights, prompt, f"checkpoint {args.checkpoint}"
+    name = flagged("--preset", lambda: check_preset(args.preset))
+    config = preset(name)
+    prompt = default_prompt(name) if prompt is None else prompt
+    return config, init_weights(config, WEIGHT_SEED), prompt, f"preset {name}"
 
 
 def run_demo(args) -> int:
-    config = preset(args.preset)
+    config, weights, prompt, source = load_model(args)
     backend = load_backend(args.backend)
-    if backend.note:
-        print(backend.note, file=sys.stderr)
-    model = backend.Transformer(config, init_weights(config, WEIGHT_SEED))
-    prompt = default_prompt(args.preset)
+    model = backend.Transformer(config, weights)
     check_flags(args, model, prompt, backend)
-    print(f"model: {config.describe()}  (preset {args.preset}, backend {backend.name})")
+    for note in (simulator_note(backend, config), degenerate_note(args)):   # before the slow part
+        if note:
+            print(note, file=sys.stderr)
+    print(f"model: {config.describe()}  ({source}, backend {backend.name})")
     print(f"prompt({prompt.size}): {format_tokens(prompt)}")
     sampling = sampling_options(args)
     if sampling:
@@ -109,8 +198,7 @@ def run_demo(args) -> int:
           f"{'' if args.topk is None else f', topk {args.topk}'}): {format_tokens(tokens)}")
     if args.rounds:
         for i, r in enumerate(trace.rounds):
-            print(f"  round {i}: tree {r.tokens.size - 1} nodes, depth {int(r.depths.max())}, "
-                  f"accepted {r.accepted.size - 1} + bonus {r.bonus} -> commits {r.committed}")
+            print("\n".join("  " + line for line in describe_round(r, i)))
     print(f"tokens per verify forward: {trace.tokens_per_forward:.2f} "
           f"(AR: {args.tokens / max(ar_forwards, 1):.2f})")
     match = np.array_equal(tokens, ar_tokens)
@@ -119,22 +207,59 @@ def run_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ddtree", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="AR vs DDTree decoding (greedy or sampled) on a random tiny model")
-    demo.add_argument("--preset", default="tiny", choices=[p for p in PRESET_NAMES if p in DEFAULT_PROMPTS])
-    demo.add_argument("--drafter", default="oracle", choices=DRAFTERS)
-    demo.add_argument("--block-size", type=int, default=8)
-    demo.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
-    demo.add_argument("--topk", type=int, default=None, help="candidates per depth (1: single chain)")
-    demo.add_argument("--tokens", type=int, default=24, help="new tokens to generate")
-    demo.add_argument("--backend", default="numpy", choices=BACKENDS)
-    demo.add_argument("--seed", type=int, default=0, help="drafter seed")
-    demo.add_argument("--temperature", type=float, default=0.0,
-                      help="sampling temperature (0: greedy); the oracle drafters know the sampled tokens")
-    demo.add_argument("--sample-seed", type=int, default=0,
-                      help="the seed of the position-keyed sampling (with --temperature > 0)")
-    demo.add_argument("--rounds", action="store_true", help="print one line per DDTree round")
+    parser = argparse.ArgumentParser(prog="python -m ddtree", description=DESCRIPTION,
+                                     epilog="Options of the demo: python -m ddtree demo --help")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    demo = sub.add_parser(
+        "demo", help="run AR and DDTree side by side and check that they emit the same tokens",
+        description="Run AR and DDTree side by side on a random model of a preset (or a saved "
+                    "checkpoint) and check that they emit the same tokens. Every option's default is "
+                    "shown; the default run is the one the README prints.")
+    model = demo.add_mutually_exclusive_group()
+    small_gib = weights_nbytes(preset("small")) / 2**30
+    model.add_argument("--preset", default="tiny", choices=PRESET_NAMES, metavar="NAME",
+                       help=f"the random model: {', '.join(DEMO_PRESETS)} (micro is the quickest); small "
+                            f"is refused ({small_gib:.0f} GiB of weights: it runs in the numba engine on a "
+                            "GPU, through "
+                            "python -m kernels.bench engine) and so is kimi-k2.6 (shapes only) "
+                            "(default: %(default)s)")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="a saved checkpoint directory instead of a preset: config.json + "
+                            "model.safetensors, as ddtree.weights.save_pretrained writes; needs --prompt "
+                            "(default: none, a random preset)")
+    demo.add_argument("--prompt", metavar="IDS",
+                      help="the prompt as token ids separated by commas or spaces, e.g. 5,17,42 (text once "
+                           "a tokenizer ships; default: the preset's golden prompt)")
+    demo.add_argument("--drafter", default="oracle", choices=DRAFTERS,
+                      help="oracle: the target's own continuation; noisy: it with seeded mistakes (trees "
+                           "branch); ngram: copies what followed the context's suffix (default: %(default)s)")
+    demo.add_argument("--block-size", type=int, default=8, metavar="N",
+                      help="tokens a round can commit: N - 1 drafted depths + the bonus; 1 drafts nothing "
+                           "(default: %(default)s)")
+    demo.add_argument("--budget", type=int, default=DEFAULT_BUDGET, metavar="B",
+                      help="drafted tree nodes per round, 0 <= B <= the backend's limit; 0 drafts nothing "
+                           "(default: %(default)s)")
+    demo.add_argument("--topk", type=int, default=None, metavar="K",
+                      help="candidates per depth; 1 is a single chain (default: as many as the budget "
+                           "can use)")
+    demo.add_argument("--tokens", type=int, default=24, metavar="N",
+                      help="new tokens to generate (default: %(default)s)")
+    demo.add_argument("--backend", default="numpy", choices=BACKENDS,
+                      help="numpy: the reference; numba: the engine of kernels/model.py, on a GPU (without "
+                           "one, numba's CUDA simulator: minutes, try " + QUICKEST.replace("%", "%%") +
+                           ") (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="the oracle drafters' seed: their distractors, the noisy one's mistakes "
+                           "(default: %(default)s)")
+    demo.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="sampling temperature; 0 is greedy; the oracle drafters know the sampled tokens "
+                           "(default: %(default)s)")
+    demo.add_argument("--sample-seed", type=int, default=0, metavar="S",
+                      help="the seed of the position-keyed sampling, with --temperature > 0 "
+                           "(default: %(default)s)")
+    demo.add_argument("--rounds", action="store_true",
+                      help="print every DDTree round's tree, its accepted path and its bonus "
+                           "(default: off)")
     demo.set_defaults(run=run_demo)
     return parser
 

@@ -149,6 +149,44 @@ class DDTreeTrace:
         return np.array([r.accepted.size - 1 for r in self.rounds], dtype=np.int64)
 
 
+def describe_round(record: RoundTrace, index: int) -> list[str]:
+    """One round as text, in the words ``python -m ddtree demo --rounds`` and the round-by-round
+    page share: a header, the tree indented by depth (one node per line: ``* `` marks the
+    accepted path, ``+ `` the bonus; ``#n`` the pop order, ``rank r`` the token's rank among the
+    drafter's candidates at its depth), then what the round commits.
+
+    A node's children are listed in pop order, which is rank order, so a node's rank is its place
+    among its siblings: the drafter's top-1 chain is the path of rank 0 nodes."""
+    parents, tokens = np.asarray(record.parents), np.asarray(record.tokens)
+    accepted = [int(a) for a in record.accepted]
+    children = [[] for _ in parents]
+    for node in range(1, parents.size):
+        children[int(parents[node])].append(node)
+    rank = {child: r for kids in children for r, child in enumerate(kids)}
+    lines = [f"round {index}: root {int(tokens[0])} at position {record.start}, {parents.size - 1} drafted "
+             f"nodes, depth {int(np.max(record.depths))} (* accepted, + bonus)"]
+    stack = [(0, 0)]                                              # (node, depth), depth first
+    while stack:
+        node, depth = stack.pop()
+        mark = "* " if node in accepted else "  "
+        label = "root" if node == 0 else f"#{node} rank {rank[node]}"
+        lines.append("  " * (depth + 1) + f"{mark}{int(tokens[node])}  {label}")
+        if node == accepted[-1]:
+            lines.append("  " * (depth + 2) + f"+ {record.bonus}  bonus")
+        stack += [(child, depth + 1) for child in reversed(children[node])]
+    if len(accepted) == 1:
+        lines.append("  nothing accepted (the path is the root alone)")
+    else:
+        off = [depth for depth, node in enumerate(accepted[1:], start=1) if rank[node] > 0]
+        path = f"off the drafter's top-1 chain from depth {off[0]}" if off else "the drafter's top-1 chain"
+        lines.append(f"  accepted nodes {' '.join(f'#{a}' for a in accepted[1:])} ({path})")
+    after = "the root" if len(accepted) == 1 else f"#{accepted[-1]}"
+    committed = [int(tokens[a]) for a in accepted[1:]] + [record.bonus]
+    lines.append(f"  bonus {record.bonus} (the target's own token after {after}); commits {len(committed)} "
+                 f"token{'s' if len(committed) > 1 else ''}: {' '.join(map(str, committed))}")
+    return lines
+
+
 def check_block_size(block_size, limit: int) -> int:
     if not is_integer(block_size) or not 1 <= block_size <= limit:
         raise ValueError(f"block_size must be an integer >= 1 and <= max_position_embeddings ({limit}), "
@@ -195,12 +233,21 @@ def largest_tree(block_size: int, budget: int, topk: int | None, vocab: int) -> 
     return tree_size(block_size - 1, candidates_per_depth(budget, topk, vocab), budget)
 
 
-def check_draft(logits, depths: int, vocab: int) -> np.ndarray:
-    logits = np.asarray(logits)
+def check_draft(logits, depths: int, vocab: int, drafter=None) -> np.ndarray:
+    """What ``drafter.propose`` returned, as float32 (L, V) logits; an error names the drafter."""
+    who = f"{type(drafter).__name__}.propose" if drafter is not None else "the drafter"
+    expected = f"real-valued (float) drafter logits of shape ({depths}, {vocab}) (L, V)"
+    try:
+        logits = np.asarray(logits)
+    except ValueError as error:                                   # ragged nested lists
+        raise ValueError(f"{who} must return {expected}, got a ragged sequence ({error})") from None
+    if logits.dtype == np.bool_ or not (np.issubdtype(logits.dtype, np.floating)
+                                        or np.issubdtype(logits.dtype, np.integer)):
+        raise ValueError(f"{who} must return {expected}, got dtype {logits.dtype} shape {logits.shape}")
     if logits.shape != (depths, vocab):
-        raise ValueError(f"drafter logits must have shape ({depths}, {vocab}), got {logits.shape}")
+        raise ValueError(f"{who} must return {expected}, got shape {logits.shape}")
     if depths and np.isnan(logits).any():
-        raise ValueError("drafter logits contain NaN")
+        raise ValueError(f"{who} returned drafter logits that contain NaN")
     return logits.astype(np.float32)
 
 
@@ -215,7 +262,7 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk, tempe
     ops, vocab = model.ops, model.config.vocab_size
     start, root = cache.length, int(context[-1])
     depths = block_size - 1
-    draft = check_draft(drafter.propose(context, block_size), depths, vocab)       # [L, V]
+    draft = check_draft(drafter.propose(context, block_size), depths, vocab, drafter)  # [L, V]
     top_logprobs, top_ids = top_candidates(draft, candidates_per_depth(budget, topk, vocab))  # [L, K] each
     tree = ops.build_tree(root, top_logprobs, top_ids, budget)
     rejection = verifier == "rejection" and temperature > 0

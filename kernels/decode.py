@@ -79,7 +79,7 @@ def start_round(model, cache, context, drafter, block_size, budget, topk, verifi
     if not (verifier == "rejection" and model.sampling) and model.drafts_on_device(drafter):
         draft = None                           # its kernels draft inside the round, on the device
     else:
-        draft = check_draft(drafter.propose(context, block_size), depths, vocab)   # [L, V] host
+        draft = check_draft(drafter.propose(context, block_size), depths, vocab, drafter)  # [L, V] host
     k = candidates_per_depth(budget, topk, vocab)                                  # K
     return model.start_round(cache, context, draft, k, budget, verifier, depths=depths)
 

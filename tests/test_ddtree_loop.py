@@ -176,3 +176,16 @@ def test_a_huge_budget_with_a_narrow_tree_allocates_a_small_cache():
         del model.new_cache
     assert_exact(tokens, bundle["tokens"][:4])
     assert sizes == [bundle["prompt"].size + 4 + 8 - 1]                # a 7-node chain, not 4096 rows
+
+
+
+def test_a_drafter_of_the_wrong_type_is_named_with_the_expected_logits():
+    """Strings, or a list of the wrong length, from ``propose``: the error names the drafter's class
+    and the dtype and shape a round expects, before the tree is built."""
+    model, prompt = model_for("tiny"), golden.load_bundle("tiny")["prompt"]
+    for make, got in ((lambda block: [["a"] * 512] * (block - 1), "got dtype <U1 shape (3, 512)"),
+                      (lambda block: [[0.0] * 512] * block, "got shape (4, 512)")):
+        with pytest.raises(ValueError) as error:
+            generate_ddtree(model, prompt, 4, BadDrafter(make), block_size=4, budget=8)
+        assert str(error.value) == ("BadDrafter.propose must return real-valued (float) drafter logits of "
+                                    f"shape (3, 512) (L, V), {got}")

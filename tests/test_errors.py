@@ -224,6 +224,7 @@ def golden_check(directory=None):
 NAN_DRAFT = ShapedDrafter(lambda block: np.full((block - 1, 96), np.nan, np.float32))
 FLAT_DRAFT = ShapedDrafter(lambda block: np.zeros((block - 1, 96), np.float32))
 ONE_ROW_TOO_MANY = ShapedDrafter(lambda block: np.zeros((block, 96), np.float32))
+STRING_DRAFT = ShapedDrafter(lambda block: np.full((block - 1, 96), "x"))
 LAYER = "model.layers.1."
 
 CASES = [
@@ -363,6 +364,7 @@ CASES = [
     Case("decode", "drafter", "a drafter without propose", lambda w: ddtree(w, object())),
     Case("decode", "drafter logits", "a drafter proposing L + 1 rows", lambda w: ddtree(w, ONE_ROW_TOO_MANY)),
     Case("decode", "drafter logits", "a drafter proposing NaN", lambda w: ddtree(w, NAN_DRAFT)),
+    Case("decode", "ShapedDrafter.propose", "a drafter proposing strings", lambda w: ddtree(w, STRING_DRAFT)),
     Case("decode", "drafter logits", "ddtree_round with a drafter proposing NaN",
          lambda w: ddtree_round(w.model, w.cache, w.prompt, NAN_DRAFT, 4, 8, None)),
     Case("decode", "capacity", "ddtree_round with a tree larger than the free slots",
@@ -406,6 +408,16 @@ CASES = [
     Case("cli", "--tokens", "demo --tokens -1", demo("--tokens", "-1"), CommandLineError),
     Case("cli", "--tokens", "demo --tokens 5000", demo("--tokens", "5000"), CommandLineError),
     Case("cli", "--preset", "demo --preset kimi-k2.6", demo("--preset", "kimi-k2.6"), CommandLineError),
+    Case("cli", "--budget", "demo --budget -3", demo("--budget", "-3"), CommandLineError),
+    Case("cli", "--prompt", "demo --preset micro --prompt 5,96",
+         demo("--preset", "micro", "--prompt", "5,96"), CommandLineError),
+    Case("cli", "--checkpoint", "demo --checkpoint /missing --prompt 5",
+         demo("--checkpoint", "/missing", "--prompt", "5"), CommandLineError),
+    Case("cli", "--checkpoint", "demo --checkpoint <a directory without config.json>",
+         lambda w: command(cli.main, ["demo", "--checkpoint", str(w.checkpoint(remove("config.json"))),
+                                      "--prompt", "5"]), CommandLineError),
+    Case("cli", "--prompt", "demo --checkpoint <dir> without --prompt",
+         lambda w: command(cli.main, ["demo", "--checkpoint", str(w.checkpoint())]), CommandLineError),
     Case("cli", "--dir", "golden --check --dir /missing", golden_check("/missing"), CommandLineError),
     Case("cli", "tiny.npz", "golden --check --dir <an empty directory>", golden_check(), CommandLineError),
 ]

@@ -10,7 +10,8 @@ Then the summary: tokens committed per round, tokens generated against target fo
 prefill counted for every decoder), and tokens per verify forward against the budget for a chain
 (topk=1) and a tree. Everything runs on the numpy reference; every generation equals AR.
 
-Run: .venv/bin/python walkthrough/12_generation.py
+Run: .venv/bin/python walkthrough/12_generation.py (``--help``: its settings; the defaults are the
+page's run)
 
 Writes docs/assets/figures/12_generation_<drafter>_round_<i>.png, 12_generation_rounds.md (the
 tabs), 12_generation_{commits,forwards,budget}.png and 12_generation_report.txt (what it prints).
@@ -18,6 +19,7 @@ tabs), 12_generation_{commits,forwards,budget}.png and 12_generation_report.txt 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 
@@ -26,17 +28,58 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 from sweep import CHAIN, TREE, budget_sweep, plot_sweep
-from treeplot import ACCEPTED, BONUS, draw_tree, top1_chain, tree_height
+from treeplot import ACCEPTED, BONUS, draw_tree, tree_height
 
-from ddtree.decode import generate_ar, generate_ddtree
-from ddtree.drafters import make_drafter
+from ddtree.decode import describe_round, generate_ar, generate_ddtree
+from ddtree.drafters import DRAFTERS, make_drafter
+from ddtree.golden import DEFAULT_PROMPTS
 from ddtree.kv_cache import compact
 
 STEM = "12_generation"
-NEW_TOKENS, BLOCK_SIZE, BUDGET = 12, 8, 16
-DRAFTER_NAMES = ("noisy", "ngram")
-BUDGETS = (1, 2, 4, 8, 16, 32, 64)
-TITLES = {"noisy": "noisy oracle", "ngram": "n-gram drafter"}
+TITLES = {"oracle": "oracle", "noisy": "noisy oracle", "ngram": "n-gram drafter"}
+
+
+def names(text: str, choices=DRAFTERS) -> tuple[str, ...]:
+    """A comma-separated list of drafter names."""
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    wrong = [name for name in chosen if name not in choices]
+    if not chosen or wrong:
+        raise argparse.ArgumentTypeError(f"expected drafter names among {', '.join(choices)}, got {text!r}")
+    return chosen
+
+
+def budgets(text: str) -> tuple[int, ...]:
+    """A comma-separated list of node budgets (each >= 0)."""
+    try:
+        values = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected budgets >= 0 separated by commas, got {text!r}")
+    return values
+
+
+def parse_settings(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="walkthrough/12_generation.py",
+        description="A generation, round by round: record every DDTree round of one prompt per drafter and "
+                    "write the generation page's figures, tabs and report. The defaults are the page's run; "
+                    "other settings rewrite the same files (run again without arguments to restore them).")
+    parser.add_argument("--preset", default="tiny", choices=tuple(DEFAULT_PROMPTS),
+                        help="the random model, with its golden prompt (default: %(default)s)")
+    parser.add_argument("--drafters", type=names, default=("noisy", "ngram"), metavar="NAMES",
+                        help=f"comma-separated, among {', '.join(DRAFTERS)} (default: noisy,ngram)")
+    parser.add_argument("--tokens", type=int, default=12, metavar="N",
+                        help="new tokens per generation (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=8, metavar="N",
+                        help="tokens a round can commit (default: %(default)s)")
+    parser.add_argument("--budget", type=int, default=16, metavar="B",
+                        help="drafted nodes per round in the recorded generations (default: %(default)s)")
+    parser.add_argument("--budgets", type=budgets, default=(1, 2, 4, 8, 16, 32, 64), metavar="LIST",
+                        help="the summary's budget sweep, comma-separated (default: 1,2,4,8,16,32,64)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the oracle drafters' seed (default: %(default)s)")
+    return parser.parse_args(argv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +94,13 @@ class Round:
 
 
 # --8<-- [start:record_generation]
-def record_generation(setup, name: str):
-    """Generate NEW_TOKENS with drafter ``name``; every round's tree, walk and cache, recorded."""
-    drafter = make_drafter(name, setup.model, setup.prompt, NEW_TOKENS)
+def record_generation(setup, name: str, settings):
+    """Generate settings.tokens with drafter ``name``; every round's tree, walk and cache, recorded."""
+    drafter = make_drafter(name, setup.model, setup.prompt, settings.tokens, seed=settings.seed)
     with chapter.record_ops(setup.model, "build_tree", "accept", "compact") as calls:
-        tokens, trace = generate_ddtree(setup.model, setup.prompt, NEW_TOKENS, drafter,
-                                        block_size=BLOCK_SIZE, budget=BUDGET)
-    assert np.array_equal(tokens, setup.ar_tokens[:NEW_TOKENS]), f"{name}: DDTree != AR"
+        tokens, trace = generate_ddtree(setup.model, setup.prompt, settings.tokens, drafter,
+                                        block_size=settings.block_size, budget=settings.budget)
+    assert np.array_equal(tokens, setup.ar_tokens), f"{name}: DDTree != AR"
     by_name = {op: [c for c in calls if c.name == op] for op in ("build_tree", "accept", "compact")}
     rounds = []
     for built, walked, compacted in zip(*by_name.values(), strict=True):
@@ -123,29 +166,13 @@ def draw_round(r: Round, name: str, index: int) -> str:
     return chapter.save_figure(fig, STEM, f"{name}_round_{index}").name
 
 
-def round_text(r: Round) -> str:
-    """The tab's text under the figure, from the recorded round."""
-    chain = top1_chain(r.tree.parents)
-    if r.accepted.size > 1:
-        path = " → ".join(str(int(t)) for t in r.tree.tokens[r.accepted])
-        off = [j for j in range(1, r.accepted.size) if j >= len(chain) or r.accepted[j] != chain[j]]
-        where = (f"It leaves the drafter's top-1 chain at depth {off[0]}." if off else
-                 "It follows the drafter's top-1 chain.")
-        verdict = f"The target accepted the path {path} (nodes {r.accepted.tolist()}). {where}"
-        after = f"node #{int(r.accepted[-1])}"
-    else:
-        verdict = "The target accepted no drafted node: no child of the root carries its token."
-        after = "the root"
-    committed = [int(t) for t in r.tree.tokens[r.accepted[1:]]] + [r.bonus]
+def cache_text(r: Round) -> str:
+    """What the round did to the KV cache, under the round's text."""
     moved = "nothing moves (the accepted rows already sit in order)" if \
         np.array_equal(r.accepted, np.arange(r.accepted.size)) else \
         f"slots {r.start}..{r.start + r.accepted.size - 1} receive the rows of nodes " \
         f"{', '.join(f'#{int(a)}' for a in r.accepted)}"
-    return (f"Root **{int(r.tree.tokens[0])}** at position {r.start}; the builder drafted "
-            f"{r.tree.size - 1} nodes. {verdict} Bonus: **{r.bonus}**, the target's own token after "
-            f"{after}, so the round commits {len(committed)} token{'s' if len(committed) > 1 else ''}: "
-            f"{committed}. "
-            f"KV cache: the verify forward wrote {r.before.length - r.start} rows at slots "
+    return (f"KV cache: the verify forward wrote {r.before.length - r.start} rows at slots "
             f"{r.start}..{r.before.length - 1}; compaction keeps {r.accepted.size}: {moved}, and the "
             f"length becomes {r.after.length}.")
 
@@ -153,40 +180,43 @@ def round_text(r: Round) -> str:
 def write_tabs(generations) -> None:
     """docs/assets/figures/12_generation_rounds.md: one snippet section per drafter, a tab per round."""
     lines = []
-    for name, (rounds, _) in generations.items():
+    for name, (rounds, trace) in generations.items():
         lines.append(f"<!-- --8<-- [start:{name}] -->")
-        for index, r in enumerate(rounds):
+        for index, (r, record) in enumerate(zip(rounds, trace.rounds, strict=True)):
             image = draw_round(r, name, index)
             lines += [f'=== "Round {index}"', "",
                       f"    ![{TITLES[name]}, round {index}: tree and KV cache](assets/figures/{image})",
-                      "", f"    {round_text(r)}", ""]
+                      "", "    ```text", *(f"    {line}" for line in describe_round(record, index)),
+                      "    ```", "", f"    {cache_text(r)}", ""]
         lines.append(f"<!-- --8<-- [end:{name}] -->")
     path = chapter.FIGURES / f"{STEM}_rounds.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     chapter.log(f"wrote {path.relative_to(chapter.ROOT)}")
 
 
-def print_rounds(generations) -> None:
-    for name, (rounds, trace) in generations.items():
+def print_rounds(generations, settings) -> None:
+    """Each round's first and last lines as ``demo --rounds`` prints them (the tabs show the tree)."""
+    for name, (_, trace) in generations.items():
         with chapter.section(name):
-            print(f"{TITLES[name]}: {NEW_TOKENS} tokens in 1 prefill + {trace.verify_forwards} verify "
+            print(f"{TITLES[name]}: {settings.tokens} tokens in 1 prefill + {trace.verify_forwards} verify "
                   f"forwards, == AR")
-            for index, r in enumerate(rounds):
-                print(f"  round {index:>2}: root {int(r.tree.tokens[0]):>3} at {r.start:>2}, accepted "
-                      f"{str(r.accepted.tolist()):<16} bonus {r.bonus:>3} -> commits {r.accepted.size}")
+            for index, record in enumerate(trace.rounds):
+                text = describe_round(record, index)
+                print("\n".join("  " + line for line in [text[0], *text[-2:]]))
 
 
-def plot_commits(generations) -> None:
+def plot_commits(generations, block_size: int) -> None:
     """Tokens committed per round (accepted drafts + bonus), one panel per drafter."""
-    fig, axes = plt.subplots(len(generations), 1, figsize=(8, 5.6))
+    fig, axes = plt.subplots(len(generations), 1, figsize=(8, 5.6), squeeze=False)
+    axes = axes[:, 0]
     for ax, (name, (rounds, _)) in zip(axes, generations.items(), strict=True):
         index = np.arange(len(rounds))
         accepted = np.array([r.accepted.size - 1 for r in rounds])
         ax.bar(index, accepted, color=ACCEPTED, label="accepted drafted tokens")
         ax.bar(index, np.ones_like(accepted), bottom=accepted, color=BONUS, label="bonus token")
-        ax.axhline(BLOCK_SIZE, color="#555555", ls=":", lw=1, label=f"block size {BLOCK_SIZE} (the most)")
+        ax.axhline(block_size, color="#555555", ls=":", lw=1, label=f"block size {block_size} (the most)")
         ax.set_xticks(index)
-        ax.set_ylim(0, BLOCK_SIZE + 0.5)
+        ax.set_ylim(0, block_size + 0.5)
         ax.set_ylabel("tokens committed")
         ax.set_title(f"{TITLES[name]}: {len(rounds)} rounds", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
@@ -196,20 +226,20 @@ def plot_commits(generations) -> None:
     chapter.save_figure(fig, STEM, "commits")
 
 
-def plot_forwards(generations) -> None:
+def plot_forwards(generations, new_tokens: int) -> None:
     """Tokens generated against target forwards, the prefill counted for AR and DDTree alike."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    forwards = np.arange(NEW_TOKENS + 1)
+    forwards = np.arange(new_tokens + 1)
     ax.step(forwards, forwards, where="post", color="#777777", label="AR: the prefill makes token 1")
-    colors = ("#3182bd", "#756bb1")
-    for (name, (rounds, _)), color in zip(generations.items(), colors, strict=True):
+    colors = ("#3182bd", "#756bb1", "#31a354")                     # one per drafter (DRAFTERS)
+    for (name, (rounds, _)), color in zip(generations.items(), colors[:len(generations)], strict=True):
         done = np.concatenate([[0, 0], np.cumsum([r.accepted.size for r in rounds])])   # prefill: none
         ax.step(np.arange(done.size), done, where="post", color=color, lw=2,
                 label=f"DDTree, {TITLES[name]}: {done.size - 1} forwards")
     ax.set_xlabel("target forwards, prefill included")
     ax.set_ylabel("tokens generated")
-    ax.set_xlim(0, NEW_TOKENS + 1)
-    ax.set_title(f"{NEW_TOKENS} tokens: AR {NEW_TOKENS} forwards (1 prefill + {NEW_TOKENS - 1} decodes); "
+    ax.set_xlim(0, new_tokens + 1)
+    ax.set_title(f"{new_tokens} tokens: AR {new_tokens} forwards (1 prefill + {new_tokens - 1} decodes); "
                  "DDTree 1 prefill + one per round", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -217,40 +247,46 @@ def plot_forwards(generations) -> None:
     chapter.save_figure(fig, STEM, "forwards")
 
 
-def budget_report(setup) -> None:
+def budget_report(setup, settings) -> None:
     """Tokens per verify forward against the budget, chain against tree, for the page's drafters."""
-    ar_tokens = setup.ar_tokens[:NEW_TOKENS]
-    fig, axes = plt.subplots(len(DRAFTER_NAMES), 1, figsize=(8, 6), sharex=True)
+    s = settings
+    fig, axes = plt.subplots(len(s.drafters), 1, figsize=(8, 6), sharex=True, squeeze=False)
+    axes = axes[:, 0]
     with chapter.section("budget"):
-        print(f"tokens per verify forward, {NEW_TOKENS} tokens, block {BLOCK_SIZE} (every run == AR):")
-        print(f"  {'drafter':<7} {'shape':<5} " + " ".join(f"{f'B={b}':>6}" for b in BUDGETS))
-        for ax, name in zip(axes, DRAFTER_NAMES, strict=True):
-            drafter = make_drafter(name, setup.model, setup.prompt, NEW_TOKENS)
-            means = {shape: budget_sweep(setup.model, setup.prompt, ar_tokens, [drafter], BUDGETS,
-                                         BLOCK_SIZE, shape) for shape in (CHAIN, TREE)}
+        print(f"tokens per verify forward, {s.tokens} tokens, block {s.block_size} (every run == AR):")
+        print(f"  {'drafter':<7} {'shape':<5} " + " ".join(f"{f'B={b}':>6}" for b in s.budgets))
+        for ax, name in zip(axes, s.drafters, strict=True):
+            drafter = make_drafter(name, setup.model, setup.prompt, s.tokens, seed=s.seed)
+            means = {shape: budget_sweep(setup.model, setup.prompt, setup.ar_tokens, [drafter], s.budgets,
+                                         s.block_size, shape) for shape in (CHAIN, TREE)}
             for shape, values in means.items():
                 print(f"  {name:<7} {shape:<5} " + " ".join(f"{v:>6.2f}" for v in values))
-            plot_sweep(ax, BUDGETS, means[CHAIN], means[TREE], BLOCK_SIZE, TITLES[name])
+            plot_sweep(ax, s.budgets, means[CHAIN], means[TREE], s.block_size, TITLES[name])
     axes[-1].set_xlabel("node budget B")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "budget")
 
 
-def main() -> None:
+def main(settings) -> None:
     """Two generations recorded round by round, their tabs and figures, then the budget sweep."""
-    setup = chapter.golden_model("tiny")
-    assert np.array_equal(generate_ar(setup.model, setup.prompt, NEW_TOKENS), setup.ar_tokens[:NEW_TOKENS])
-    print(f"preset tiny, prompt {setup.prompt.tolist()}, {NEW_TOKENS} new tokens, block {BLOCK_SIZE}, "
-          f"budget {BUDGET}")
-    print(f"AR: {setup.ar_tokens[:NEW_TOKENS].tolist()}")
-    generations = {name: record_generation(setup, name) for name in DRAFTER_NAMES}
-    print_rounds(generations)
+    s = settings
+    golden = chapter.golden_model(s.preset)
+    ar_tokens = generate_ar(golden.model, golden.prompt, s.tokens)
+    if golden.ar_tokens is not None and s.tokens <= golden.ar_tokens.size:
+        assert np.array_equal(ar_tokens, golden.ar_tokens[:s.tokens]), "AR != the golden bundle"
+    setup = dataclasses.replace(golden, ar_tokens=ar_tokens)
+    print(f"preset {s.preset}, prompt {setup.prompt.tolist()}, {s.tokens} new tokens, block {s.block_size}, "
+          f"budget {s.budget}")
+    print(f"AR: {ar_tokens.tolist()}")
+    generations = {name: record_generation(setup, name, s) for name in s.drafters}
+    print_rounds(generations, s)
     write_tabs(generations)
-    plot_commits(generations)
-    plot_forwards(generations)
-    budget_report(setup)
+    plot_commits(generations, s.block_size)
+    plot_forwards(generations, s.tokens)
+    budget_report(setup, s)
 
 
 if __name__ == "__main__":
+    arguments = parse_settings()                       # --help prints the settings and runs nothing
     with chapter.report(STEM):
-        main()
+        main(arguments)
