@@ -4,10 +4,14 @@
 //   (<wbr>): after each underscore, and in code also after each dot, comma, slash, equals sign and
 //   opening bracket. It can then wrap at a word boundary instead of widening its column past the
 //   text, and no word is cut in the middle ("ValueErro" / "r").
+// - A cell of a sentence or more (40 characters) is at least 6rem wide: the browser's automatic
+//   table layout would otherwise give a long neighbour (a note column) the room and squeeze it to a
+//   word a line (tools/check_site.py holds such a cell to 120 px).
 // - A table of many columns is marked data-wide, which extra.css sets in a smaller font.
 const BREAK_IN_TEXT = /(_)/; // split() keeps a captured separator as a part of its own
 const BREAK_IN_CODE = /([_.,/=(\[])/;
 const LONG_WORD = 12; // characters; shorter words never need a break
+const SENTENCE = 40; // characters
 const WIDE_TABLE_COLUMNS = 7;
 
 function breakLongNames(root) {
@@ -27,6 +31,12 @@ function breakLongNames(root) {
   }
 }
 
+function roomySentences(root) {
+  for (const cell of root.querySelectorAll(".md-typeset table:not([class]) td")) {
+    if (cell.textContent.trim().length >= SENTENCE) cell.style.minWidth = "6rem";
+  }
+}
+
 function markWideTables(root) {
   for (const table of root.querySelectorAll(".md-typeset table:not([class])")) {
     const columns = table.rows.length ? table.rows[0].cells.length : 0;
@@ -36,6 +46,7 @@ function markWideTables(root) {
 
 function improveReading() {
   breakLongNames(document);
+  roomySentences(document);
   markWideTables(document);
 }
 
