@@ -73,7 +73,7 @@ MAX_FIGURE_WIDTH = 1100
 # may be shown at with its smallest text still MIN_TEXT_PX high (tools/check_site.py reads it)
 MIN_WIDTH_KEY = "min-display-width"
 # a report line longer than this runs far out of sight in the site's code blocks (they scroll, never
-# wrap: about 87 characters show at 1280 px, 128 at 1920)
+# wrap: about 87 characters show at 1280 px, 116 at 1920)
 REPORT_WIDTH = 100
 
 
