@@ -12,9 +12,15 @@ width and must pass:
 - no request leaves the machine;
 - every tab of every tab set shows its own block when clicked (a real mouse click);
 - math is rendered: no raw ``\\(``, ``\\[`` or ``$$`` in the visible text, a <math> in every formula;
-- no code block is cut: its content is no wider than its box (long lines wrap);
-- no table squeezes a column: a cell with a sentence in it is at least 120 px wide;
-- no figure is shown below 60% of its pixel width unless it is a link to the full-size file.
+- no code line is broken: a code block shows as many lines as its text has (a long line scrolls
+  inside its box), and no block is cut (content wider than a box that does not scroll);
+- no table is wider than the text column, and none squeezes a column: a cell with a sentence in it
+  is at least 120 px wide;
+- no figure is shown below 60% of its pixel width unless it is a link to the full-size file;
+- every figure keeps the promise its file carries: walkthrough/chapter.py's ``save_figure``
+  writes into each PNG the narrowest width at which its smallest text is still 10 px high
+  (``MIN_WIDTH_KEY``), and the figure must be shown at least that wide (a PNG without the
+  record fails: its text size is unknown).
 
 A display formula wider than the text column scrolls inside its own box; it is printed as a note,
 not a failure.
@@ -36,13 +42,15 @@ import json
 import os
 import queue
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
-from urllib.parse import urldefrag, urlsplit
+from urllib.parse import unquote, urldefrag, urlsplit
 
 LOCAL_HOSTS = {"127.0.0.1"}
 LOCAL_SCHEMES = {"data", "blob", "about", "chrome", "devtools"}
@@ -53,6 +61,7 @@ COMMAND_TIMEOUT_S = 30
 PAGE_TIMEOUT_S = 20
 SCREENSHOT_PAGES = ("", "03_mla/", "11_ddtree_loop/", "12_generation/")  # home page and three chapters
 SCREENSHOT_MAX_HEIGHT = 2400
+MIN_WIDTH_KEY = "min-display-width"  # a PNG text chunk written by walkthrough/chapter.py's save_figure
 
 
 class BrowserError(RuntimeError):
@@ -302,7 +311,7 @@ INSPECT_JS = """
     if (!full) problems.push(`figure shown at ${Math.round(100 * ratio)}% of its ${img.naturalWidth} px ` +
                              `without a link to full size: ${img.getAttribute("src")}`);
   }
-  problems.push(...cutCode(content));
+  problems.push(...codeProblems(content));
 
   const clone = content.cloneNode(true);
   clone.querySelectorAll("pre, code, script, style, math, mjx-container").forEach(el => el.remove());
@@ -324,6 +333,13 @@ INSPECT_JS = """
     }
   }
 
+  for (const table of content.querySelectorAll("table")) {
+    if (!shown(table)) continue;
+    const width = Math.round(table.getBoundingClientRect().width);
+    if (width > content.clientWidth + 1)
+      problems.push(`table wider than the text column (${width} px in ${content.clientWidth} px): ` +
+                    where(table.rows[0] || table));
+  }
   for (const cell of content.querySelectorAll("td, th")) {
     if (!shown(cell)) continue;
     const text = cell.textContent.trim();
@@ -340,21 +356,41 @@ INSPECT_JS = (
     .replace("SQUEEZED", str(SQUEEZED_CELL_PX))
 )
 
-# cutCode(root): code blocks under root whose content is wider than their box (shared by the tab check)
-CUT_CODE_JS = """
-window.cutCode = root => {
-  const cut = [];
+# codeProblems(root): code blocks under root that break a line or cut it (shared by the tab check).
+# A block breaks a line when it is taller than a copy of itself laid out with white-space: pre (each
+# line of its text on one line of the screen); it is cut when its content is wider than a box that
+# does not scroll.
+CODE_JS = """
+window.codeProblems = root => {
+  const problems = [];
+  const longest = text => text.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), "").trim();
   for (const block of root.querySelectorAll("pre > code, pre")) {
     if (block.getClientRects().length === 0) continue;
-    if (block.scrollWidth > block.clientWidth + 1) {
-      const line = block.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), "");
-      cut.push(`code block cut (${block.scrollWidth} px of content in ${block.clientWidth} px): ` +
-               line.trim().slice(0, 60));
+    if (block.scrollWidth > block.clientWidth + 1 &&
+        !["auto", "scroll"].includes(getComputedStyle(block).overflowX))
+      problems.push(`code block cut (${block.scrollWidth} px of content in ${block.clientWidth} px): ` +
+                    longest(block.textContent).slice(0, 60));
+  }
+  for (const pre of root.querySelectorAll("pre")) {
+    if (pre.getClientRects().length === 0) continue;
+    const unbroken = pre.cloneNode(true);
+    for (const element of [unbroken, ...unbroken.querySelectorAll("*")]) element.style.whiteSpace = "pre";
+    Object.assign(unbroken.style, {position: "absolute", visibility: "hidden", width: "max-content",
+                                   left: "0", top: "0"});
+    pre.after(unbroken);
+    const height = pre.getBoundingClientRect().height;
+    const natural = unbroken.getBoundingClientRect().height;
+    unbroken.remove();
+    if (height > natural + 1) {
+      const lines = pre.textContent.replace(/\\n$/, "").split("\\n").length;
+      problems.push(`code line broken (${lines} lines of text take the height of about ` +
+                    `${Math.round(lines * height / natural)}): ${longest(pre.textContent).slice(0, 60)}`);
     }
   }
-  return [...new Set(cut)];
+  return [...new Set(problems)];
 };
 """
+
 
 # The tab labels of every tab set: [set index, tab index, label text].
 TAB_LABELS_JS = """
@@ -383,19 +419,60 @@ TAB_SHOWN_JS = """
   const problems = [];
   if (!visible[%d] || visible.filter(Boolean).length !== 1)
     problems.push(`shows blocks ${visible.map((v, i) => v ? i : null).filter(v => v !== null)}`);
-  problems.push(...cutCode(blocks[%d]));
+  problems.push(...codeProblems(blocks[%d]));
   return problems;
 })()
 """
 
 
-def check_tabs(browser: Chromium) -> list[str]:
+def check_tabs(browser: Chromium, site: Path) -> list[str]:
     problems = []
     for set_index, tab_index, label in browser.evaluate(TAB_LABELS_JS):
         x, y = browser.evaluate(TAB_POSITION_JS % (set_index, tab_index))
         browser.click(x, y)
         for problem in browser.evaluate(TAB_SHOWN_JS % (set_index, tab_index, tab_index)):
             problems.append(f"tab set {set_index + 1}, tab '{label}': {problem}")
+        problems += figure_text_problems(browser, site)  # a figure in a tab is shown only now
+    return problems
+
+
+# The figures shown now: [path of the file on the site, displayed width in px].
+SHOWN_FIGURES_JS = """
+[...(document.querySelector("article") || document.body).querySelectorAll("img")]
+  .filter(img => img.getClientRects().length > 0 && img.naturalWidth > 0)
+  .map(img => [new URL(img.currentSrc || img.src).pathname, img.getBoundingClientRect().width])
+"""
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (keyword -> text); empty for anything that is not a PNG."""
+    data = path.read_bytes()
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return {}
+    texts, offset = {}, 8
+    while offset + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[offset : offset + 8])
+        if kind == b"tEXt":
+            keyword, _, text = data[offset + 8 : offset + 8 + length].partition(b"\0")
+            texts[keyword.decode("latin-1")] = text.decode("latin-1")
+        offset += 12 + length
+    return texts
+
+
+def figure_text_problems(browser: Chromium, site: Path) -> list[str]:
+    """Every figure shown now is at least as wide as its file says its smallest text needs."""
+    problems = []
+    for pathname, width in browser.evaluate(SHOWN_FIGURES_JS):
+        path = site / unquote(pathname).lstrip("/")
+        if not path.is_file() or path.suffix != ".png":
+            continue  # not loaded: reported as such; not a PNG: no figure of a chapter
+        needed = png_text(path).get(MIN_WIDTH_KEY)
+        if needed is None:
+            problems.append(f"figure has no text-size record ({MIN_WIDTH_KEY}; save it with "
+                            f"walkthrough/chapter.py's save_figure): {pathname}")
+        elif width < float(needed) - 0.5:
+            problems.append(f"figure text below 10 px: shown {width:.0f} px wide, its text needs "
+                            f"{needed} px: {pathname}")
     return problems
 
 
@@ -460,16 +537,17 @@ def serve(directory: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
 
-def check_page(browser: Chromium, url: str, screenshot: Path | None = None) -> list[str]:
+def check_page(browser: Chromium, url: str, site: Path, screenshot: Path | None = None) -> list[str]:
     escaped_before = len(browser.escaped)
     events = browser.navigate(url)
     if screenshot:
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         browser.screenshot(screenshot)
-    browser.evaluate(CUT_CODE_JS)
+    browser.evaluate(CODE_JS)
     problems = event_problems(events, url)
     problems += browser.evaluate(INSPECT_JS)
-    problems += check_tabs(browser)
+    problems += figure_text_problems(browser, site)
+    problems += check_tabs(browser, site)
     time.sleep(0.1)
     problems += event_problems(browser.drain_events(), url, document=False)  # late messages
     problems += [f"request left the machine: {u}" for u in browser.escaped[escaped_before:]]
@@ -501,7 +579,7 @@ def walk_site(site: Path, widths: list[int], screenshots: Path | None, binary: s
                 shot = None
                 if screenshots and page in SCREENSHOT_PAGES:
                     shot = screenshots / f"{page.strip('/') or 'home'}_{width}.png"
-                problems = check_page(browser, url, shot)
+                problems = check_page(browser, url, site, shot)
                 notes = [p[len("NOTE ") :] for p in problems if p.startswith("NOTE ")]
                 problems = [p for p in problems if not p.startswith("NOTE ")]
                 failed += bool(problems)
@@ -525,13 +603,16 @@ def walk_site(site: Path, widths: list[int], screenshots: Path | None, binary: s
 # ---------------------------------------------------------------------------------------------
 
 BROKEN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>broken</title></head><body>
-<article>
+<article style="width: 700px">
 <p>Raw math: <span class="arithmatex">\\(x^2\\)</span></p>
 <pre><code>%(long_line)s</code></pre>
+<pre><code style="white-space: pre-wrap">short = 1\n%(long_line)s</code></pre>
 <img src="wide.png" style="width: 200px">
+<a href="small_text.png"><img src="small_text.png" style="width: 300px"></a>
 <img src="missing.png">
 <img src="http://example.invalid/remote.png">
 <table><tr><td>a</td><td style="width: 10px">%(sentence)s</td></tr></table>
+<table><tr><td style="white-space: nowrap">%(sentence)s %(sentence)s %(sentence)s</td></tr></table>
 <div class="tabbed-set"><div class="tabbed-labels"><label>one</label><label>two</label></div>
 <div class="tabbed-content"><div class="tabbed-block">first</div>
 <div class="tabbed-block">second</div></div></div>
@@ -545,28 +626,32 @@ EXPECTED_IN_SELF_TEST = (
     "raw TeX in the text",
     "formula not rendered",
     "code block cut",
+    "code line broken",
     "figure shown at",
+    "figure has no text-size record",
+    "figure text below 10 px",
     "image not loaded",
     "HTTP 404",
     "request left the machine",
     "table column squeezed",
+    "table wider than the text column",
     "tab set 1, tab 'two'",
     "console error: deliberate",
     "page answered HTTP 404",
 )
 
 
-def write_png(path: Path, width: int, height: int) -> None:
-    """A plain grey PNG (zlib, no imaging library)."""
-    import struct
-    import zlib
-
+def write_png(path: Path, width: int, height: int, texts: dict[str, str] | None = None) -> None:
+    """A plain grey PNG (zlib, no imaging library), with ``texts`` as tEXt chunks."""
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     rows = b"".join(b"\0" + b"\x80" * width for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    chunks = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    chunks = chunk(b"IHDR", header)
+    for keyword, text in (texts or {}).items():
+        chunks += chunk(b"tEXt", keyword.encode("latin-1") + b"\0" + text.encode("latin-1"))
+    chunks += chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunks)
 
 
@@ -575,14 +660,15 @@ def self_test(binary: str) -> int:
         site = Path(tmp)
         defects = {"long_line": "x = " + "1 + " * 200 + "1", "sentence": "a sentence far too long " * 3}
         (site / "index.html").write_text(BROKEN_PAGE % defects)
-        write_png(site / "wide.png", 1000, 20)
+        write_png(site / "wide.png", 1000, 20)  # no text-size record, shown at 20%
+        write_png(site / "small_text.png", 800, 20, {MIN_WIDTH_KEY: "600"})  # shown 300 px wide
         browser = Chromium(binary)
         server, base = serve(site)
         try:
             browser.open_page()
             browser.set_width(1280)
-            found = check_page(browser, base)
-            found += check_page(browser, base + "other.html")
+            found = check_page(browser, base, site)
+            found += check_page(browser, base + "other.html", site)
         finally:
             browser.close()
             server.shutdown()

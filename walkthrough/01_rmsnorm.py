@@ -87,7 +87,7 @@ def plot_reduction(rng) -> None:
             f"stride {len(values)}:\np[i] += p[i + {len(values)}]"
         ax.text(8.0, y, label, va="center", fontsize=9)
         if level < len(levels) - 1:
-            ax.text(9.9, y - 0.5, "syncthreads()", fontsize=8, color="tab:red", va="center")
+            ax.text(9.9, y - 0.5, "syncthreads()", fontsize=9, color="tab:red", va="center")
     ax.set_xlim(-0.7, 11.3)
     ax.set_ylim(-len(levels) + 0.4, 0.6)
     ax.axis("off")

@@ -134,7 +134,7 @@ def print_noisy_rates(vocab: int) -> None:
 
 
 def plot_distributions(panels) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(9, 7.4), sharey=True)
+    fig, axes = plt.subplots(2, 2, figsize=(8.5, 7.4), sharey=True)
     for ax, panel in zip(axes.flat, panels, strict=True):
         draw_panel(ax, *panel)
     for ax in axes[:, 0]:

@@ -23,7 +23,7 @@ import time
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
-from treeplot import draw_tree, tree_height
+from treeplot import ROW_INCHES, draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.tree as gpu
@@ -125,7 +125,7 @@ def print_first_pops(tree: ref.DraftTree) -> None:
 def plot_trees(trees: dict[int, ref.DraftTree]) -> None:
     """One figure per budget (a 64-node tree needs the whole column), then the weights."""
     for budget, tree in trees.items():
-        fig, ax = plt.subplots(figsize=(8, 0.3 * tree_height(tree) + 1.4))
+        fig, ax = plt.subplots(figsize=(8, ROW_INCHES * tree_height(tree) + 1.4))
         draw_tree(ax, tree, pop_order=True, fontsize=9, top1=True,
                   title=f"budget B = {budget}: token ids, #n = pop order, purple = top-1 chain")
         fig.tight_layout()

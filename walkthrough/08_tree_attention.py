@@ -24,7 +24,7 @@ import chapter  # walkthrough/chapter.py: figures, the report file, the Agg back
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
-from treeplot import draw_tree, tree_height
+from treeplot import ROW_INCHES, draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.mla as gpu_mla
@@ -97,7 +97,7 @@ def check_rows(setup, tree: ref.DraftTree, logits: np.ndarray) -> None:
 
 def plot_tree_and_mask(tree: ref.DraftTree, start: int, visible: np.ndarray, positions: np.ndarray) -> None:
     """Two figures: the tree (x = position) and the key mask of every tree row."""
-    fig, ax = plt.subplots(figsize=(8, 0.32 * tree_height(tree) + 1.4))
+    fig, ax = plt.subplots(figsize=(8, ROW_INCHES * tree_height(tree) + 1.4))
     draw_tree(ax, tree, pop_order=True, fontsize=9, start=start, title=f"the tree (budget {BUDGET})")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "tree")

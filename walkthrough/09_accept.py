@@ -20,7 +20,7 @@ Writes docs/assets/figures/09_accept_path.png and 09_accept_report.txt (what it 
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
-from treeplot import draw_tree, tree_height
+from treeplot import ROW_INCHES, draw_tree, tree_height
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 import kernels.accept as gpu
@@ -96,7 +96,7 @@ def walk_report(setup, rounds, trace, shown: int) -> None:
     assert committed == setup.ar_tokens[done:done + len(committed)].tolist()
     assert np.array_equal(accepted, record.accepted) and bonus == record.bonus
 
-    fig, ax = plt.subplots(figsize=(8, 0.32 * tree_height(tree) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, ROW_INCHES * tree_height(tree) + 1.6))
     draw_tree(ax, tree, accepted=accepted, bonus=bonus, fontsize=9, start=record.start, top1=True,
               title=f"round {shown}: accepted path (orange), bonus (green), top-1 chain (purple)")
     fig.tight_layout()

@@ -154,8 +154,8 @@ def plot_race(seed, shown, call, verify_tokens, good_rows, bad_rows) -> None:
     kept, width = accepted.size, int(accepted[-1]) + 3
     lost = {int(accepted[j]) for j in hazards(accepted)}                   # sources overwritten first
     orange, grey, red, green = "#fdae6b", "#f0f0f0", "#fb6a4a", "#a1d99b"
-    fig, ax = plt.subplots(figsize=(9, 3.9))
-    labels = [f"{start + i}\n#{i} {int(verify_tokens[i])}" for i in range(width)]
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    labels = [f"{start + i}\n#{i}\n{int(verify_tokens[i])}" for i in range(width)]
     draw_slots(ax, 2, labels, [orange if i in accepted else grey for i in range(width)],
                "after verify\n(tree rows,\nnode order)", edges={i: "#cb181d" for i in lost})
     labels = [f"{start + j}\n#{good_rows[j]}" if j < kept else f"{start + j}\nfree" for j in range(width)]

@@ -137,15 +137,15 @@ def draw_cache(ax, r: Round) -> None:
              [f"#{owners[j]}\n{int(r.tree.tokens[owners[j]])}" if j < kept else "free" for j in range(nodes)],
              ["#a1d99b" if j < kept else "white" for j in range(nodes)])):
         ax.add_patch(Rectangle((-2.45, y - 0.32), 1.9, 0.64, fc="#bdbdbd", ec="#444444", lw=0.6))
-        ax.text(-1.5, y, f"0..{r.start - 1}\ncommitted", ha="center", va="center", fontsize=7)
+        ax.text(-1.5, y, f"0..{r.start - 1}\ncommitted", ha="center", va="center", fontsize=8)
         for k, (label, color) in enumerate(zip(labels, colors, strict=True)):
             ax.add_patch(Rectangle((k - 0.45, y - 0.32), 0.9, 0.64, fc=color, ec="#444444", lw=0.6))
-            ax.text(k, y, label, ha="center", va="center", fontsize=7,
+            ax.text(k, y, label, ha="center", va="center", fontsize=8,
                     color="white" if color == ACCEPTED else "black")
-        ax.text(-2.7, y, title, ha="right", va="center", fontsize=8)
+        ax.text(-2.7, y, title, ha="right", va="center", fontsize=9)
     ax.set_xticks(range(0, nodes, 2))
-    ax.set_xticklabels([str(r.start + k) for k in range(0, nodes, 2)], fontsize=7)
-    ax.set_xlabel("cache slot", fontsize=8)
+    ax.set_xticklabels([str(r.start + k) for k in range(0, nodes, 2)], fontsize=8)
+    ax.set_xlabel("cache slot", fontsize=9)
     ax.set_xlim(-6.2, max(nodes, 8) - 0.4)
     ax.set_ylim(-0.55, 1.55)
     ax.set_yticks([])
@@ -155,10 +155,10 @@ def draw_cache(ax, r: Round) -> None:
 
 def draw_round(r: Round, name: str, index: int) -> str:
     """The round's tree and its cache strips in one figure; returns the image's file name."""
-    tree_inches = 0.46 * tree_height(r.tree) + 1.2          # a row holds #n, the token and the log-prob
+    tree_inches = 0.5 * tree_height(r.tree) + 1.2           # a row holds #n, the token and the log-prob
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, tree_inches + 2.4),
                                       gridspec_kw=dict(height_ratios=[tree_inches, 1.9]))
-    draw_tree(top, r.tree, accepted=r.accepted, bonus=r.bonus, fontsize=8, start=r.start, top1=True,
+    draw_tree(top, r.tree, accepted=r.accepted, bonus=r.bonus, fontsize=9, start=r.start, top1=True,
               weights=r.tree.logprobs,
               title=f"{TITLES[name]}, round {index}: token, #pop order, cumulative log-prob under the box")
     draw_cache(bottom, r)

@@ -181,7 +181,7 @@ def print_sweep(results) -> None:
 
 
 def plot_sweep(results) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
     for ax, drafter_name in zip(axes, ("noisy", "ngram"), strict=True):
         for verifier_name in VERIFIERS:
             color, marker, line = STYLE[verifier_name]
@@ -255,7 +255,7 @@ def one_step_report(setup) -> None:
             bound = f"{ps:21.3f}" if k == 1 else f"{'':>21}"
             print(f"{temperature:5g} {k:2d}   {pf:16.3f} {of:8.3f}   {bound} {os_:8.3f}")
     temperatures = TEMPERATURES[1:]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8), sharey=True)
     for ax, k in zip(axes, (1, 4), strict=True):
         rows = np.array([results[t, k] for t in temperatures])                  # [T, 4]
         ax.plot(temperatures, rows[:, 0], color="#e6550d", ls="-", label="fixed top-K: sum p(children)")
@@ -323,12 +323,12 @@ def exact_report() -> None:
             assert error < 1e-12
             if temperature == 1.0:
                 shown_got, shown_expected = [got.get(s, 0.0) for s in sequences], expected
-    fig, ax = plt.subplots(figsize=(10, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.2))
     x = np.arange(len(sequences))
     ax.bar(x - 0.2, shown_expected, width=0.4, color="#bbbbbb", label="target, token by token")
     ax.bar(x + 0.2, shown_got, width=0.4, color="#08519c", label="sampled tree, every outcome enumerated")
     ax.set_xticks(x[::4])
-    ax.set_xticklabels(["".join(map(str, sequences[i])) for i in x[::4]], fontsize=7)
+    ax.set_xticklabels(["".join(map(str, sequences[i])) for i in x[::4]], fontsize=8)
     ax.set_xlabel("the first three committed tokens (root 0), T = 1")
     ax.set_ylabel("probability")
     ax.legend(fontsize=8)

@@ -121,16 +121,17 @@ def measured() -> dict | None:
 
 
 def plot_tokens(record) -> None:
+    """One panel per preset, a bar per system and decoder (one label line each), fastest on top."""
     results = record["results"]
-    heights = [max(2.0, 0.35 * len(r["runs"]) + 1.0) for r in results]
-    fig, axes = plt.subplots(len(results), 1, figsize=(9.5, sum(heights)), squeeze=False,
+    heights = [max(2.0, 0.3 * len(r["runs"]) + 1.0) for r in results]
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for axis, result in zip(axes[:, 0], results, strict=True):
         runs = [r for r in result["runs"] if r["decoder"] == "AR" or r["budget"] == 32]
         runs.sort(key=lambda r: r["tokens_per_second"])
-        labels = [f"{r['system']}\n{r['decoder'].replace('DDTree ', '')}" for r in runs]
+        labels = [f"{r['decoder'].replace('DDTree ', '')}: {r['system']}" for r in runs]
         axis.barh(range(len(runs)), [r["tokens_per_second"] for r in runs], color="#5c6bc0")
-        axis.set_yticks(range(len(runs)), labels, fontsize=7)
+        axis.set_yticks(range(len(runs)), labels, fontsize=9)
         axis.set_xscale("log")
         axis.set_xlabel("tokens/s (log scale)")
         axis.set_title(f"{result['preset']}: AR and DDTree (block 8, budget 32), 256 new tokens")
@@ -141,16 +142,16 @@ def plot_tokens(record) -> None:
 def plot_split(record) -> None:
     results = [r for r in record["results"] if "split" in r]
     rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
-    fig, axis = plt.subplots(figsize=(9.5, max(3.6, 0.28 * len(rows) + 1.4)))
+    fig, axis = plt.subplots(figsize=(8, max(3.6, 0.3 * len(rows) + 1.8)))
     left = np.zeros(len(rows))
     phases = [p for p in ROUND_PHASES if any(p in s for _, s in rows)]   # as the record has them
     for phase in phases:
         values = np.array([s.get(phase, 0.0) for _, s in rows])
         axis.barh(range(len(rows)), values, left=left, label=phase)
         left += values
-    axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=9)
     axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
-    axis.legend(fontsize=7, ncol=len(phases), loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    axis.legend(fontsize=9, ncol=(len(phases) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "split")
 

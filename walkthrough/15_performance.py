@@ -83,18 +83,19 @@ def floors_report(cases, ceilings) -> None:
 
 
 def plot_floors(cases) -> None:
-    fig, axis = plt.subplots(figsize=(9.5, max(6.0, 0.2 * len(cases) + 1.5)))
+    """A pair of bars per case, one label line each: the figure grows with the cases, not the font."""
+    fig, axis = plt.subplots(figsize=(8, max(6.0, 0.25 * len(cases) + 1.8)))
     y = np.arange(len(cases))
     axis.barh(y - 0.2, [100 * c["of_floor"] for c in cases], 0.4, color="tab:blue",
               label="the kernels (device time, from a graph)")
     axis.barh(y + 0.2, [100 * c["of_floor"] * c["device"] / c["call"] for c in cases], 0.4,
               color="tab:gray", label="one public call from Python")
-    axis.set_yticks(y, [c["case"] for c in cases], fontsize=8)
+    axis.set_yticks(y, [c["case"] for c in cases], fontsize=9)
+    axis.set_ylim(len(cases) - 0.4, -0.6)                                   # first case on top
     axis.set_xscale("log")
-    axis.set_xlabel("share of the floor reached (%), log scale: 100% = max(bytes/BW, FLOPs/fp32)")
-    axis.invert_yaxis()
-    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=2)
-    axis.set_title(f"Each kernel at Kimi K2.6 shapes (H200, docs/results/{BENCH.name})")
+    axis.set_xlabel("share of the floor reached (%), log scale:\n100% = max(bytes/BW, FLOPs/fp32)")
+    axis.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=1, fontsize=9)
+    axis.set_title(f"Each kernel at Kimi K2.6 shapes (H200, docs/results/{BENCH.name})", pad=48)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "floors")
 
@@ -220,17 +221,18 @@ def profile_report(tables, shown: int = 6) -> None:
 
 
 def plot_profile(tables, shown: int = 8) -> None:
-    fig, axes = plt.subplots(1, len(tables), figsize=(9.8, 4.8))
+    """One panel per preset, stacked: each kernel's name on one line at a readable size."""
+    fig, axes = plt.subplots(len(tables), 1, figsize=(8, 2.9 * len(tables)))
     for axis, (preset, table) in zip(axes, tables.items(), strict=True):
         kernels = sorted((n for n in table if n not in TOTALS), key=lambda n: -max(table[n].values()))[:shown]
         y = np.arange(len(kernels))
         for offset, column in zip((-0.2, 0.2), PROFILE_ROWS, strict=True):
             axis.barh(y + offset, [table[k][column] for k in kernels], 0.4, label=column)
         labels = [k.split(".")[-1].replace("_kernel", "").replace("attention_", "att. ") for k in kernels]
-        axis.set_yticks(y, labels, fontsize=7)
+        axis.set_yticks(y, labels, fontsize=9)
         axis.invert_yaxis()
-        axis.set_title(preset)
-        axis.set_xlabel("device µs per forward")
+        axis.set_title(f"{preset}: the {shown} kernels with the most device time", fontsize=10)
+        axis.set_xlabel("device µs per forward", fontsize=9)
     axes[0].legend(title="rows")
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "profile")

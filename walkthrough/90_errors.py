@@ -1,8 +1,8 @@
 """The catalogue of refused inputs, written from the tests for docs/errors.md.
 
 Every row of ``tests/test_errors.py``'s ``CASES`` is run against a fresh micro model; the table
-records the call's area, what its message names, the bad input, the error type and the message
-itself (temporary paths and the machine's free memory replaced by placeholders). The test module
+records the call's area, what its message names, the bad input, and the error (its type and
+message; temporary paths and the machine's free memory replaced by placeholders). The test module
 checks the same rows (type, name, and that nothing changed), so the page shows what the code
 raises today.
 
@@ -29,10 +29,12 @@ def cell(text: str) -> str:
 
 
 def table(rows) -> str:
-    lines = ["| area | the message names | bad input | error | message |", "|---|---|---|---|---|"]
+    """Four columns, the error as Python prints it (type: message), so that the table fits the text
+    column of the site."""
+    lines = ["| area | the message names | bad input | the error |", "|---|---|---|---|"]
     for case, error, message in rows:
-        lines.append(f"| {case.area} | `{cell(case.names)}` | {cell(case.bad)} | `{type(error).__name__}` "
-                     f"| {cell(message)} |")
+        lines.append(f"| {case.area} | `{cell(case.names)}` | {cell(case.bad)} | "
+                     f"`{type(error).__name__}`: {cell(message)} |")
     return "\n".join(lines) + "\n"
 
 

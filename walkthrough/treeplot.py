@@ -60,6 +60,10 @@ def layout(parents: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 BOX = dict(boxstyle="round,pad=0.25", lw=0.6)
+SMALL = 0.9  # the pop index, a weight and "bonus", relative to the token's font size
+# inches per row of leaves at fontsize 9: a node's box with its pop index above it (and its weight
+# below); size a figure as ROW_INCHES * tree_height(tree) plus room for the title and the axis
+ROW_INCHES = 0.36
 
 
 def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, fontsize=8,
@@ -105,7 +109,8 @@ def _draw_node(ax, x, y, node, token, accepted, fontsize, pop_order, weight):
     ax.text(x, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
             zorder=3, color="white" if accepted else "black",
             bbox=dict(BOX, fc=ACCEPTED if accepted else NODE, ec="#444444" if node == 0 else "#6baed6"))
-    small = dict(textcoords="offset points", ha="center", fontsize=fontsize * 0.75, color="#555555", zorder=3)
+    small = dict(textcoords="offset points", ha="center", fontsize=fontsize * SMALL, color="#555555",
+                 zorder=3)
     if pop_order:
         ax.annotate(f"#{node}", (x, y), xytext=(0, fontsize * 0.95), va="bottom", **small)
     if weight is not None:
@@ -121,7 +126,7 @@ def _draw_bonus(ax, x, y, token, fontsize) -> float:
     ax.text(bx, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
             zorder=5, color="white", bbox=dict(BOX, fc=BONUS, ec=BONUS))
     ax.annotate("bonus", (bx, y), xytext=(0, fontsize * 0.95), textcoords="offset points",
-                ha="center", va="bottom", fontsize=fontsize * 0.75, color=BONUS, zorder=5)
+                ha="center", va="bottom", fontsize=fontsize * SMALL, color=BONUS, zorder=5)
     return bx + 0.4
 
 

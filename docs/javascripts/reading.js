@@ -1,48 +1,55 @@
-// Layout help that CSS alone cannot give, applied to every page once it is shown:
-// - a wrapped code line continues under its own indentation plus four columns (a hanging indent),
-//   so a wrapped line never looks like a new line at the left margin;
-// - a table cell holding a sentence gets a minimum width, so the browser's automatic table layout
-//   cannot squeeze its column to a few characters a line (a table wider than the text scrolls).
-// Each code line is its own block (pymdownx.highlight line_spans + extra.css), so the rendered text
-// of a block would carry each newline twice; copying (the copy button and a selection inside one
-// block) therefore takes the source text instead.
-const CODE_LINE = "pre > code > span[id^='__span-']";
+// Layout help that CSS alone cannot give, applied to every page once it is shown: tables that fit
+// the text column.
+// - A long name in a table cell (a parameter, a benchmark case, a shape) gets break opportunities
+//   (<wbr>): after each underscore, and in code also after each dot, comma, slash, equals sign and
+//   opening bracket. It can then wrap at a word boundary instead of widening its column past the
+//   text, and no word is cut in the middle ("ValueErro" / "r").
+// - A cell of a sentence or more (40 characters) is at least 6rem wide: the browser's automatic
+//   table layout would otherwise give a long neighbour (a note column) the room and squeeze it to a
+//   word a line (tools/check_site.py holds such a cell to 120 px).
+// - A table of many columns is marked data-wide, which extra.css sets in a smaller font.
+const BREAK_IN_TEXT = /(_)/; // split() keeps a captured separator as a part of its own
+const BREAK_IN_CODE = /([_.,/=(\[])/;
+const LONG_WORD = 12; // characters; shorter words never need a break
+const SENTENCE = 40; // characters
+const WIDE_TABLE_COLUMNS = 7;
 
-function hangingIndents(root) {
-  for (const line of root.querySelectorAll(CODE_LINE)) {
-    const columns = line.textContent.match(/^ */)[0].length + 4;
-    line.style.paddingLeft = `${columns}ch`;
-    line.style.textIndent = `-${columns}ch`;
-  }
-  for (const code of root.querySelectorAll("pre > code")) {
-    code.setAttribute("data-copy", code.textContent.replace(/\s+$/, "")); // read by Material's copy button
+function breakLongNames(root) {
+  for (const cell of root.querySelectorAll(".md-typeset table:not([class]) :is(td, th)")) {
+    if (cell.dataset.breakable) continue; // already done (instant navigation shows a page again)
+    cell.dataset.breakable = "";
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    const texts = [];
+    while (walker.nextNode()) texts.push(walker.currentNode);
+    for (const text of texts) {
+      if (!text.data.split(/\s+/).some(word => word.length >= LONG_WORD)) continue;
+      const separator = text.parentElement.closest("code") ? BREAK_IN_CODE : BREAK_IN_TEXT;
+      const pieces = text.data.split(separator).flatMap(
+        (part, i) => (i % 2 === 1 ? [part, document.createElement("wbr")] : [part]));
+      text.replaceWith(...pieces);
+    }
   }
 }
 
-function roomyCells(root) {
+function roomySentences(root) {
   for (const cell of root.querySelectorAll(".md-typeset table:not([class]) td")) {
-    const characters = cell.textContent.trim().length;
-    if (characters >= 20) cell.style.minWidth = `${Math.min(Math.ceil(characters / 2), 30)}ch`;
+    if (cell.textContent.trim().length >= SENTENCE) cell.style.minWidth = "6rem";
   }
 }
 
-function copySourceText(event) {
-  const selection = document.getSelection();
-  if (!selection || selection.rangeCount !== 1 || selection.isCollapsed) return;
-  const range = selection.getRangeAt(0);
-  const start = range.commonAncestorContainer;
-  const inside = (start.nodeType === Node.ELEMENT_NODE ? start : start.parentElement).closest("pre > code");
-  if (!inside) return;
-  event.clipboardData.setData("text/plain", range.cloneContents().textContent);
-  event.preventDefault();
+function markWideTables(root) {
+  for (const table of root.querySelectorAll(".md-typeset table:not([class])")) {
+    const columns = table.rows.length ? table.rows[0].cells.length : 0;
+    if (columns >= WIDE_TABLE_COLUMNS) table.dataset.wide = "";
+  }
 }
 
 function improveReading() {
-  hangingIndents(document);
-  roomyCells(document);
+  breakLongNames(document);
+  roomySentences(document);
+  markWideTables(document);
 }
 
-document.addEventListener("copy", copySourceText);
 if (window.document$) {
   document$.subscribe(improveReading); // Material's page-shown signal (also on instant navigation)
 } else {

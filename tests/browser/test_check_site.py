@@ -60,6 +60,15 @@ def test_write_png_is_a_valid_image(tmp_path):
         assert image.getpixel((6, 2)) == 0x80
 
 
+def test_png_text_reads_the_figure_record(tmp_path):
+    check_site.write_png(tmp_path / "fig.png", 7, 3, {check_site.MIN_WIDTH_KEY: "640", "other": "x"})
+    assert check_site.png_text(tmp_path / "fig.png") == {check_site.MIN_WIDTH_KEY: "640", "other": "x"}
+    check_site.write_png(tmp_path / "plain.png", 7, 3)
+    assert check_site.png_text(tmp_path / "plain.png") == {}
+    (tmp_path / "page.html").write_text("<p>not a PNG</p>")
+    assert check_site.png_text(tmp_path / "page.html") == {}
+
+
 @pytest.mark.skipif(shutil.which("/usr/bin/chromium") is None, reason="Debian's chromium is not installed")
 def test_self_test_catches_every_kind_of_defect(capsys):
     assert check_site.self_test("/usr/bin/chromium") == 0
