@@ -8,7 +8,7 @@ temperature T > 0 both sample with position-keyed random numbers (``ddtree.sampl
 at position p is drawn with the numbers of (seed, p), so DDTree still emits AR's tokens, token
 for token (``verifier="rejection"``: a sampled tree, equal to AR in distribution only). Every
 option is checked before the first forward, and a call that raises leaves ``model.forward_count``
-as it found it.
+as it found it. ``budget="auto"`` picks each round's budget by its cost (``ddtree.budget``).
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def check_draft(logits, depths: int, vocab: int, drafter=None) -> np.ndarray:
 def auto_budget(budget, cost_table, block_size: int):
     """(first budget, table, statistics): a fixed budget as given, with no table; ``"auto"``: the
     first choice from empty statistics, the table and those statistics."""
-    if budget != "auto":
+    if not isinstance(budget, str):                 # check_auto let no other string through
         return budget, None, None
     table = check_cost_table(cost_table)
     stats = AcceptanceStats.empty(table.max_budget, block_size)

@@ -172,8 +172,8 @@ def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature,
     table = cost_table if cost_table is not None else getattr(model, "cost_table", None)
     if budget is None:
         return ("auto", table) if table is not None else (DEFAULT_BUDGET, None)
-    if budget != "auto" or isinstance(budget, (int, np.integer)):
-        return budget, cost_table
+    if not (isinstance(budget, str) and budget == "auto"):
+        return budget, cost_table                               # checked with the other options
     if table is None:
         if SIMULATOR:
             raise ValueError("budget='auto' needs cost_table= in the CUDA simulator (a "
