@@ -169,7 +169,7 @@ def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature,
     """(budget, cost_table) for a call: None becomes ``"auto"`` when a table is at hand (given, or
     ``model.cost_table``), else ``DEFAULT_BUDGET``; ``"auto"`` without a table times one on a GPU
     and is refused in the simulator."""
-    table = cost_table if cost_table is not None else getattr(model, "cost_table", None)
+    table = cost_table if cost_table is not None else model.cost_table
     if budget is None:
         return ("auto", table) if table is not None else (DEFAULT_BUDGET, None)
     if not (isinstance(budget, str) and budget == "auto"):

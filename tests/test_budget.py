@@ -278,6 +278,32 @@ def test_the_engine_default_is_auto_only_with_a_table():
     assert trace.budgets[0] == choose_budget(SMALL, AcceptanceStats.empty(7, 2))
 
 
+def test_the_timing_runs_every_budget_and_leaves_the_engine_as_it_was(monkeypatch):
+    """``measure_cost_table``'s rounds in the simulator (its seconds mean nothing there: only the
+    shape of the table and the engine's state are checked), and an ``"auto"`` without a table
+    times one where a GPU would (the simulator's refusal lifted)."""
+    from kernels import decode as engine_decode
+    from tests.test_engine import engine
+
+    model, ref = engine("micro", max_tree_nodes=8), reference_model()
+    prompt = golden.default_prompt("micro")[:2]
+    expected = reference_decode.generate_ar(ref, prompt, 3)
+    drafter = make_drafter("oracle", ref, prompt, 3, continuation=expected)
+    forwards = model.forward_count
+    table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, max_budget=2, repeats=1)
+    assert table.max_budget == 2 and model.forward_count == forwards and model.unread == 0
+    timed = []
+    monkeypatch.setattr(engine_decode, "SIMULATOR", False)
+    monkeypatch.setattr(engine_decode, "measure_cost_table", lambda *args: timed.append(args) or SMALL)
+    try:
+        tokens, trace = engine_decode.generate_ddtree(model, prompt, 3, drafter, block_size=2, budget="auto")
+        assert model.cost_table is SMALL and len(timed) == 1
+    finally:
+        model.cost_table = None
+    assert_exact(tokens, expected)
+    assert trace.budgets[0] == choose_budget(SMALL, AcceptanceStats.empty(7, 2))
+
+
 @pytest.mark.gpu
 def test_the_cost_table_is_timed_on_the_gpu(tmp_path):
     from kernels import decode as engine_decode
