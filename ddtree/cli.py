@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 
+from ddtree.budget import check_cost_table, load_cost_table
 from ddtree.config import PRESET_NAMES, preset
 from ddtree.decode import (
     DEFAULT_BUDGET,
@@ -74,6 +75,31 @@ def degenerate_note(args) -> str | None:
         return None
     return (f"note: {why}: every round verifies the root alone and commits the target's own token, "
             "so DDTree runs plain AR steps (one token per verify forward)")
+
+
+def budget_value(text: str):
+    """--budget's value: ``auto`` or an integer (its range is ``check_budget``'s, with the model)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
+def check_cost_table_flags(args, model, backend) -> None:
+    """--budget auto takes its table from --cost-table; the engine on a GPU may time its own."""
+    if args.budget != "auto":
+        if args.cost_table is not None:
+            raise ValueError(f"--cost-table: used only with --budget auto, got --budget {args.budget}")
+        return
+    if args.cost_table is None:
+        if backend is not None and backend.name == "numba" and not backend.simulator:
+            return                                               # timed at warm-up on the GPU
+        raise ValueError("--cost-table: --budget auto needs --cost-table FILE (JSON: {\"ar_step\": seconds, "
+                         "\"verify\": [seconds of budget 1, 2, ...]}, as ddtree.budget.save_cost_table "
+                         "writes it)")
+    flagged("--cost-table", lambda: check_cost_table(load_cost_table(args.cost_table), *budget_limit(model)))
 
 
 def check_preset(name: str) -> str:
@@ -143,7 +169,7 @@ def check_flags(args, model, prompt, backend=None) -> None:
         ("--prompt", lambda: check_prompt(model, prompt, 0)),
         ("--tokens", lambda: check_prompt(model, prompt, args.tokens)),
         ("--block-size", lambda: check_block_size(args.block_size, limit)),
-        ("--budget", lambda: check_budget(args.budget, *budget_limit(model))),
+        ("--budget", lambda: args.budget == "auto" or check_budget(args.budget, *budget_limit(model))),
         ("--topk", lambda: check_topk(args.topk)),
         ("--seed", lambda: check_seed(args.seed)),
         ("--temperature", lambda: check_temperature(args.temperature)),
@@ -153,6 +179,7 @@ def check_flags(args, model, prompt, backend=None) -> None:
         checks.append(("--temperature", lambda: check_sampling_backend(backend, args.temperature)))
     for flag, check in checks:
         flagged(flag, check)
+    check_cost_table_flags(args, model, backend)
 
 
 def load_model(args):
@@ -191,11 +218,19 @@ def run_demo(args) -> int:
 
     drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens)
     model.forward_count = 0
+    if args.budget == "auto":
+        sampling["budget"] = "auto"
+        if args.cost_table is not None:
+            sampling["cost_table"] = load_cost_table(args.cost_table)
+    else:
+        sampling["budget"] = args.budget
     tokens, trace = backend.generate_ddtree(model, prompt, args.tokens, drafter, block_size=args.block_size,
-                                    budget=args.budget, topk=args.topk, **sampling)
+                                            topk=args.topk, **sampling)
     print(f"DDTree ({trace.verify_forwards} verify forwards + {trace.prefill_forwards} prefill; "
           f"drafter {args.drafter}, block {args.block_size}, budget {args.budget}"
           f"{'' if args.topk is None else f', topk {args.topk}'}): {format_tokens(tokens)}")
+    if args.budget == "auto":
+        print(f"auto budget, round by round: {format_tokens(trace.budgets)} (0: an AR step)")
     if args.rounds:
         for i, r in enumerate(trace.rounds):
             print("\n".join("  " + line for line in describe_round(r, i)))
@@ -236,9 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-size", type=int, default=8, metavar="N",
                       help="tokens a round can commit: N - 1 drafted depths + the bonus; 1 drafts nothing "
                            "(default: %(default)s)")
-    demo.add_argument("--budget", type=int, default=DEFAULT_BUDGET, metavar="B",
-                      help="drafted tree nodes per round, 0 <= B <= the backend's limit; 0 drafts nothing "
+    demo.add_argument("--budget", type=budget_value, default=DEFAULT_BUDGET, metavar="B",
+                      help="drafted tree nodes per round, 0 <= B <= the backend's limit; 0 drafts nothing; "
+                           "auto: each round the size of the most tokens per second by --cost-table and "
+                           "what the rounds so far committed, 0 (an AR step) when no tree pays "
                            "(default: %(default)s)")
+    demo.add_argument("--cost-table", metavar="FILE",
+                      help="with --budget auto: a JSON file {\"ar_step\": seconds, \"verify\": [seconds "
+                           "of a round at budget 1, 2, ...]} (ddtree.budget.save_cost_table writes one); "
+                           "the numba backend on a GPU times its own without it (default: none)")
     demo.add_argument("--topk", type=int, default=None, metavar="K",
                       help="candidates per depth; 1 is a single chain (default: as many as the budget "
                            "can use)")

@@ -8,7 +8,7 @@ temperature T > 0 both sample with position-keyed random numbers (``ddtree.sampl
 at position p is drawn with the numbers of (seed, p), so DDTree still emits AR's tokens, token
 for token (``verifier="rejection"``: a sampled tree, equal to AR in distribution only). Every
 option is checked before the first forward, and a call that raises leaves ``model.forward_count``
-as it found it.
+as it found it. ``budget="auto"`` picks each round's budget by its cost (``ddtree.budget``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import functools
 
 import numpy as np
 
+from ddtree.budget import AcceptanceStats, check_auto, check_cost_table, choose_budget
 from ddtree.sampling import (
     KeyedRandom,
     check_sampling_seed,
@@ -28,7 +29,7 @@ from ddtree.sampling import (
     rejection_step,
     sample,
 )
-from ddtree.tree import check_budget, top_candidates, tree_size
+from ddtree.tree import top_candidates, tree_size
 
 
 def is_integer(value) -> bool:
@@ -133,6 +134,7 @@ class DDTreeTrace:
     rounds: list[RoundTrace]
     prefill_forwards: int      # 1 if the prompt had more than its root token, else 0
     verify_forwards: int       # one per round
+    budgets: list[int] = dataclasses.field(default_factory=list)   # each round's budget B
 
     @property
     def committed_tokens(self) -> int:
@@ -211,10 +213,10 @@ def check_drafter(drafter, vocab: int) -> None:
 
 
 def check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature=0.0,
-                         seed=0, verifier="node"):
+                         seed=0, verifier="node", cost_table=None):
     prompt = check_prompt(model, prompt, max_new_tokens)
     check_block_size(block_size, model.config.max_position_embeddings)
-    check_budget(budget, *budget_limit(model))
+    check_auto(budget, cost_table, *budget_limit(model))
     check_topk(topk)
     check_temperature(temperature)
     check_sampling_seed(seed)
@@ -249,6 +251,23 @@ def check_draft(logits, depths: int, vocab: int, drafter=None) -> np.ndarray:
     if depths and np.isnan(logits).any():
         raise ValueError(f"{who} returned drafter logits that contain NaN")
     return logits.astype(np.float32)
+
+
+def auto_budget(budget, cost_table, block_size: int):
+    """(first budget, table, statistics): a fixed budget as given, with no table; ``"auto"``: the
+    first choice from empty statistics, the table and those statistics."""
+    if not isinstance(budget, str):                 # check_auto let no other string through
+        return budget, None, None
+    table = check_cost_table(cost_table)
+    stats = AcceptanceStats.empty(table.max_budget, block_size)
+    return choose_budget(table, stats), table, stats
+
+
+def observe(stats: AcceptanceStats, budget: int, record: RoundTrace, full_block: bool) -> AcceptanceStats:
+    """The statistics after ``record``, a round of ``budget``; one cut short by the request's end
+    (not ``full_block``) is left out: its count says where the request ends, not what the drafter
+    earns."""
+    return stats.observe(budget, record.committed) if full_block else stats
 
 
 # --8<-- [start:ddtree_round]
@@ -289,8 +308,8 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk, tempe
 # --8<-- [start:generate_ddtree]
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
-                    budget: int = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
-                    seed: int = 0, verifier: str = "node"):
+                    budget: int | str = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
+                    seed: int = 0, verifier: str = "node", cost_table=None):
     """Speculative decoding with draft trees. Returns (new tokens, DDTreeTrace).
 
     The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed``, for any drafter
@@ -299,13 +318,21 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     tree of at most ``budget`` drafted nodes (``topk=1``: a single chain, the DFlash-style
     baseline) and commits the accepted drafts plus the bonus token: at most ``block_size`` tokens
     per forward.
+
+    ``budget="auto"`` (with ``cost_table=``, a ``ddtree.budget.CostTable``): each round's budget is
+    ``ddtree.budget.choose_budget`` of the table and of what the rounds before the last one
+    committed (``trace.budgets`` lists them). The one-round lag is the engine's: it launches the
+    next round before it reads the last one's record, and this loop chooses as it does, so both
+    choose the same budgets. A round cut short by the request's end is not counted.
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
-                                  seed, verifier)
+                                  seed, verifier, cost_table)
     temperature = check_temperature(temperature)
     check_drafter(drafter, model.config.vocab_size)
+    budget, table, stats = auto_budget(budget, cost_table, block_size)
     # the cache holds the committed context (the root excluded) and one tree at a time
-    tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
+    tree_rows = largest_tree(block_size, budget if table is None else table.max_budget, topk,
+                             model.config.vocab_size)
     cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
     trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
     if prompt.size > 1:
@@ -323,6 +350,9 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         context[length:length + len(new)] = new
         length += len(new)
         trace.rounds.append(record)
+        trace.budgets.append(budget)
         trace.verify_forwards += 1
+        if table is not None:                 # the next budget, from the rounds before this one
+            budget, stats = choose_budget(table, stats), observe(stats, budget, record, block == block_size)
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]

@@ -17,23 +17,32 @@ the reference, and its (L, V) logits cross the bus once per round.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from ddtree.budget import CostTable, choose_budget
 from ddtree.decode import (
     DEFAULT_BUDGET,
     DDTreeTrace,
     RoundTrace,
+    auto_budget,
     candidates_per_depth,
+    check_block_size,
     check_ddtree_options,
     check_draft,
     check_drafter,
     check_prompt,
     keeps_forward_count_on_error,
     largest_tree,
+    observe,
 )
 from ddtree.sampling import check_sampling_seed, check_temperature
+from ddtree.tree import check_budget
+from kernels.device import SIMULATOR
 
-__all__ = ["DEFAULT_BUDGET", "DDTreeTrace", "RoundTrace", "ddtree_round", "generate_ar", "generate_ddtree"]
+__all__ = ["DEFAULT_BUDGET", "DDTreeTrace", "RoundTrace", "ddtree_round", "generate_ar", "generate_ddtree",
+           "measure_cost_table"]
 
 
 # --8<-- [start:generate_ar]
@@ -94,8 +103,8 @@ def finish_round(model, cache, pending) -> RoundTrace:
 # --8<-- [start:generate_ddtree]
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
-                    budget: int = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
-                    seed: int = 0, verifier: str = "node"):
+                    budget: int | str | None = None, topk: int | None = None, temperature: float = 0.0,
+                    seed: int = 0, verifier: str = "node", cost_table=None):
     """Speculative decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
 
     The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed`` for any drafter,
@@ -103,11 +112,27 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     would compute it, and draws its token with that position's numbers. ``verifier="rejection"``:
     the reference's sampled tree (children redrawn from the drafter, recursive rejection
     sampling), equal to AR in distribution, and to the reference's rejection run token for token.
+
+    ``budget``: an integer, or ``"auto"`` (``ddtree.budget``: the budget of the most tokens per
+    second, 0 when no tree beats an AR step) with the cost table ``cost_table`` or, without one,
+    ``model.cost_table``; on a GPU an ``"auto"`` without either times one at warm-up
+    (``measure_cost_table``, kept in ``model.cost_table``); in the simulator it is refused, since
+    simulated seconds say nothing. None (the default): ``"auto"`` when a table is at hand, else
+    ``DEFAULT_BUDGET``, the fixed budget the engine has always run, so a call without a table
+    behaves as it did and equals the reference's default. Queued rounds stay queued: the next
+    round's budget is chosen from the records already read, those of the rounds before the one
+    in flight, so a choice lags a round (the reference's loop lags alike: the same budgets); when
+    it differs from the round in flight's, the next round is not queued but launched after the
+    read, in its own shape.
     """
+    budget, cost_table = engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed,
+                                       cost_table)
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
-                                  seed, verifier)
+                                  seed, verifier, cost_table)
     check_drafter(drafter, model.config.vocab_size)
-    tree_rows = largest_tree(block_size, budget, topk, model.config.vocab_size)
+    budget, table, stats = auto_budget(budget, cost_table, block_size)
+    tree_rows = largest_tree(block_size, budget if table is None else table.max_budget, topk,
+                             model.config.vocab_size)
     cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
     model.set_sampling(temperature, seed)
     trace = DDTreeTrace(rounds=[], prefill_forwards=0, verify_forwards=0)
@@ -122,8 +147,9 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         block = min(block_size, context.size - length)
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
-        following = None
-        if length + block + block_size <= context.size:           # the next block is block_size
+        # the next round's budget, from the records read so far (those before the round in flight)
+        following, upcoming = None, budget if table is None else choose_budget(table, stats)
+        if length + block + block_size <= context.size and upcoming == budget:   # the same shape
             following = model.queue_round(cache, pending)         # whatever this round commits
         record = finish_round(model, cache, pending)
         pending = following
@@ -131,6 +157,58 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         context[length:length + len(new)] = new
         length += len(new)
         trace.rounds.append(record)
+        trace.budgets.append(budget)
         trace.verify_forwards += 1
+        if table is not None:
+            budget, stats = upcoming, observe(stats, budget, record, block == block_size)
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]
+
+
+def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed, cost_table):
+    """(budget, cost_table) for a call: None becomes ``"auto"`` when a table is at hand (given, or
+    ``model.cost_table``), else ``DEFAULT_BUDGET``; ``"auto"`` without a table times one on a GPU
+    and is refused in the simulator."""
+    table = cost_table if cost_table is not None else model.cost_table
+    if budget is None:
+        return ("auto", table) if table is not None else (DEFAULT_BUDGET, None)
+    if not (isinstance(budget, str) and budget == "auto"):
+        return budget, cost_table                               # checked with the other options
+    if table is None:
+        if SIMULATOR:
+            raise ValueError("budget='auto' needs cost_table= in the CUDA simulator (a "
+                             "ddtree.budget.CostTable or load_cost_table(path)): simulated seconds cannot "
+                             "be timed")
+        model.set_sampling(check_temperature(temperature), check_sampling_seed(seed))
+        table = model.cost_table = measure_cost_table(model, check_prompt(model, prompt, 0), drafter,
+                                                      check_block_size(block_size,
+                                                                       model.config.max_position_embeddings),
+                                                      topk)
+    return "auto", table
+
+
+def measure_cost_table(model, prompt, drafter, block_size: int = 8, topk: int | None = None,
+                       max_budget: int | None = None, repeats: int = 5) -> CostTable:
+    """Time the engine's rounds at warm-up (on a GPU: simulated seconds mean nothing): for each
+    budget 0..``max_budget`` (default: the engine's limit), ``repeats`` rounds from ``prompt``
+    (each from a fresh cache, the first one untimed: it captures the graph), the median from the
+    launch to the record on the host. Budget 0, a root-only round, is the AR step ``budget="auto"``
+    falls back to, so it is the table's ``ar_step``. ``model.forward_count`` is left as it was."""
+    limit = model.budget_limit[0]
+    max_budget = limit if max_budget is None else check_budget(max_budget, limit, "the engine's limit")
+    prompt = check_prompt(model, prompt, block_size)
+    forwards, seconds = model.forward_count, []
+    for budget in range(max_budget + 1):
+        times = []
+        for _ in range(repeats + 1):
+            cache = model.new_cache()
+            if prompt.size > 1:
+                model.prefill(cache, prompt[:-1], emit_token=False)
+            model.graphs.synchronize()
+            begin = time.perf_counter()
+            ddtree_round(model, cache, prompt, drafter, block_size, budget, topk)
+            times.append(time.perf_counter() - begin)
+        seconds.append(float(np.median(times[1:])))
+    model.new_cache()
+    model.forward_count = forwards
+    return CostTable(seconds[0], seconds[1:])

@@ -460,6 +460,7 @@ class Transformer:
         self.unread = 0               # rounds launched whose records the host has not read
         self.forward_count = 0        # target forwards run so far (prefill chunks included)
         self.round_timings = None     # a dict: time each round's phases (see start_round)
+        self.cost_table = None        # budget="auto"'s table when a call gives none (kernels.decode)
         self.made = {}                # launch sequences and buffer views by key, made once
         self.sampling = False         # temperature > 0 (set_sampling): rows draw instead of argmax
         self.temperature, self.seed = 0.0, 0

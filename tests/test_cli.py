@@ -217,3 +217,39 @@ def test_the_generation_chapters_help_lists_its_settings_and_runs_nothing(tmp_pa
     for setting in ("--preset", "--drafters", "--tokens", "--block-size", "--budget", "--budgets", "--seed"):
         assert setting in out
     assert "(default: 16)" in out and "(default: 12)" in out and "wrote" not in result.stdout + result.stderr
+
+
+# --budget auto, --cost-table
+
+def test_demo_budget_auto_reads_its_cost_table_and_stays_ar(tmp_path, capsys):
+    from ddtree.budget import CostTable, save_cost_table
+
+    path = tmp_path / "costs.json"
+    save_cost_table(CostTable(1.0, tuple(1.0 + 0.25 * b for b in range(1, 16))), path)
+    assert main(["demo", "--preset", "micro", "--drafter", "noisy", "--tokens", "12", "--budget", "auto",
+                 "--cost-table", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "budget auto): " in out and "auto budget, round by round: 7 7 " in out
+    assert out.rstrip().endswith("DDTree == AR: yes")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "auto"], "error: --cost-table: --budget auto needs --cost-table FILE"),
+    (["--cost-table", "costs.json"], "error: --cost-table: used only with --budget auto, got --budget 32"),
+    (["--budget", "auto", "--cost-table", "missing.json"],
+     "error: --cost-table: cost table file missing.json"),
+    (["--budget", "auto", "--cost-table", "bad.json"],
+     "error: --cost-table: cost table file bad.json: CostTable.verify must hold finite seconds > 0"),
+])
+def test_budget_auto_errors_name_the_flag(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text('{"ar_step": 1.0, "verify": [1.0, 0]}')
+    assert main(["demo", "--preset", "micro", "--tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_budget_takes_an_integer_or_auto(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--budget", "big"])
+    assert "argument --budget: must be an integer or auto, got 'big'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import pytest
 
 from ddtree import cli, golden
 from ddtree.accept import accept
+from ddtree.budget import CostTable
 from ddtree.config import ModelConfig, preset
 from ddtree.decode import MAX_BUDGET, ddtree_round, generate_ar, generate_ddtree
 from ddtree.drafters import NGramDrafter, NoisyOracleDrafter, OracleDrafter, make_drafter
@@ -358,6 +359,11 @@ CASES = [
     Case("decode", "budget", "budget=-1", lambda w: ddtree(w, budget=-1)),
     Case("decode", "budget", f"budget={MAX_BUDGET + 1} > MAX_BUDGET",
          lambda w: ddtree(w, budget=MAX_BUDGET + 1)),
+    Case("decode", "cost_table", "budget='auto' without cost_table", lambda w: ddtree(w, budget="auto")),
+    Case("decode", "CostTable.verify", "cost_table=CostTable(1.0, (1.0, 0.0))",
+         lambda w: ddtree(w, budget="auto", cost_table=CostTable(1.0, (1.0, 0.0)))),
+    Case("decode", "cost_table", "cost_table= with budget=8",
+         lambda w: ddtree(w, cost_table=CostTable(1.0, (1.0,)))),
     Case("decode", "topk", "topk=0", lambda w: ddtree(w, topk=0)),
     Case("decode", "vocab_size", "a drafter for 100 tokens, a model of 96",
          lambda w: ddtree(w, NGramDrafter(100))),
@@ -409,6 +415,8 @@ CASES = [
     Case("cli", "--tokens", "demo --tokens 5000", demo("--tokens", "5000"), CommandLineError),
     Case("cli", "--preset", "demo --preset kimi-k2.6", demo("--preset", "kimi-k2.6"), CommandLineError),
     Case("cli", "--budget", "demo --budget -3", demo("--budget", "-3"), CommandLineError),
+    Case("cli", "--cost-table", "demo --budget auto without --cost-table", demo("--budget", "auto"),
+         CommandLineError),
     Case("cli", "--prompt", "demo --preset micro --prompt 5,96",
          demo("--preset", "micro", "--prompt", "5,96"), CommandLineError),
     Case("cli", "--checkpoint", "demo --checkpoint /missing --prompt 5",

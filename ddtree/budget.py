@@ -1,0 +1,234 @@
+"""The cost-aware tree size (``budget="auto"``): which budget B to verify next, from what a round
+costs and what it has been measured to commit.
+
+Legend (docs/glossary.md): B node budget, L draft depths (block_size - 1).
+
+A bigger tree commits more tokens a round, but its verify costs more: on a mixture of experts a
+tree wakes more experts, so a round of 8 nodes can cost three AR steps. The rule is Cascade's
+(arXiv 2506.20675): a tree of budget B pays when its *utility*, tokens per second of its rounds
+over tokens per second of AR steps, is above one::
+
+    utility(B) = estimate(B) * ar_step / verify(B)
+
+where ``verify(B)`` is the seconds of a round of budget B (``CostTable``) and ``estimate(B)`` the
+tokens such a round has been measured to commit (``AcceptanceStats``; not the drafter's own
+log-probs, which are miscalibrated). ``choose_budget`` returns the budget of the highest utility
+(ties: the smaller), or 0 when none is above one: budget 0 is a root-only tree, one forward of
+one row that commits the target's own next token, an AR step.
+
+Estimates. A budget that has run has the mean of what its rounds committed. One that has not
+borrows from the nearest budgets that have: between two, the straight line; past the largest, the
+largest's (a bigger tree commits at least as much, but how much more is unknown, and it costs
+more, so it is not tried on a guess); below the smallest, the smallest's (an upper bound: a
+smaller tree commits no more). Nothing run yet: the most a round can commit. Every estimate is at
+most B + 1 (B accepted drafts and the bonus) and at most block_size. So the first round tries the
+size that would pay best if every draft were accepted, and the next rounds walk down from there to
+the size that pays for this drafter.
+
+Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
+(another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
+best tree runs once more; its round updates its estimate (and ends the run of AR steps). The
+number of steps is chosen so that a re-test's extra time, ``verify(B) - estimate(B) * ar_step``
+over the AR steps its tokens would have taken, is at most ``explore_share`` of the time of the AR
+steps before it: exploring costs at most that share of an AR run.
+
+The policy is a pure function of (``CostTable``, ``AcceptanceStats``): no clock, no randomness,
+so the reference and the engine choose alike for the same table and the same records, and a run
+with a given table is reproducible. The statistics are plain counts and sums, updated with
+``observe`` from each finished round's committed count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from ddtree.tree import check_budget
+
+EXPLORE_SHARE = 0.01        # a re-test costs at most 1% of the AR steps' time before it
+
+
+# --8<-- [start:CostTable]
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds of one AR step (the round a decoder falls back to: budget 0, a root-only tree) and
+    of a round at each budget B = 1, 2, ..., len(verify): ``verify[B - 1]``. The largest budget
+    the table knows is the largest ``budget="auto"`` may choose."""
+    ar_step: float
+    verify: tuple[float, ...]
+
+    def __post_init__(self):
+        if not is_seconds(self.ar_step):
+            raise ValueError(f"CostTable.ar_step must be a finite number of seconds > 0, "
+                             f"got {self.ar_step!r}")
+        try:
+            verify = tuple(self.verify)
+        except TypeError:
+            raise ValueError(f"CostTable.verify must be a sequence of seconds (budgets 1, 2, ...), "
+                             f"got {self.verify!r}") from None
+        if not verify:
+            raise ValueError("CostTable.verify must list at least budget 1's seconds, got none")
+        bad = [b for b, seconds in enumerate(verify, start=1) if not is_seconds(seconds)]
+        if bad:
+            raise ValueError(f"CostTable.verify must hold finite seconds > 0, got {verify[bad[0] - 1]!r} "
+                             f"at budget {bad[0]}")
+        object.__setattr__(self, "ar_step", float(self.ar_step))
+        object.__setattr__(self, "verify", tuple(float(s) for s in verify))
+
+    @property
+    def max_budget(self) -> int:
+        return len(self.verify)
+
+    def seconds(self, budget: int) -> float:
+        """Seconds of a round of ``budget`` drafted nodes (0: the AR step)."""
+        return self.ar_step if budget == 0 else self.verify[budget - 1]
+# --8<-- [end:CostTable]
+
+
+def is_seconds(value) -> bool:
+    number = isinstance(value, (int, float, np.integer, np.floating)) \
+        and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value) and value > 0
+
+
+def check_cost_table(cost_table, limit: int | None = None, limit_is: str = "") -> CostTable:
+    """A ``CostTable`` (or a dict in the file's format) whose largest budget the decoder can run."""
+    if isinstance(cost_table, dict):
+        cost_table = cost_table_from_dict(cost_table)
+    if not isinstance(cost_table, CostTable):
+        raise ValueError(f"cost_table must be a ddtree.budget.CostTable (or its dict, "
+                         f"{{'ar_step': s, 'verify': [s, ...]}}), got {type(cost_table).__name__}")
+    if limit is not None and cost_table.max_budget > limit:
+        raise ValueError(f"cost_table lists budgets up to {cost_table.max_budget}, more than this decoder "
+                         f"runs: {limit} ({limit_is})")
+    return cost_table
+
+
+# --8<-- [start:file_format]
+# A cost table's file: JSON, one object {"ar_step": seconds, "verify": [seconds of budget 1,
+# budget 2, ...]}, and any other keys as notes (what was timed, where: "device", "preset", ...).
+def cost_table_from_dict(data: dict) -> CostTable:
+    missing = [key for key in ("ar_step", "verify") if key not in data]
+    if missing:
+        raise ValueError(f"cost_table must have the keys 'ar_step' and 'verify', missing {missing}")
+    return CostTable(data["ar_step"], data["verify"])
+
+
+def load_cost_table(path) -> CostTable:
+    """A cost table from its JSON file (the format above); errors name the file."""
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cost table file {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"cost table file {path}: must hold a JSON object, got {type(data).__name__}")
+    try:
+        return cost_table_from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"cost table file {path}: {error}") from None
+
+
+def save_cost_table(table: CostTable, path, **notes) -> None:
+    with open(path, "w") as file:
+        json.dump({"ar_step": table.ar_step, "verify": list(table.verify), **notes}, file, indent=1)
+        file.write("\n")
+# --8<-- [end:file_format]
+
+
+# --8<-- [start:AcceptanceStats]
+@dataclasses.dataclass(frozen=True)
+class AcceptanceStats:
+    """What the rounds so far committed, per budget: ``counts[B]`` rounds ran at budget B and
+    committed ``sums[B]`` tokens together (B = 0..max_budget); ``ar_run`` AR steps (budget 0)
+    in a row since the last tree; ``block_size`` the most a round commits (L + 1)."""
+    block_size: int
+    counts: tuple[int, ...]
+    sums: tuple[int, ...]
+    ar_run: int = 0
+
+    @classmethod
+    def empty(cls, max_budget: int, block_size: int) -> AcceptanceStats:
+        return cls(block_size, (0,) * (max_budget + 1), (0,) * (max_budget + 1))
+
+    def observe(self, budget: int, committed: int) -> AcceptanceStats:
+        """The statistics after a round of ``budget`` that committed ``committed`` tokens."""
+        counts, sums = list(self.counts), list(self.sums)
+        counts[budget] += 1
+        sums[budget] += committed
+        return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
+                               self.ar_run + 1 if budget == 0 else 0)
+# --8<-- [end:AcceptanceStats]
+
+
+# --8<-- [start:estimate]
+def estimate(stats: AcceptanceStats, budget: int) -> float:
+    """Tokens a round of ``budget`` is expected to commit: its measured mean, or borrowed from the
+    nearest measured budgets (module docstring); at most min(budget + 1, block_size)."""
+    cap = min(budget + 1, stats.block_size)
+    if budget == 0:
+        return 1.0
+    tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
+    mean = {b: stats.sums[b] / stats.counts[b] for b in tried}
+    if budget in mean:
+        return min(mean[budget], cap)
+    below = [b for b in tried if b < budget]
+    above = [b for b in tried if b > budget]
+    if not tried:
+        guess = cap                                           # nothing measured: every draft accepted
+    elif below and above:
+        lo, hi = below[-1], above[0]                          # the straight line between neighbours
+        guess = mean[lo] + (mean[hi] - mean[lo]) * (budget - lo) / (hi - lo)
+    else:
+        guess = mean[above[0]] if above else mean[below[-1]]
+    return min(guess, cap)
+# --8<-- [end:estimate]
+
+
+# --8<-- [start:choose_budget]
+def utility(table: CostTable, stats: AcceptanceStats, budget: int) -> float:
+    """Tokens per second of rounds of ``budget`` over those of AR steps (Cascade's utility)."""
+    return estimate(stats, budget) * table.ar_step / table.seconds(budget)
+
+
+def best_tree(table: CostTable, stats: AcceptanceStats) -> int:
+    """The budget >= 1 of the highest utility (the smaller among equals)."""
+    utilities = [utility(table, stats, b) for b in range(1, table.max_budget + 1)]
+    return 1 + int(np.argmax(utilities))                      # argmax: the first of equals
+
+
+def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
+                 explore_share: float = EXPLORE_SHARE) -> int:
+    """AR steps in a row before the tree of ``budget`` is tried again: enough that the re-test's
+    extra seconds are at most ``explore_share`` of theirs."""
+    extra = table.seconds(budget) - estimate(stats, budget) * table.ar_step
+    return max(1, math.ceil(extra / (explore_share * table.ar_step)))
+
+
+def choose_budget(table: CostTable, stats: AcceptanceStats, explore_share: float = EXPLORE_SHARE) -> int:
+    """The next round's budget: the best tree if its utility is above one, else 0 (an AR step),
+    except that every ``retest_after`` AR steps in a row the best tree runs once more."""
+    best = best_tree(table, stats)
+    if utility(table, stats, best) > 1:
+        return best
+    every = retest_after(table, stats, best, explore_share)
+    return best if stats.ar_run and stats.ar_run % every == 0 else 0
+# --8<-- [end:choose_budget]
+
+
+def check_auto(budget, cost_table, limit: int, limit_is: str):
+    """A decoder's (budget, cost_table) pair: an integer budget without a table (``check_budget``),
+    or ``"auto"`` with one. Returns (budget, table or None)."""
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise ValueError(f"budget must be an integer or 'auto', got {budget!r}")
+        if cost_table is None:
+            raise ValueError("budget='auto' needs cost_table= (a ddtree.budget.CostTable, or "
+                             "load_cost_table(path)): the seconds of an AR step and of a round per budget")
+        return "auto", check_cost_table(cost_table, limit, limit_is)
+    if cost_table is not None:
+        raise ValueError(f"cost_table is used only with budget='auto', got budget={budget!r}")
+    return check_budget(budget, limit, limit_is), None
