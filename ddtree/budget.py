@@ -4,7 +4,7 @@ costs and what it has been measured to commit.
 Legend (docs/glossary.md): B node budget, L draft depths (block_size - 1).
 
 A bigger tree commits more tokens a round, but its verify costs more: on a mixture of experts a
-tree wakes more experts, so a round of 8 nodes can cost three AR steps. The rule is Cascade's
+tree wakes more experts, so a round of a few nodes can cost several AR steps. The rule is Cascade's
 (arXiv 2506.20675): a tree of budget B pays when its *utility*, tokens per second of its rounds
 over tokens per second of AR steps, is above one::
 
