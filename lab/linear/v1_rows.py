@@ -20,6 +20,7 @@ from kernels.blocks import block_sums, blocks
 from kernels.device import SIMULATOR, as_rows, deliver, output, reduction_threads, to_device
 from kernels.linear import ROWS_PER_PASS, check_linear, row_passes
 from lab.harness import Case
+from lab.linear import linear_cases
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -91,24 +92,10 @@ def run(x, weight, *, version: str = "gemv", threads: int | None = None, out=Non
 
 def cases() -> list[Case]:
     """Din not a multiple of the block (nor of 32), Din < one block, two passes of rows, NaN and inf."""
-    gemv = {"version": "gemv", "threads": 32}
-    return [Case(name, inputs(rows, depth, outputs, seed), gemv)
-            for name, (rows, depth, outputs, seed) in SHAPES.items()] + [Case("nan_inf", poisoned(), gemv)]
+    return linear_cases(SHAPES, {"version": "gemv", "threads": 32})
 
 
 SHAPES = {"decode_row": (1, 70, 5, 0), "few_rows": (3, 45, 2, 1), "short_din": (2, 9, 3, 2),
           "two_passes": (11, 45, 3, 3)}
 
 
-def inputs(rows: int, depth: int, outputs: int, seed: int):
-    """x (T, Din) ~ N(0, 1), weight (Dout, Din) ~ N(0, 1 / Din), float32."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((rows, depth)).astype(np.float32),
-            (rng.standard_normal((outputs, depth)) / np.sqrt(depth)).astype(np.float32))
-
-
-def poisoned():
-    """NaN in x row 0 and weight row 2, +-inf in x row 1 (and inf * 0 = NaN at output (1, 4))."""
-    x, weight = inputs(2, 20, 5, 4)
-    x[0, 3], weight[2, 7], x[1, 11], weight[4, 11] = np.nan, np.nan, np.inf, 0.0
-    return x, weight

@@ -31,6 +31,7 @@ from kernels.device import SIMULATOR, as_rows, deliver, output, to_device
 from kernels.linear import LANES, check_linear, k_slices, non_negative
 from kernels.tuning import sm_count
 from lab.harness import Case
+from lab.linear import linear_cases
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -248,23 +249,10 @@ def run(x, weight, *, out=None, stream=None):
 def cases() -> list[Case]:
     """Din not a multiple of 32 (a partial last chunk) or below it, rows and columns over partial
     tiles of the simulator's 8 x 16 tiles, NaN and inf."""
-    return [Case(name, inputs(rows, depth, outputs, seed))
-            for name, (rows, depth, outputs, seed) in SHAPES.items()] + [Case("nan_inf", poisoned())]
+    return linear_cases(SHAPES)
 
 
 SHAPES = {"decode_row": (1, 70, 5, 0), "few_rows": (3, 45, 2, 1), "short_din": (2, 9, 3, 2),
           "partial_tiles": (11, 70, 19, 3)}
 
 
-def inputs(rows: int, depth: int, outputs: int, seed: int):
-    """x (T, Din) ~ N(0, 1), weight (Dout, Din) ~ N(0, 1 / Din), float32."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((rows, depth)).astype(np.float32),
-            (rng.standard_normal((outputs, depth)) / np.sqrt(depth)).astype(np.float32))
-
-
-def poisoned():
-    """NaN in x row 0 and weight row 2, +-inf in x row 1 (and inf * 0 = NaN at output (1, 4))."""
-    x, weight = inputs(2, 20, 5, 4)
-    x[0, 3], weight[2, 7], x[1, 11], weight[4, 11] = np.nan, np.nan, np.inf, 0.0
-    return x, weight

@@ -29,6 +29,7 @@ from kernels.blocks import blocks
 from kernels.device import SIMULATOR, as_rows, deliver, output, to_device
 from kernels.linear import LANES, MAX_SLICES, ROWS_PER_PASS, check_linear, k_slices, row_passes
 from lab.harness import Case
+from lab.linear import linear_cases
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -194,8 +195,7 @@ def cases() -> list[Case]:
     rows, Dout over 1 to 3 blocks, NaN and inf; variants: batches of two chunks (slice 1's second one
     past Din), adjacent slices with batches inside a chunk, blocks of 12 threads (6 columns of 2
     slices)."""
-    return [Case(name, inputs(rows, depth, outputs, seed), variant)
-            for name, (rows, depth, outputs, seed, variant) in SHAPES.items()] + [Case("nan_inf", poisoned())]
+    return linear_cases(SHAPES)
 
 
 SHAPES = {"decode_row": (1, 70, 5, 0, {}), "short_din": (2, 9, 3, 2, {}),
@@ -204,15 +204,3 @@ SHAPES = {"decode_row": (1, 70, 5, 0, {}), "short_din": (2, 9, 3, 2, {}),
           "twelve_threads": (2, 100, 9, 9, {"threads": 12, "loads": 8})}
 
 
-def inputs(rows: int, depth: int, outputs: int, seed: int):
-    """x (T, Din) ~ N(0, 1), weight (Dout, Din) ~ N(0, 1 / Din), float32."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((rows, depth)).astype(np.float32),
-            (rng.standard_normal((outputs, depth)) / np.sqrt(depth)).astype(np.float32))
-
-
-def poisoned():
-    """NaN in x row 0 and weight row 2, +-inf in x row 1 (and inf * 0 = NaN at output (1, 4))."""
-    x, weight = inputs(2, 20, 5, 4)
-    x[0, 3], weight[2, 7], x[1, 11], weight[4, 11] = np.nan, np.nan, np.inf, 0.0
-    return x, weight
