@@ -116,6 +116,15 @@ def absorb_output(o_lat: np.ndarray, w_uv: np.ndarray) -> np.ndarray:
     return dot(o_lat[:, :, None, :], w_uv[None])                        # [T, H, dv]
 
 
+def attend(q_lat, q_pe, latent, rope, scale):
+    """One row's absorbed attention over the keys it sees, in position order: q_lat (H, R), q_pe
+    (H, dr), their latent (St, R) and rope (St, dr) rows -> o_lat (H, R)."""
+    scores = (dot(q_lat[:, None, :], latent[None])
+              + dot(q_pe[:, None, :], rope[None])) * np.float32(scale)  # [H, St]
+    probs = softmax(scores)                                         # [H, St]
+    return dot(probs[:, None, :], latent.T[None])                   # [H, R]
+
+
 def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale):
     """Absorbed attention over the latent cache.
 
@@ -129,11 +138,7 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
     o_lat = np.empty(q_lat.shape, dtype=np.float32)                     # [T, H, R]
     for t in range(rows):
         keys = visible_keys(prefix_len, visible[t])                     # [St]
-        latent, rope = cache_latent[keys], cache_rope[keys]             # [St, R], [St, dr]
-        scores = (dot(q_lat[t][:, None, :], latent[None])
-                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, St]
-        probs = softmax(scores)                                         # [H, St]
-        o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
+        o_lat[t] = attend(q_lat[t], q_pe[t], cache_latent[keys], cache_rope[keys], scale)  # [H, R]
     return o_lat
 # --8<-- [end:absorb]
 
@@ -158,11 +163,7 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     o_lat = np.empty(q_lat.shape, dtype=np.float32)                     # [T, H, R]
     for t in range(q_lat.shape[0]):
         keys = path_keys(prefix_len, paths[t, :depths[t] + 1])          # [St]
-        latent, rope = cache_latent[keys], cache_rope[keys]             # [St, R], [St, dr]
-        scores = (dot(q_lat[t][:, None, :], latent[None])
-                  + dot(q_pe[t][:, None, :], rope[None])) * np.float32(scale)  # [H, St]
-        probs = softmax(scores)                                         # [H, St]
-        o_lat[t] = dot(probs[:, None, :], latent.T[None])               # [H, R]
+        o_lat[t] = attend(q_lat[t], q_pe[t], cache_latent[keys], cache_rope[keys], scale)  # [H, R]
     return o_lat
 # --8<-- [end:paths]
 
