@@ -5,7 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.device import as_rows, deliver, output, to_device
+from kernels.linear import check_linear
 from lab.harness import Case
+
+
+def linear_contract(x, weight, launch, *, out=None, stream=None, **checked):
+    """``kernels.linear.linear``'s contract around a version's launch: the same checks (``checked``:
+    check_linear's launch options), numpy in -> numpy out or device in -> device out, an output
+    NaN-poisoned until written; ``launch(d_x, d_weight, d_out, stream)`` runs the version's kernels
+    on (T, Din), (Dout, Din) and (T, Dout) device arrays, T and Dout > 0."""
+    x, weight = check_linear(x, weight, out=out, **checked)
+    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
+    d_out = output(out, (*x.shape[:-1], weight.shape[0]), stream=stream)  # [..., Dout] NaN until written
+    if d_x.shape[0] > 0 and weight.shape[0] > 0:
+        launch(d_x, to_device(weight, np.float32), as_rows(d_out, "out"), stream)
+    return deliver(d_out, out, x, weight)
 
 
 def inputs(rows: int, depth: int, outputs: int, seed: int):

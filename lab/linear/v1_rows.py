@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from numba import cuda, float32
 
 from kernels.blocks import block_sums, blocks
-from kernels.device import SIMULATOR, as_rows, deliver, output, reduction_threads, to_device
-from kernels.linear import ROWS_PER_PASS, check_linear, row_passes
+from kernels.device import SIMULATOR, reduction_threads
+from kernels.linear import ROWS_PER_PASS, row_passes
 from lab.harness import Case
-from lab.linear import linear_cases
+from lab.linear import linear_cases, linear_contract
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -79,15 +78,13 @@ def run(x, weight, *, version: str = "gemv", threads: int | None = None, out=Non
     bits these are ("gemv")."""
     if version != "gemv":
         raise ValueError(f'"rows" gives the bits of "gemv", not of {version!r}')
-    x, weight = check_linear(x, weight, version=version, threads=threads, out=out)
-    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
-    rows, depth, outputs = d_x.shape[0], d_x.shape[1], weight.shape[0]
-    d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
-    if rows > 0 and outputs > 0:
-        threads = threads or reduction_threads(depth)
-        grid = (blocks(outputs, COLUMNS_PER_BLOCK), row_passes(rows))    # x over Dout, y over T
-        rows_kernel(threads)[grid, threads, stream](d_x, to_device(weight, np.float32), as_rows(d_out, "out"))
-    return deliver(d_out, out, x, weight)
+
+    def launch(d_x, d_weight, d_out, stream):
+        block = threads or reduction_threads(d_x.shape[1])
+        grid = (blocks(d_out.shape[1], COLUMNS_PER_BLOCK), row_passes(d_x.shape[0]))   # x over Dout, y over T
+        rows_kernel(block)[grid, block, stream](d_x, d_weight, d_out)
+
+    return linear_contract(x, weight, launch, out=out, stream=stream, version=version, threads=threads)
 
 
 def cases() -> list[Case]:

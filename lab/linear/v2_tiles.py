@@ -17,23 +17,20 @@ kernels.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import cuda, float32, int32
 
 from kernels.blocks import blocks
-from kernels.device import as_rows, deliver, output, to_device
 from kernels.linear import (
     LANES,
     LANES_PADDED,
     MAX_SLICES,
     ROWS_PER_PASS,
-    check_linear,
     k_slices,
     row_passes,
     tile_dots,
 )
 from lab.harness import Case
-from lab.linear import linear_cases
+from lab.linear import linear_cases, linear_contract
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -68,15 +65,11 @@ def tiles_kernel(x, weight, out):
 
 def run(x, weight, *, out=None, stream=None):
     """``kernels.linear.linear``'s contract by "tiles"."""
-    x, weight = check_linear(x, weight, out=out)
-    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
-    rows, outputs = d_x.shape[0], weight.shape[0]
-    d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
-    if rows > 0 and outputs > 0:
-        grid = (blocks(outputs, LANES), row_passes(rows))                 # x over Dout, y over T
-        tiles_kernel[grid, LANES * k_slices(d_x.shape[1]), stream](
-            d_x, to_device(weight, np.float32), as_rows(d_out, "out"))
-    return deliver(d_out, out, x, weight)
+    def launch(d_x, d_weight, d_out, stream):
+        grid = (blocks(d_out.shape[1], LANES), row_passes(d_x.shape[0]))  # x over Dout, y over T
+        tiles_kernel[grid, LANES * k_slices(d_x.shape[1]), stream](d_x, d_weight, d_out)
+
+    return linear_contract(x, weight, launch, out=out, stream=stream)
 
 
 def cases() -> list[Case]:

@@ -23,15 +23,14 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import numpy as np
 from numba import cuda, float32
 
 from kernels.blocks import blocks
-from kernels.device import SIMULATOR, as_rows, deliver, output, to_device
-from kernels.linear import LANES, check_linear, k_slices, non_negative
+from kernels.device import SIMULATOR
+from kernels.linear import LANES, k_slices, non_negative
 from kernels.tuning import sm_count
 from lab.harness import Case
-from lab.linear import linear_cases
+from lab.linear import linear_cases, linear_contract
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -237,13 +236,7 @@ def launch_tiles_gemm(x, weight, out, stream=None, tiles: GemmTiles | None = Non
 
 def run(x, weight, *, out=None, stream=None):
     """``kernels.linear.linear``'s contract by "tiles_gemm"."""
-    x, weight = check_linear(x, weight, out=out)
-    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
-    rows, outputs = d_x.shape[0], weight.shape[0]
-    d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
-    if rows > 0 and outputs > 0:
-        launch_tiles_gemm(d_x, to_device(weight, np.float32), as_rows(d_out, "out"), stream)
-    return deliver(d_out, out, x, weight)
+    return linear_contract(x, weight, launch_tiles_gemm, out=out, stream=stream)
 
 
 def cases() -> list[Case]:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from numba import cuda, float32
 
 from kernels.blocks import blocks
-from kernels.device import SIMULATOR, as_rows, deliver, output, to_device
-from kernels.linear import LANES, MAX_SLICES, ROWS_PER_PASS, check_linear, k_slices, row_passes
+from kernels.device import SIMULATOR
+from kernels.linear import LANES, MAX_SLICES, ROWS_PER_PASS, k_slices, row_passes
 from lab.harness import Case
-from lab.linear import linear_cases
+from lab.linear import linear_cases, linear_contract
 
 SHIPPED = "kernels.linear.linear"
 TWIN = "ddtree.linear.linear"
@@ -181,13 +180,10 @@ STREAM_VARIANTS = (
 
 def run(x, weight, *, out=None, stream=None, **variant):
     """``kernels.linear.linear``'s contract by "stream"; ``variant``: ``stream_launch``'s options."""
-    x, weight = check_linear(x, weight, out=out)
-    d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
-    rows, outputs = d_x.shape[0], weight.shape[0]
-    d_out = output(out, (*x.shape[:-1], outputs), stream=stream)          # [..., Dout] NaN until written
-    if rows > 0 and outputs > 0:
-        stream_launch(d_x, to_device(weight, np.float32), as_rows(d_out, "out"), stream=stream, **variant)
-    return deliver(d_out, out, x, weight)
+    def launch(d_x, d_weight, d_out, stream):
+        stream_launch(d_x, d_weight, d_out, stream=stream, **variant)
+
+    return linear_contract(x, weight, launch, out=out, stream=stream)
 
 
 def cases() -> list[Case]:
