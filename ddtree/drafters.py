@@ -283,6 +283,26 @@ class NGramDrafter:
     # --8<-- [end:ngram]
 
 
+# --8<-- [start:block_rows]
+# A block drafter's special tokens: the trained tokenizer (train/tokenizer.py) gives them these ids
+END_OF_TEXT, PAD, MASK = 0, 1, 2
+
+
+def block_rows(context_tokens, window: int, depths: int, pad_token: int = PAD,
+               mask_token: int = MASK) -> np.ndarray:
+    """The rows a block drafter reads in one forward: the last ``window`` committed tokens (root
+    last; left-padded with ``pad_token`` while the context is shorter) then ``depths - 1`` mask
+    tokens, at positions 0 .. window + depths - 2 whatever the context's length, so every round has
+    the same shape. Row ``window - 2 + d`` carries the distribution of the token at depth ``d``:
+    the root's row predicts depth 1, each mask row the depth after."""
+    context = np.asarray(context_tokens, dtype=np.int64)[-window:]                 # [<= window]
+    rows = np.full(window + depths - 1, mask_token, dtype=np.int64)               # [window + L - 1]
+    rows[:window] = pad_token
+    rows[window - context.size:window] = context
+    return rows
+# --8<-- [end:block_rows]
+
+
 DRAFTERS = ("oracle", "noisy", "ngram")
 
 
