@@ -712,7 +712,8 @@ class Transformer:
         return self.device_drafters and load(drafter, self.config.vocab_size, self.buffers.drafter,
                                              self.graphs.upload, self.drafter_forward) is not None
 
-    def drafter_forward(self, config: ModelConfig, weights: dict, rows: int) -> Transformer:
+    @staticmethod
+    def drafter_forward(config: ModelConfig, weights: dict, rows: int) -> Transformer:
         """A block drafter's model as a second engine (its weights, cache and buffers for up to
         ``rows`` rows, on this device), whose ``forward_rows`` the round launches on the round's stream
         (``kernels.drafters.propose_block``); it never commits a row, so its cache stays empty."""
