@@ -11,7 +11,7 @@ import pytest
 from ddtree.drafters import NGramDrafter, NoisyOracleDrafter, OracleDrafter, keyed_state, mix, tokens_of
 from kernels import drafters as kernel
 from kernels.device import cuda, poisoned, to_device
-from tests.helpers import assert_close, assert_exact
+from tests.helpers import assert_close, assert_exact, no_transfers
 from tests.test_drafters import ORACLES, growing_contexts
 
 
@@ -135,8 +135,9 @@ def test_the_block_drafter_on_the_device_is_the_references():
     for context, block_size in cases:
         kernel.check_round(buffers, context.size, block_size - 1)
         committed = to_device(np.concatenate([context, np.full(3, -7, np.int64)]))  # past n: never read
-        out = poisoned((block_size - 1, 96))
-        kernel.propose(buffers, committed, to_device(np.array([context.size], np.int64)), out=out)
+        out, n = poisoned((block_size - 1, 96)), to_device(np.array([context.size], np.int64))
+        with no_transfers():                              # device buffers only: a graph captures it
+            kernel.propose(buffers, committed, n, out=out)
         actual, expected = out.copy_to_host(), drafter.propose(context, block_size)
         assert not np.isnan(actual).any(), "unwritten log-probabilities"
         assert_close(actual, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()),
