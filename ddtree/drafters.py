@@ -15,11 +15,22 @@ speed: the DDTree loop emits the target's greedy tokens whatever it proposes.
   trees branch and accepted paths leave the top-1 chain.
 - ``NGramDrafter`` is a real, training-free drafter: it finds earlier occurrences of the context's
   suffix and votes, per depth, for the tokens that followed them.
+- ``BlockDrafter`` is a trained block drafter (DFlash-like, as in DDTree): a small model of the
+  target's family reads the last ``window`` committed tokens then L - 1 mask tokens
+  (``block_rows``) in one causal forward from an empty cache, and its rows give the next L
+  distributions; it reads committed tokens only (no target hidden states). ``load_block_drafter``
+  reads one from a checkpoint directory (``drafter.json`` beside the model's files).
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
+
+from ddtree.config import ModelConfig
+from ddtree.model import Transformer
 
 # log-probability floor for tokens a drafter has no opinion about
 FLOOR_LOGIT = np.float32(-30.0)
@@ -35,6 +46,15 @@ def check_seed(seed) -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     return int(seed)
+
+
+def check_token_id(name: str, token, vocab_size: int | None = None) -> int:
+    """One token id: a non-negative integer, below ``vocab_size`` when it is given."""
+    if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or token < 0 \
+            or (vocab_size is not None and token >= vocab_size):
+        bound = f"in [0, vocab_size={vocab_size})" if vocab_size is not None else "a non-negative integer"
+        raise ValueError(f"{name} must be a token id {bound}, got {token!r}")
+    return int(token)
 
 
 def check_tokens(name: str, tokens, vocab_size: int, copy: bool = True) -> np.ndarray:
@@ -295,7 +315,13 @@ def block_rows(context_tokens, window: int, depths: int, pad_token: int = PAD,
     tokens, at positions 0 .. window + depths - 2 whatever the context's length, so every round has
     the same shape. Row ``window - 2 + d`` carries the distribution of the token at depth ``d``:
     the root's row predicts depth 1, each mask row the depth after."""
-    context = np.asarray(context_tokens, dtype=np.int64)[-window:]                 # [<= window]
+    window, depths = check_positive("window", window), check_positive("depths", depths)
+    check_token_id("pad_token", pad_token), check_token_id("mask_token", mask_token)
+    context = np.asarray(context_tokens)
+    if context.ndim != 1 or context.size == 0 or not np.issubdtype(context.dtype, np.integer):
+        raise ValueError(f"context_tokens must be a non-empty 1-D integer sequence (the root last), got "
+                         f"shape {context.shape} dtype {context.dtype}")
+    context = context.astype(np.int64)[-window:]                                   # [<= window]
     rows = np.full(window + depths - 1, mask_token, dtype=np.int64)               # [window + L - 1]
     rows[:window] = pad_token
     rows[window - context.size:window] = context
@@ -303,16 +329,120 @@ def block_rows(context_tokens, window: int, depths: int, pad_token: int = PAD,
 # --8<-- [end:block_rows]
 
 
-DRAFTERS = ("oracle", "noisy", "ngram")
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-probabilities in float32, in ``ddtree.tree.top_candidates``' steps: subtract
+    the row max (float32), sum the exponentials in float64, subtract the log cast to float32."""
+    logits = np.asarray(logits, np.float32)                                       # [L, V]
+    shifted = logits - logits.max(axis=-1, keepdims=True)                         # [L, V] <= 0
+    log_sum = np.log(np.exp(shifted.astype(np.float64)).sum(axis=-1, keepdims=True))  # [L, 1]
+    return shifted - log_sum.astype(np.float32)                                   # [L, V]
+
+
+# --8<-- [start:block_drafter]
+class BlockDrafter:
+    """A trained block drafter: ``config`` and ``weights`` are a ``ddtree.model`` model (MLA + dense
+    or MoE layers) trained to read ``block_rows`` (``window`` committed tokens, then mask tokens).
+
+    ``propose`` runs one causal forward over the rows from an empty cache and returns the
+    log-softmax of rows window - 2 + d, d = 1..L (L <= ``max_depths``, the depths it was trained
+    for). It keeps no state: the proposal is a function of the committed tokens alone.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, window: int, max_depths: int,
+                 pad_token: int = PAD, mask_token: int = MASK):
+        self.model = Transformer(config, weights)                   # checks the config and weights
+        self.config, self.weights = config, weights                 # the engine uploads them
+        self.vocab_size = config.vocab_size
+        self.window = check_positive("window", window)
+        self.max_depths = check_positive("max_depths", max_depths)
+        self.pad_token = check_token_id("pad_token", pad_token, self.vocab_size)
+        self.mask_token = check_token_id("mask_token", mask_token, self.vocab_size)
+        rows, limit = self.window + self.max_depths - 1, config.max_position_embeddings
+        if rows > limit:
+            raise ValueError(f"window + max_depths - 1 ({rows}) must be <= the drafter's "
+                             f"max_position_embeddings ({limit})")
+
+    def check_depths(self, depths: int) -> None:
+        """A block of ``depths`` (L) drafted tokens is one this drafter was trained for."""
+        if depths > self.max_depths:
+            raise ValueError(f"block_size - 1 ({depths}) must be <= max_depths ({self.max_depths}) of this "
+                             f"block drafter")
+
+    def propose(self, context_tokens, block_size: int) -> np.ndarray:
+        context, depths = check_block(context_tokens, block_size, self.vocab_size)
+        self.check_depths(depths)
+        if depths == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        rows = block_rows(context, self.window, depths, self.pad_token, self.mask_token)  # [window + L - 1]
+        logits = self.model.logits(rows)                                # [window + L - 1, V]
+        return log_softmax(logits[self.window - 1:])                    # [L, V]
+# --8<-- [end:block_drafter]
+
+
+DRAFTER_FILE = "drafter.json"
+DRAFTER_KEYS = ("kind", "window", "max_depths", "pad_token_id", "mask_token_id")
+
+
+def load_block_drafter(directory) -> BlockDrafter:
+    """The block drafter saved in ``directory``: ``drafter.json`` ({"kind": "block", "window",
+    "max_depths", "pad_token_id", "mask_token_id"}) beside its model's ``config.json`` and
+    ``model.safetensors`` (``ddtree.weights.load_pretrained``); errors name the file and key."""
+    from ddtree.weights import load_pretrained
+
+    path = pathlib.Path(directory) / DRAFTER_FILE
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file (a block drafter's directory holds {DRAFTER_FILE}, "
+                                "config.json and model.safetensors)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(values).__name__}")
+    missing = [key for key in DRAFTER_KEYS if key not in values]
+    if missing:
+        raise ValueError(f"{path}: missing key {missing[0]!r} (expected {', '.join(DRAFTER_KEYS)})")
+    if values["kind"] != "block":
+        raise ValueError(f"{path}: key 'kind' must be 'block', got {values['kind']!r}")
+    for key in DRAFTER_KEYS[1:]:
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key.endswith("_id") else 1):
+            kind = "a non-negative integer" if key.endswith("_id") else "a positive integer"
+            raise ValueError(f"{path}: key {key!r} must be {kind}, got {value!r}")
+    config, weights = load_pretrained(directory)
+    try:
+        return BlockDrafter(config, weights, values["window"], values["max_depths"],
+                            pad_token=values["pad_token_id"], mask_token=values["mask_token_id"])
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+DRAFTERS = ("oracle", "noisy", "ngram")       # the drafters every model has (no checkpoint needed)
+TRAINED_DRAFTERS = ("block",)                 # ... and those read from a checkpoint directory
 
 
 # --8<-- [start:make_drafter]
-def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0, continuation=None):
+def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0, continuation=None,
+                 drafter_directory=None):
     """A drafter by name for ``model``.
 
     The oracles need the target's greedy continuation: pass it as ``continuation`` when it is
-    already known (the demo has just decoded it), otherwise they run AR once to learn it.
+    already known (the demo has just decoded it), otherwise they run AR once to learn it. The
+    block drafter is read from ``drafter_directory`` (``load_block_drafter``); its vocabulary must
+    be the model's.
     """
+    if name in TRAINED_DRAFTERS:
+        if drafter_directory is None:
+            raise ValueError(f"drafter {name!r} needs drafter_directory= (a checkpoint directory with "
+                             f"{DRAFTER_FILE})")
+        drafter = load_block_drafter(drafter_directory)
+        if drafter.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the block drafter's vocab_size ({drafter.vocab_size}, in {drafter_directory}) "
+                             f"must equal the model's vocab_size ({model.config.vocab_size})")
+        return drafter
+    if drafter_directory is not None:
+        raise ValueError(f"drafter_directory is read by the {', '.join(TRAINED_DRAFTERS)} drafter only, "
+                         f"not by {name!r}")
     if name in ("oracle", "noisy"):
         kind = OracleDrafter if name == "oracle" else NoisyOracleDrafter
         if continuation is None:
@@ -321,5 +451,5 @@ def make_drafter(name: str, model, prompt, max_new_tokens: int, seed: int = 0, c
         return kind(sequence, model.config.vocab_size, seed=seed)
     if name == "ngram":
         return NGramDrafter(model.config.vocab_size)
-    raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {name!r}")
+    raise ValueError(f"drafter must be one of {', '.join(DRAFTERS + TRAINED_DRAFTERS)}, got {name!r}")
 # --8<-- [end:make_drafter]

@@ -22,9 +22,19 @@ reference's:
   step where the two libraries' last float64 bit could differ; the float32 results agreed in
   every test).
 
+- the block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of
+  the drafter's config and weights, with its own cache and buffers), which the engine makes and
+  hands to ``load`` (``make_forward``). Per round, ``block_rows_kernel`` gathers ``block_rows``
+  from the committed tokens into that engine's rows (a chain from position 0, its cache length
+  set to 0: every round reads from an empty cache), its ``forward_rows`` runs on the round's
+  stream, and ``block_logprobs_kernel`` writes the log-softmax of rows window - 2 + d into the
+  draft. Not the reference's bits: the engine's forward is within the model tests' tolerance of
+  numpy's, so the log-probabilities are close, not equal.
+
 A drafter runs on the device when ``load`` knows its exact class and its constants fit the
 buffers (``DrafterBuffers``: a ranking of at most KMAX tokens, a sequence of at most C tokens, a
-seed below 2^63); any other drafter (a subclass, a user's own) runs on the host as before.
+seed below 2^63; a block drafter needs the engine's ``make_forward``); any other drafter (a
+subclass, a user's own) runs on the host as before.
 """
 
 from __future__ import annotations
@@ -41,17 +51,20 @@ from ddtree.drafters import (
     RANK,
     TOKENS,
     TOP1,
+    BlockDrafter,
     NGramDrafter,
     NoisyOracleDrafter,
     OracleDrafter,
 )
-from kernels.blocks import block_sum, pow2_threads
+from kernels.blocks import block_sum, blocks, pow2_threads
 from kernels.device import filled, poisoned
+from kernels.tree import _max_log_sum
 
 KMAX = 32                                   # the longest ranking a device oracle writes
-SEED, SEQUENCE_LENGTH, RANKED, MAX_NGRAM = range(4)     # the fields of DrafterBuffers.ints
+# the fields of DrafterBuffers.ints
+SEED, SEQUENCE_LENGTH, RANKED, MAX_NGRAM, WINDOW, PAD_TOKEN, MASK_TOKEN = range(7)
 KEEP_RATE, SMOOTHING = range(2)                         # ... and of DrafterBuffers.floats
-KINDS = {OracleDrafter: "oracle", NoisyOracleDrafter: "noisy", NGramDrafter: "ngram"}
+KINDS = {OracleDrafter: "oracle", NoisyOracleDrafter: "noisy", NGramDrafter: "ngram", BlockDrafter: "block"}
 
 LOW32 = uint64(0xFFFFFFFF)
 SHIFT11, SHIFT27, SHIFT30, SHIFT31, SHIFT32 = uint64(11), uint64(27), uint64(30), uint64(31), uint64(32)
@@ -248,20 +261,76 @@ def ngram_kernel(threads: int):
 NGRAM_THREADS = 128
 
 
+# --8<-- [start:block_kernels]
+@cuda.jit
+def block_rows_kernel(committed, context_length, ints, tokens, parents, depths, prefix):
+    # one thread per row i of the drafter's forward: ``block_rows`` of committed[:n] (the last
+    # window tokens, left-padded with the pad token, then mask tokens) as a chain from position
+    # 0 (parent i - 1, depth i); prefix[0] = 0, the drafter's cache length: it reads an empty cache
+    i = cuda.grid(1)
+    if i == 0:
+        prefix[0] = 0
+    if i < tokens.shape[0]:
+        window = ints[WINDOW]
+        source = context_length[0] - window + i              # the committed token row i carries
+        if i >= window:
+            tokens[i] = ints[MASK_TOKEN]
+        elif source < 0:
+            tokens[i] = ints[PAD_TOKEN]
+        else:
+            tokens[i] = committed[source]
+        parents[i] = i - 1
+        depths[i] = i
+
+
+@functools.cache
+def block_logprobs_kernel(threads: int):
+    """The log-softmax kernel for blocks of ``threads`` threads (a power of two)."""
+
+    @cuda.jit
+    def kernel(logits, ints, out):
+        # one block per depth row j (depth j + 1), threads striding over V: out[j] = the
+        # log-softmax of the drafter's row window - 1 + j, in top_candidates' steps (``_max_log_sum``:
+        # the float32 max, the float64 sum of exponentials, its log cast to float32)
+        red = cuda.shared.array(threads, float32)
+        red64 = cuda.shared.array(threads, float64)
+        j = cuda.blockIdx.x
+        row = ints[WINDOW] - 1 + j
+        row_max, log_sum = _max_log_sum(logits, row, red, red64)
+        for v in range(cuda.threadIdx.x, out.shape[1], threads):
+            out[j, v] = (logits[row, v] - row_max) - log_sum
+
+    return kernel
+# --8<-- [end:block_kernels]
+
+
+BLOCK_ROWS_THREADS = 128
+
+
 class DrafterBuffers:
     """One drafter's constants on the device, at fixed addresses (a captured round reads them):
-    the oracles' sequence (C,), ints [seed, sequence length, ranked count, max n-gram], floats
-    [keep rate, smoothing], the noisy oracle's top-1 thresholds per depth (Lmax + 1,), and the
-    log-probabilities of a ranking of each length (KMAX + 1, KMAX)."""
+    the oracles' sequence (C,), ints [seed, sequence length, ranked count, max n-gram, window, pad
+    token, mask token], floats [keep rate, smoothing], the noisy oracle's top-1 thresholds per
+    depth (Lmax + 1,), and the log-probabilities of a ranking of each length (KMAX + 1, KMAX);
+    a block drafter's forward (its model on the device, made by the engine)."""
 
     def __init__(self, capacity: int, max_depths: int):
         self.sequence = poisoned((capacity,), np.int64)
-        self.ints = filled((4,), 0, np.int64)
+        self.ints = filled((7,), 0, np.int64)
         self.floats = filled((2,), 0.0, np.float64)
         self.thresholds = filled((max_depths + 1,), 0.0, np.float64)
         self.table = poisoned((KMAX + 1, KMAX))
         self.loaded = None                       # (drafter, its constants) as last uploaded
-        self.kind = None                         # its kind: "oracle", "noisy" or "ngram"
+        self.kind = None                         # its kind: "oracle", "noisy", "ngram" or "block"
+        self.forward = None                      # the block drafter's forward (make_forward's engine)
+        self.forwards_made = 0                   # numbers each forward: its weights' addresses differ
+
+    @property
+    def graph_key(self):
+        """What a captured round depends on of the loaded drafter: its kind (its constants sit in
+        the buffers above, at fixed addresses), and for a block drafter which forward (a new one
+        has new weights, cache and buffers, so a graph captured with the old one must not replay)."""
+        return (self.kind, self.forwards_made) if self.kind == "block" else self.kind
 
 
 def constants(drafter) -> tuple:
@@ -269,36 +338,49 @@ def constants(drafter) -> tuple:
     uploaded again."""
     if isinstance(drafter, NGramDrafter):
         return (drafter.vocab_size, drafter.max_ngram, drafter.smoothing)
+    if isinstance(drafter, BlockDrafter):
+        return (drafter.vocab_size, id(drafter.config), id(drafter.weights), drafter.window,
+                drafter.max_depths, drafter.pad_token, drafter.mask_token)
     noisy = isinstance(drafter, NoisyOracleDrafter)
     return (drafter.vocab_size, id(drafter.sequence), drafter.sequence.size, drafter.seed, drafter.confidence,
             drafter.distractors, *((drafter.top1_rate, drafter.decay, drafter.keep_rate,
                                     drafter.runner_up_mass) if noisy else ()))
 
 
-def fits(drafter, vocab_size: int, buffers: DrafterBuffers) -> bool:
+def fits(drafter, vocab_size: int, buffers: DrafterBuffers, make_forward=None) -> bool:
     kind = KINDS.get(type(drafter))
     if kind is None or drafter.vocab_size != vocab_size:
         return False
     if kind == "ngram":
         return drafter.max_ngram < 1 << 62
+    if kind == "block":
+        return make_forward is not None
     return drafter.distractors + 2 <= KMAX and drafter.sequence.size <= buffers.sequence.size \
         and drafter.seed < 1 << 63
 
 
-def load(drafter, vocab_size: int, buffers: DrafterBuffers, upload) -> str | None:
+def load(drafter, vocab_size: int, buffers: DrafterBuffers, upload, make_forward=None) -> str | None:
     """Put ``drafter``'s constants on the device (``upload(host, device_array)``, the engine's
-    copy) unless they are there already; returns its kind, or None where it must run on the host."""
+    copy) unless they are there already; returns its kind, or None where it must run on the host.
+    A block drafter needs ``make_forward(config, weights, rows)``: the engine's forward of that
+    model over up to ``rows`` rows (``kernels.model.Transformer``; without it, the host)."""
     loaded = buffers.loaded
     if loaded is not None and loaded[0] is drafter and loaded[1] == constants(drafter):
         return buffers.kind
-    buffers.loaded, buffers.kind = None, None
-    if not fits(drafter, vocab_size, buffers):
+    buffers.loaded, buffers.kind, buffers.forward = None, None, None
+    if not fits(drafter, vocab_size, buffers, make_forward):
         return None
     kind = KINDS[type(drafter)]
-    ints = np.zeros(4, np.int64)
+    ints = np.zeros(7, np.int64)
     floats = np.zeros(2, np.float64)
     if kind == "ngram":
         ints[MAX_NGRAM], floats[SMOOTHING] = drafter.max_ngram, drafter.smoothing
+    elif kind == "block":
+        ints[WINDOW], ints[PAD_TOKEN], ints[MASK_TOKEN] = drafter.window, drafter.pad_token, \
+            drafter.mask_token
+        rows = drafter.window + drafter.max_depths - 1                  # the longest forward it runs
+        buffers.forward = make_forward(drafter.config, drafter.weights, rows)
+        buffers.forwards_made += 1
     else:
         ints[SEED], ints[SEQUENCE_LENGTH] = drafter.seed, drafter.sequence.size
         ints[RANKED] = drafter.distractors                       # the oracle's; the noisy's runners_up
@@ -325,9 +407,12 @@ def always_proposes(buffers: DrafterBuffers) -> bool:
 
 
 def check_round(buffers: DrafterBuffers, context_size: int, depths: int) -> None:
-    """The one refusal of the reference's ``propose`` a kernel cannot raise: an oracle without
-    distractors has nothing to rank past its sequence's end."""
+    """The refusals of the reference's ``propose`` a kernel cannot raise: an oracle without
+    distractors has nothing to rank past its sequence's end; a block drafter drafts at most
+    max_depths."""
     drafter, last = buffers.loaded[0], context_size - 1 + depths          # the deepest position drafted
+    if buffers.kind == "block":
+        drafter.check_depths(depths)
     if buffers.kind == "oracle" and drafter.distractors == 0 and last >= drafter.sequence.size:
         raise ValueError(f"nothing to propose: 0 ranked tokens past the oracle's sequence (position {last} "
                          f">= {drafter.sequence.size}) and no distractors")
@@ -339,6 +424,9 @@ def propose(buffers: DrafterBuffers, committed, context_length, *, out, stream=0
     ``out`` (L, V) float32 on the device: the reference's ``propose(context, L + 1)``."""
     depths = out.shape[0]
     if depths == 0:
+        return
+    if buffers.kind == "block":
+        propose_block(buffers, committed, context_length, out, stream)
         return
     if buffers.kind == "ngram":
         threads = pow2_threads(out.shape[1], NGRAM_THREADS)
@@ -355,3 +443,19 @@ def propose(buffers: DrafterBuffers, committed, context_length, *, out, stream=0
     else:
         raise ValueError("propose needs a loaded drafter (load() returned None for it)")
 # --8<-- [end:propose]
+
+
+# --8<-- [start:propose_block]
+def propose_block(buffers: DrafterBuffers, committed, context_length, out, stream) -> None:
+    """The block drafter's round: its rows gathered, its forward, the log-softmax of its depth rows
+    into ``out`` (L, V); three launches and the forward's, all reading device buffers only."""
+    forward, window = buffers.forward, buffers.loaded[0].window
+    rows = window + out.shape[0] - 1                                     # window + L - 1
+    b = forward.buffers
+    block_rows_kernel[blocks(rows, BLOCK_ROWS_THREADS), BLOCK_ROWS_THREADS, stream](
+        committed, context_length, buffers.ints, b.tree.tokens[:rows], b.tree.parents[:rows],
+        b.tree.depths[:rows], b.prefix)
+    forward.forward_rows(stream, rows, outcome=False)                    # logits [window + L - 1, V]
+    threads = pow2_threads(out.shape[1])
+    block_logprobs_kernel(threads)[out.shape[0], threads, stream](b.logits, buffers.ints, out)
+# --8<-- [end:propose_block]

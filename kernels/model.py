@@ -405,9 +405,11 @@ class Transformer:
     ``attention_paths`` also defaults to) is how attention cuts its work, fixed per engine: any
     plan keeps DDTree == AR, but two engines with different plans round differently.
     ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
-    the round (``kernels.drafters``: the same logits, bit for bit), reading the committed tokens
+    the round (``kernels.drafters``: the same logits, bit for bit; a block drafter's forward is a
+    second engine's, within the model tolerance of numpy's), reading the committed tokens
     the engine keeps on the device; False, or any other drafter, runs ``propose`` on the host and
-    uploads its logits, as the reference's loop does. Either way the same tokens and trees.
+    uploads its logits, as the reference's loop does. Either way the same tokens, and the same
+    trees except where a block drafter's candidates tie within that tolerance.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -710,7 +712,15 @@ class Transformer:
         ``device_drafters`` on, for the reference's own drafters that fit; their constants are
         uploaded unless the device holds them already."""
         return self.device_drafters and load(drafter, self.config.vocab_size, self.buffers.drafter,
-                                             self.graphs.upload) is not None
+                                             self.graphs.upload, self.drafter_forward) is not None
+
+    @staticmethod
+    def drafter_forward(config: ModelConfig, weights: dict, rows: int) -> Transformer:
+        """A block drafter's model as a second engine (its weights, cache and buffers for up to
+        ``rows`` rows, on this device), whose ``forward_rows`` the round launches on the round's stream
+        (``kernels.drafters.propose_block``); it never commits a row, so its cache stays empty."""
+        return Transformer(config, weights, graphs=False, max_tree_nodes=max(2, 1 << (rows - 1).bit_length()),
+                           device_drafters=False)
 
     def sync_context(self, context, rows: int) -> None:
         """Make buffers.committed[:n] the round's ``context`` (n tokens, the root last). After a
@@ -763,7 +773,8 @@ class Transformer:
         if depths and kind is None:
             draft_rows = self.cached(("draft", depths), lambda: self.buffers.draft[:depths])
             self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), draft_rows)
-        key = ("round", rows, depths, k, budget, self.sampling, kind)
+        drafter_key = None if kind is None else self.buffers.drafter.graph_key   # a block drafter's forward
+        key = ("round", rows, depths, k, budget, self.sampling, drafter_key)
         phases = self.cached(("phases", *key),
                              lambda: self.round_phases(rows, depths, k, budget, self.sampling, drafter=kind))
         if verifier == "rejection" and self.sampling:

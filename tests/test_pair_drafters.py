@@ -11,7 +11,7 @@ import pytest
 from ddtree.drafters import NGramDrafter, NoisyOracleDrafter, OracleDrafter, keyed_state, mix, tokens_of
 from kernels import drafters as kernel
 from kernels.device import cuda, poisoned, to_device
-from tests.helpers import assert_exact
+from tests.helpers import assert_close, assert_exact, no_transfers
 from tests.test_drafters import ORACLES, growing_contexts
 
 
@@ -107,3 +107,54 @@ def test_an_oracle_with_nothing_to_rank_is_refused_before_the_launch():
         device_propose(drafter, [1, 2, 3], 2)
     with pytest.raises(ValueError, match="nothing to propose"):
         drafter.propose([1, 2, 3], 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# the block drafter: its model's forward is an engine's (kernels.model), so the device's
+# log-probabilities are the reference's within the whole-model tolerance, not bit for bit
+
+
+def block_forward(config, weights, rows):
+    """The engine's forward for a block drafter (``Transformer.drafter_forward``)."""
+    from kernels.model import Transformer
+
+    return Transformer.drafter_forward(config, weights, rows)
+
+
+def test_the_block_drafter_on_the_device_is_the_references():
+    from tests.test_block_drafter import MAX_DEPTHS, WINDOW, block_drafter
+
+    drafter = block_drafter()
+    buffers = kernel.DrafterBuffers(64, 16)
+    assert kernel.load(drafter, 96, buffers, upload) is None                   # no forward: the host
+    assert kernel.load(drafter, 96, buffers, upload, block_forward) == "block"
+    assert kernel.always_proposes(buffers)
+    rng = np.random.default_rng(3)
+    cases = [(rng.integers(0, 96, 2), 3), (rng.integers(0, 96, WINDOW), 2),        # padded, exact window
+             (rng.integers(0, 96, 15), MAX_DEPTHS + 1)]                             # longer, deepest
+    for context, block_size in cases:
+        kernel.check_round(buffers, context.size, block_size - 1)
+        committed = to_device(np.concatenate([context, np.full(3, -7, np.int64)]))  # past n: never read
+        out, n = poisoned((block_size - 1, 96)), to_device(np.array([context.size], np.int64))
+        with no_transfers():                              # device buffers only: a graph captures it
+            kernel.propose(buffers, committed, n, out=out)
+        actual, expected = out.copy_to_host(), drafter.propose(context, block_size)
+        assert not np.isnan(actual).any(), "unwritten log-probabilities"
+        assert_close(actual, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()),
+                     name=f"log-probs, {context.size} tokens, block {block_size}")
+        assert_exact(actual.argmax(-1), expected.argmax(-1), "each depth's top token")
+
+
+def test_a_block_drafter_deeper_than_trained_is_refused_and_a_new_one_is_a_new_graph():
+    from tests.test_block_drafter import MAX_DEPTHS, block_drafter
+
+    buffers = kernel.DrafterBuffers(64, 16)
+    assert kernel.load(block_drafter(), 96, buffers, upload, block_forward) == "block"
+    first = buffers.graph_key
+    with pytest.raises(ValueError, match=r"block_size - 1 \(5\) must be <= max_depths \(4\)"):
+        kernel.check_round(buffers, 3, MAX_DEPTHS + 1)
+    assert kernel.load(block_drafter(), 96, buffers, upload, block_forward) == "block"
+    assert buffers.graph_key == first                                           # loaded already
+    assert kernel.load(block_drafter(layers=1), 96, buffers, upload, block_forward) == "block"
+    assert buffers.graph_key != first                 # another forward: graphs captured with the first differ
+    assert kernel.load(block_drafter(), 32, buffers, upload, block_forward) is None  # another vocabulary
