@@ -23,9 +23,10 @@ from ddtree.decode import (
     check_topk,
     describe_round,
 )
-from ddtree.drafters import DRAFTERS, check_seed, make_drafter
+from ddtree.drafters import DRAFTER_FILE, DRAFTERS, TRAINED_DRAFTERS, check_seed, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
 from ddtree.sampling import check_sampling_seed, check_temperature
+from ddtree.text import decode, encode, has_tokenizer, heldout_prompts, load_tokenizer, tokens_as_text
 from ddtree.tree import check_budget
 from ddtree.weights import init_weights, load_pretrained, weights_nbytes
 
@@ -182,31 +183,79 @@ def check_flags(args, model, prompt, backend=None) -> None:
     check_cost_table_flags(args, model, backend)
 
 
-def load_model(args):
-    """(config, weights, prompt, where from): --checkpoint and --prompt, or a random --preset."""
-    prompt = None if args.prompt is None else flagged("--prompt", lambda: parse_prompt(args.prompt))
+def text_prompt(args, tokenizer) -> tuple[np.ndarray, str]:
+    """(prompt ids, where from) of a model with a tokenizer: --prompt as text, else the first
+    held-out prompt (cut from a standard-library file the model never trained on)."""
+    if args.prompt is not None:
+        ids = encode(tokenizer, args.prompt)
+        if ids.size == 0:
+            raise ValueError("--prompt: the prompt must hold at least one token, got an empty text")
+        return ids, "--prompt"
+    first = heldout_prompts()[0]
+    return encode(tokenizer, first["text"]), f"held-out file {first['file']}"
+
+
+def drafter_directory(args, checkpoint) -> str | None:
+    """--drafter-dir, else a trained drafter's default home: the checkpoint's drafter/ folder."""
+    if args.drafter not in TRAINED_DRAFTERS:
+        if args.drafter_dir is not None:
+            raise ValueError(f"--drafter-dir: read by --drafter {' or '.join(TRAINED_DRAFTERS)} only, "
+                             f"got --drafter {args.drafter}")
+        return None
+    if args.drafter_dir is not None:
+        return args.drafter_dir
+    if checkpoint is not None and (pathlib.Path(checkpoint) / "drafter" / DRAFTER_FILE).is_file():
+        return str(pathlib.Path(checkpoint) / "drafter")
+    raise ValueError(f"--drafter-dir: --drafter {args.drafter} needs a drafter directory (with "
+                     f"{DRAFTER_FILE}); none given and the model has no drafter/ folder")
+
+
+def load_model(args) -> types.SimpleNamespace:
+    """The demo's model: config, weights, prompt and where they come from, the tokenizer (None
+    without one: prompts and output are token ids) and the trained drafter's directory, if any."""
     if args.checkpoint is not None:
-        if prompt is None:
-            raise ValueError("--prompt: a checkpoint has no default prompt; give its token ids "
-                             "(e.g. --prompt 5,17,42)")
         config, weights = flagged("--checkpoint", lambda: load_checkpoint(args.checkpoint))
-        return config, weights, prompt, f"checkpoint {args.checkpoint}"
-    name = flagged("--preset", lambda: check_preset(args.preset))
-    config = preset(name)
-    prompt = default_prompt(name) if prompt is None else prompt
-    return config, init_weights(config, WEIGHT_SEED), prompt, f"preset {name}"
+        tokenizer = load_tokenizer(args.checkpoint) if has_tokenizer(args.checkpoint) else None
+        source = f"checkpoint {args.checkpoint}"
+    else:
+        name = flagged("--preset", lambda: check_preset(args.preset))
+        config, tokenizer, source = preset(name), None, f"preset {name}"
+        weights = init_weights(config, WEIGHT_SEED)
+    if tokenizer is not None:
+        prompt, origin = text_prompt(args, tokenizer)
+    elif args.prompt is not None:
+        prompt, origin = flagged("--prompt", lambda: parse_prompt(args.prompt)), "--prompt"
+    elif args.checkpoint is not None:
+        raise ValueError("--prompt: a checkpoint without a tokenizer.json has no default prompt; give its "
+                         "token ids (e.g. --prompt 5,17,42)")
+    else:
+        prompt, origin = default_prompt(args.preset), "the preset's golden prompt"
+    return types.SimpleNamespace(config=config, weights=weights, prompt=prompt, source=source, origin=origin,
+                                 tokenizer=tokenizer, drafter_dir=drafter_directory(args, args.checkpoint))
+
+
+def show(tokens, tokenizer, show_ids: bool) -> str:
+    """Tokens as the demo prints them: ids on one line, or the text indented under its line."""
+    if tokenizer is None:
+        return " " + format_tokens(tokens)
+    text = "\n".join("    " + line for line in decode(tokenizer, tokens).split("\n"))
+    return (f" {format_tokens(tokens)}" if show_ids else "") + "\n" + text
 
 
 def run_demo(args) -> int:
-    config, weights, prompt, source = load_model(args)
+    loaded = load_model(args)
+    config, prompt, tokenizer = loaded.config, loaded.prompt, loaded.tokenizer
     backend = load_backend(args.backend)
-    model = backend.Transformer(config, weights)
+    model = backend.Transformer(config, loaded.weights)
     check_flags(args, model, prompt, backend)
     for note in (simulator_note(backend, config), degenerate_note(args)):   # before the slow part
         if note:
             print(note, file=sys.stderr)
-    print(f"model: {config.describe()}  ({source}, backend {backend.name})")
-    print(f"prompt({prompt.size}): {format_tokens(prompt)}")
+    print(f"model: {config.describe()}  ({loaded.source}, backend {backend.name})")
+    if tokenizer is None:
+        print(f"prompt({prompt.size}): {format_tokens(prompt)}")
+    else:
+        print(f"prompt ({prompt.size} tokens, {loaded.origin}):{show(prompt, tokenizer, args.ids)}")
     sampling = sampling_options(args)
     if sampling:
         print(f"sampling: temperature {args.temperature}, sample seed {args.sample_seed} (the token at "
@@ -214,9 +263,10 @@ def run_demo(args) -> int:
 
     ar_tokens = backend.generate_ar(model, prompt, args.tokens, **sampling)
     ar_forwards = model.forward_count
-    print(f"AR     ({ar_forwards} target forwards): {format_tokens(ar_tokens)}")
+    print(f"AR     ({ar_forwards} target forwards):{show(ar_tokens, tokenizer, args.ids)}")
 
-    drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens)
+    drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens,
+                           drafter_directory=loaded.drafter_dir)
     model.forward_count = 0
     if args.budget == "auto":
         sampling["budget"] = "auto"
@@ -228,12 +278,13 @@ def run_demo(args) -> int:
                                             topk=args.topk, **sampling)
     print(f"DDTree ({trace.verify_forwards} verify forwards + {trace.prefill_forwards} prefill; "
           f"drafter {args.drafter}, block {args.block_size}, budget {args.budget}"
-          f"{'' if args.topk is None else f', topk {args.topk}'}): {format_tokens(tokens)}")
+          f"{'' if args.topk is None else f', topk {args.topk}'}):{show(tokens, tokenizer, args.ids)}")
     if args.budget == "auto":
         print(f"auto budget, round by round: {format_tokens(trace.budgets)} (0: an AR step)")
     if args.rounds:
         for i, r in enumerate(trace.rounds):
-            print("\n".join("  " + line for line in describe_round(r, i)))
+            words = None if tokenizer is None else (lambda ids: tokens_as_text(tokenizer, ids))
+            print("\n".join("  " + line for line in describe_round(r, i, words)))
     print(f"tokens per verify forward: {trace.tokens_per_forward:.2f} "
           f"(AR: {args.tokens / max(ar_forwards, 1):.2f})")
     match = np.array_equal(tokens, ar_tokens)
@@ -262,12 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a saved checkpoint directory instead of a preset: config.json + "
                             "model.safetensors, as ddtree.weights.save_pretrained writes; needs --prompt "
                             "(default: none, a random preset)")
-    demo.add_argument("--prompt", metavar="IDS",
-                      help="the prompt as token ids separated by commas or spaces, e.g. 5,17,42 (text once "
-                           "a tokenizer ships; default: the preset's golden prompt)")
-    demo.add_argument("--drafter", default="oracle", choices=DRAFTERS,
+    demo.add_argument("--prompt", metavar="TEXT",
+                      help="the prompt: text when the model has a tokenizer (a checkpoint with "
+                           "tokenizer.json), else token ids separated by commas or spaces, e.g. 5,17,42 "
+                           "(default: the first held-out prompt with a tokenizer, the preset's golden "
+                           "prompt for a random preset)")
+    demo.add_argument("--ids", action="store_true",
+                      help="with a tokenizer, print the token ids beside the text (default: off)")
+    demo.add_argument("--drafter", default="oracle", choices=DRAFTERS + TRAINED_DRAFTERS,
                       help="oracle: the target's own continuation; noisy: it with seeded mistakes (trees "
-                           "branch); ngram: copies what followed the context's suffix (default: %(default)s)")
+                           "branch); ngram: copies what followed the context's suffix; block: a trained "
+                           "block drafter (--drafter-dir) (default: %(default)s)")
+    demo.add_argument("--drafter-dir", metavar="DIR",
+                      help="the block drafter's directory (config.json, model.safetensors, drafter.json) "
+                           "(default: the checkpoint's drafter/ folder)")
     demo.add_argument("--block-size", type=int, default=8, metavar="N",
                       help="tokens a round can commit: N - 1 drafted depths + the bonus; 1 drafts nothing "
                            "(default: %(default)s)")

@@ -151,11 +151,12 @@ class DDTreeTrace:
         return np.array([r.accepted.size - 1 for r in self.rounds], dtype=np.int64)
 
 
-def describe_round(record: RoundTrace, index: int) -> list[str]:
+def describe_round(record: RoundTrace, index: int, words=None) -> list[str]:
     """One round as text, in the words ``python -m ddtree demo --rounds`` and the round-by-round
     page share: a header, the tree indented by depth (one node per line: ``* `` marks the
     accepted path, ``+ `` the bonus; ``#n`` the pop order, ``rank r`` the token's rank among the
-    drafter's candidates at its depth), then what the round commits.
+    drafter's candidates at its depth), then what the round commits. ``words`` (token ids -> one
+    string each, e.g. ``ddtree.text.tokens_as_text`` with its tokenizer) adds each token's text.
 
     A node's children are listed in pop order, which is rank order, so a node's rank is its place
     among its siblings: the drafter's top-1 chain is the path of rank 0 nodes."""
@@ -165,16 +166,17 @@ def describe_round(record: RoundTrace, index: int) -> list[str]:
     for node in range(1, parents.size):
         children[int(parents[node])].append(node)
     rank = {child: r for kids in children for r, child in enumerate(kids)}
-    lines = [f"round {index}: root {int(tokens[0])} at position {record.start}, {parents.size - 1} drafted "
+    shown = show_tokens(words)
+    lines = [f"round {index}: root {shown(tokens[0])} at position {record.start}, {parents.size - 1} drafted "
              f"nodes, depth {int(np.max(record.depths))} (* accepted, + bonus)"]
     stack = [(0, 0)]                                              # (node, depth), depth first
     while stack:
         node, depth = stack.pop()
         mark = "* " if node in accepted else "  "
         label = "root" if node == 0 else f"#{node} rank {rank[node]}"
-        lines.append("  " * (depth + 1) + f"{mark}{int(tokens[node])}  {label}")
+        lines.append("  " * (depth + 1) + f"{mark}{shown(tokens[node])}  {label}")
         if node == accepted[-1]:
-            lines.append("  " * (depth + 2) + f"+ {record.bonus}  bonus")
+            lines.append("  " * (depth + 2) + f"+ {shown(record.bonus)}  bonus")
         stack += [(child, depth + 1) for child in reversed(children[node])]
     if len(accepted) == 1:
         lines.append("  nothing accepted (the path is the root alone)")
@@ -184,9 +186,17 @@ def describe_round(record: RoundTrace, index: int) -> list[str]:
         lines.append(f"  accepted nodes {' '.join(f'#{a}' for a in accepted[1:])} ({path})")
     after = "the root" if len(accepted) == 1 else f"#{accepted[-1]}"
     committed = [int(tokens[a]) for a in accepted[1:]] + [record.bonus]
-    lines.append(f"  bonus {record.bonus} (the target's own token after {after}); commits {len(committed)} "
-                 f"token{'s' if len(committed) > 1 else ''}: {' '.join(map(str, committed))}")
+    lines.append(f"  bonus {shown(record.bonus)} (the target's own token after {after}); commits "
+                 f"{len(committed)} token{'s' if len(committed) > 1 else ''}: "
+                 f"{' '.join(shown(token) for token in committed)}")
     return lines
+
+
+def show_tokens(words=None):
+    """token id -> its printed form: the id, or with ``words`` the id and its text in quotes."""
+    if words is None:
+        return lambda token: str(int(token))
+    return lambda token: f"{int(token)} '{words([int(token)])[0]}'"
 
 
 def check_block_size(block_size, limit: int) -> int:

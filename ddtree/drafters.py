@@ -383,6 +383,18 @@ DRAFTER_FILE = "drafter.json"
 DRAFTER_KEYS = ("kind", "window", "max_depths", "pad_token_id", "mask_token_id")
 
 
+def save_block_drafter(directory, drafter: BlockDrafter) -> pathlib.Path:
+    """Write ``drafter`` where ``load_block_drafter`` reads it: its model's checkpoint
+    (``ddtree.weights.save_pretrained``) and ``drafter.json``."""
+    from ddtree.weights import save_pretrained
+
+    directory = save_pretrained(directory, drafter.config, drafter.weights)
+    values = {"kind": "block", "window": drafter.window, "max_depths": drafter.max_depths,
+              "pad_token_id": drafter.pad_token, "mask_token_id": drafter.mask_token}
+    (directory / DRAFTER_FILE).write_text(json.dumps(values, indent=2) + "\n")
+    return directory
+
+
 def load_block_drafter(directory) -> BlockDrafter:
     """The block drafter saved in ``directory``: ``drafter.json`` ({"kind": "block", "window",
     "max_depths", "pad_token_id", "mask_token_id"}) beside its model's ``config.json`` and

@@ -9,12 +9,22 @@ shows the replacement character '�'; a special token shows its name.
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAINED = ROOT / "checkpoints" / "tiny-code"             # the trained model (train/target.py)
+HELDOUT_PROMPTS = ROOT / "corpus" / "prompts.json"       # prompts cut from held-out files (train/corpus.py)
+
 TOKENIZER_FILE = "tokenizer.json"
 VISIBLE = str.maketrans({" ": "·", "\n": "⏎", "\t": "⇥"})
+
+
+def heldout_prompts(path=HELDOUT_PROMPTS) -> list[dict]:
+    """The held-out prompts: each {"file", "start", "text"}, in the committed order."""
+    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))["prompts"]
 
 
 def has_tokenizer(directory) -> bool:

@@ -1,3 +1,6 @@
+import dataclasses
+import re
+import shutil
 import subprocess
 import sys
 import types
@@ -9,8 +12,9 @@ from ddtree import cli, golden
 from ddtree.cli import main
 from ddtree.config import preset
 from ddtree.decode import RoundTrace, budget_limit, describe_round, generate_ar, generate_ddtree
-from ddtree.drafters import make_drafter
+from ddtree.drafters import BlockDrafter, make_drafter, save_block_drafter
 from ddtree.model import Transformer
+from ddtree.text import TRAINED, decode, encode, heldout_prompts, load_tokenizer
 from ddtree.tree import check_budget
 from ddtree.weights import init_weights, load_pretrained, save_pretrained
 
@@ -195,7 +199,8 @@ def test_demo_runs_on_a_saved_checkpoint(checkpoint, capsys):
     (["--checkpoint", "{dir}", "--prompt", "1"], "--checkpoint: {dir}/config.json: no such file"),
     (["--checkpoint", "{dir}/micro", "--prompt", "1,96"],
      "--prompt: prompt tokens must lie in [0, vocab_size=96)"),
-    (["--checkpoint", "{dir}/micro"], "--prompt: a checkpoint has no default prompt"),
+    (["--checkpoint", "{dir}/micro"],
+     "--prompt: a checkpoint without a tokenizer.json has no default prompt"),
     (["--checkpoint", "{dir}/micro", "--prompt", "5;17"], "--prompt: the prompt must be token ids separated"),
 ])
 def test_bad_checkpoint_inputs_are_refused_in_one_line(checkpoint, flags, message, capsys):
@@ -253,3 +258,65 @@ def test_budget_takes_an_integer_or_auto(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--budget", "big"])
     assert "argument --budget: must be an integer or auto, got 'big'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# a checkpoint with a tokenizer: text in, text out; a trained (here: random) block drafter
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """Random tiny weights (vocab 512, the tokenizer's) beside the committed tokenizer, and a random
+    block drafter in its drafter/ folder."""
+    directory = tmp_path_factory.mktemp("text") / "model"
+    config = preset("tiny")
+    save_pretrained(directory, config, init_weights(config, seed=5))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TRAINED / name, directory / name)
+    drafter_config = dataclasses.replace(config, num_hidden_layers=1, first_k_dense_replace=1)
+    drafter = BlockDrafter(drafter_config, init_weights(drafter_config, seed=6), window=6, max_depths=7)
+    save_block_drafter(directory / "drafter", drafter)
+    return directory
+
+
+def test_demo_speaks_text_with_a_tokenizer(text_checkpoint, capsys):
+    prompt = "def add(a, b):\n    return"
+    assert main(["demo", "--checkpoint", str(text_checkpoint), "--prompt", prompt, "--tokens", "6",
+                 "--drafter", "block", "--ids"]) == 0
+    out = capsys.readouterr().out
+    tokenizer = load_tokenizer(text_checkpoint)
+    ids = encode(tokenizer, prompt)
+    model = Transformer(*load_pretrained(text_checkpoint))
+    ar = generate_ar(model, ids, 6)
+    shown = "\n".join("    " + line for line in decode(tokenizer, ar).split("\n"))
+    listed = " ".join(map(str, ids))
+    assert f"prompt ({ids.size} tokens, --prompt): {listed}\n    def add(a, b):\n        return" in out
+    assert f"AR     (6 target forwards): {' '.join(map(str, ar))}\n{shown}\n" in out
+    assert "drafter block, block 8, budget 32): " in out
+    assert out.rstrip().endswith("DDTree == AR: yes")
+
+
+def test_demo_with_a_tokenizer_defaults_to_the_first_held_out_prompt(text_checkpoint, capsys):
+    assert main(["demo", "--checkpoint", str(text_checkpoint), "--tokens", "2", "--drafter", "ngram",
+                 "--rounds"]) == 0
+    out = capsys.readouterr().out
+    first = heldout_prompts()[0]
+    size = encode(load_tokenizer(text_checkpoint), first["text"]).size
+    line = first["text"].splitlines()[0]
+    assert f"prompt ({size} tokens, held-out file {first['file']}):\n    {line}" in out
+    assert re.search(r"round 0: root \d+ '[^']*' at position", out)       # each token with its text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--drafter", "oracle", "--drafter-dir", "x"], "--drafter-dir: read by --drafter block only"),
+    (["--prompt", ""], "--prompt: the prompt must hold at least one token"),
+])
+def test_text_checkpoint_flags_are_checked(text_checkpoint, flags, message, capsys):
+    assert main(["demo", "--checkpoint", str(text_checkpoint), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: " + message)
+
+
+def test_the_block_drafter_needs_a_directory(checkpoint, capsys):
+    assert main(["demo", "--checkpoint", str(checkpoint), "--prompt", "5", "--drafter", "block"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --drafter-dir: --drafter block needs a drafter directory")

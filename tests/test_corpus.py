@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ddtree.drafters import END_OF_TEXT
-from ddtree.text import decode, load_tokenizer
+from ddtree.text import decode, heldout_prompts, load_tokenizer
 from train import baselines, corpus
 
 
@@ -139,7 +139,7 @@ def test_prompts_are_chosen_evenly_in_manifest_order(tree):
 
 
 def test_the_committed_prompts_are_slices_of_held_out_files():
-    prompts = corpus.read_prompts()
+    prompts = heldout_prompts()
     _, rows = corpus.read_manifest()
     digests = {row[0]: row[1] for row in rows}
     assert len(prompts) == corpus.PROMPT_COUNT

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddtree.drafters import END_OF_TEXT, MASK, PAD
-from ddtree.text import decode, encode, has_tokenizer, load_tokenizer, tokens_as_text
+from ddtree.text import decode, encode, has_tokenizer, heldout_prompts, load_tokenizer, tokens_as_text
 from train import corpus
 from train.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
@@ -42,7 +42,7 @@ def test_the_committed_config_names_the_fast_tokenizer_and_its_specials():
 
 @pytest.mark.parametrize("index", range(corpus.PROMPT_COUNT))
 def test_every_committed_prompt_round_trips(tokenizer, index):
-    text = corpus.read_prompts()[index]["text"]
+    text = heldout_prompts()[index]["text"]
     ids = encode(tokenizer, text)
     assert ids.dtype == np.int64 and ids.ndim == 1
     assert 3 <= ids.min() and ids.max() < 512                     # no special token inside code
@@ -83,7 +83,7 @@ def test_text_helpers_refuse_bad_input_by_name(tokenizer, tmp_path):
         decode(tokenizer, [1.5])
 
 
-SMALL = [prompt["text"] for prompt in corpus.read_prompts()] + ["x = 'héllo'\n" * 5, "\tpass\r\n"]
+SMALL = [prompt["text"] for prompt in heldout_prompts()] + ["x = 'héllo'\n" * 5, "\tpass\r\n"]
 
 
 def test_training_is_deterministic_and_puts_the_specials_first():
@@ -102,7 +102,7 @@ def test_transformers_auto_tokenizer_reads_the_same_tokenizer(tokenizer):
     auto = transformers.AutoTokenizer.from_pretrained(str(DIRECTORY))
     assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, auto.mask_token_id) == \
         (END_OF_TEXT, END_OF_TEXT, PAD, MASK)
-    for prompt in corpus.read_prompts()[:4]:
+    for prompt in heldout_prompts()[:4]:
         ids = auto(prompt["text"])["input_ids"]
         assert ids == encode(tokenizer, prompt["text"]).tolist()
         assert auto.decode(ids) == prompt["text"]

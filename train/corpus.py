@@ -29,10 +29,11 @@ import sysconfig
 import numpy as np
 
 from ddtree.drafters import END_OF_TEXT
+from ddtree.text import HELDOUT_PROMPTS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "corpus" / "heldout.tsv"
-PROMPTS = ROOT / "corpus" / "prompts.json"
+PROMPTS = HELDOUT_PROMPTS
 TOKENIZER_DIR = ROOT / "checkpoints" / "tiny-code"
 MANIFEST_COLUMNS = ("path", "sha256", "bytes")
 
@@ -206,10 +207,6 @@ def write_prompts(path: pathlib.Path, prompts: list[dict], python: str) -> None:
             f"break, at least {PROMPT_CHARS[0]} characters. start: its character offset in the file.")
     document = {"python": python, "rule": rule, "prompts": prompts}
     pathlib.Path(path).write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def read_prompts(path: pathlib.Path = PROMPTS) -> list[dict]:
-    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))["prompts"]
 
 
 # --------------------------------------------------------------------------------------------
