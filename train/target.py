@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import pathlib
 import shutil
@@ -55,7 +56,7 @@ class TargetOptions:
     seed: int = 0
     config: str = "tiny"
     seq_len: int = 256
-    batch: int | None = None            # None: 128 on CUDA, 8 on the CPU
+    batch: int | None = None            # None: 256 on CUDA, 8 on the CPU
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.1
@@ -155,7 +156,7 @@ def train_target(options: TargetOptions) -> dict:
                              f"{config.vocab_size}")
     if train_tokens.size <= options.seq_len + 1:
         raise ValueError(f"train.npy has {train_tokens.size} tokens, fewer than --seq-len + 2")
-    batch = options.batch or (128 if device.type == "cuda" else 8)
+    batch = options.batch or (256 if device.type == "cuda" else 8)
     model = Model(config).to(device)
     optimizer = make_optimizer(model, options.lr, options.weight_decay)
     stream = torch.as_tensor(train_tokens.astype(np.int32), device=device)
@@ -218,6 +219,10 @@ def train_target(options: TargetOptions) -> dict:
     for name in TOKENIZER_FILES:                             # the corpus's tokenizer, where it has one
         if (pathlib.Path(options.corpus) / name).is_file():
             shutil.copy(pathlib.Path(options.corpus) / name, out / name)
+    baselines = pathlib.Path(options.corpus) / "baselines.json"      # the corpus's own (xz -9e ...)
+    if baselines.is_file():
+        record["heldout"]["corpus_baselines_bits_per_byte"] = json.loads(baselines.read_text()).get(
+            "bits_per_byte")
     write_json(out / "training.json", record)
     print(f"held-out: {nats_per_token:.4f} nats/token, {record['heldout']['bits_per_byte']:.4f} bits/byte "
           f"(unigram {record['heldout']['unigram_bits_per_byte']:.4f}); {step} steps in {wall:.0f} s",
