@@ -5,7 +5,9 @@ dims, Rq q_lora_rank, R kv_lora_rank, I intermediate_size, E n_routed_experts,
 F moe_intermediate_size, Fs shared-expert width, Din/Dout a projection's input/output features.
 
 ``save_pretrained`` writes a directory that ``transformers.DeepseekV3ForCausalLM`` loads:
-``config.json`` (model_type deepseek_v3, NeoX rope, untied embeddings) and ``model.safetensors``.
+``config.json`` (model_type deepseek_v3, NeoX rope, untied embeddings) and ``model.safetensors``,
+or its shards the Hugging Face way (``model-00001-of-00002.safetensors`` ... and
+``model.safetensors.index.json``) when a shard size is given.
 ``check_weights`` refuses a state dict that does not match its config (a missing, extra,
 transposed or non-finite tensor) before any of it is used: the numpy model and
 ``load_pretrained`` call it, and an engine that takes the same state dict can call it too.
@@ -163,15 +165,64 @@ def hf_config_dict(config: ModelConfig) -> dict:
     return values
 
 
-def save_pretrained(directory, config: ModelConfig, weights: dict[str, np.ndarray]) -> pathlib.Path:
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def shard_name(index: int, count: int) -> str:
+    """Hugging Face's shard file name: ``model-00001-of-00003.safetensors`` (index from 1)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(config: ModelConfig, max_shard_bytes: int | None) -> list[list[str]]:
+    """Tensor names per shard, in ``weight_shapes`` order: a shard is closed before a tensor that
+    would take it past ``max_shard_bytes`` (a tensor larger than the limit gets a shard alone).
+    One shard when the limit is None or the weights fit."""
+    names = list(weight_shapes(config))
+    if max_shard_bytes is None:
+        return [names]
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, (int, np.integer)) \
+            or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be None or a positive integer, got {max_shard_bytes!r}")
+    shards, size = [[]], 0
+    for name, shape in weight_shapes(config).items():
+        nbytes = 4 * math.prod(shape)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_pretrained(directory, config: ModelConfig, weights: dict[str, np.ndarray],
+                    max_shard_bytes: int | None = None) -> pathlib.Path:
+    """Write ``config.json`` and the weights: ``model.safetensors``, or, when they exceed
+    ``max_shard_bytes``, Hugging Face's sharded layout (``model-0000i-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` with ``metadata.total_size`` and ``weight_map``). Weight files
+    of the other layout left in ``directory`` are removed, so a loader never reads stale ones."""
     from safetensors.numpy import save_file
 
     check_weights(config, weights)
+    shards = plan_shards(config, max_shard_bytes)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    stale = [directory / SINGLE_FILE, directory / SHARD_INDEX, *directory.glob("model-*-of-*.safetensors")]
+    for path in stale:
+        path.unlink(missing_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
-    tensors = {name: np.ascontiguousarray(weights[name]) for name in weight_shapes(config)}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if len(shards) == 1:
+        tensors = {name: np.ascontiguousarray(weights[name]) for name in shards[0]}
+        save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+        return directory
+    weight_map = {}
+    for index, names in enumerate(shards, start=1):
+        file = shard_name(index, len(shards))
+        save_file({name: np.ascontiguousarray(weights[name]) for name in names}, str(directory / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": weights_nbytes(config)}, "weight_map": weight_map}
+    (directory / SHARD_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return directory
 
 
@@ -219,12 +270,50 @@ def read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     return {name: value.astype(np.float32) for name, value in tensors.items()}
 
 
+def read_sharded(index_path: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a sharded checkpoint, by its ``model.safetensors.index.json``; errors name
+    the file: the index, a missing shard, a tensor the map places in a shard that lacks it, or a
+    tensor a shard holds that the map does not list."""
+    try:
+        index = json.loads(index_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{index_path}: not valid JSON ({error})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path}: expected a JSON object with a 'weight_map' of tensor name -> "
+                         "shard file name")
+    weights = {}
+    for file in sorted(set(weight_map.values())):
+        if pathlib.Path(file).name != file:
+            raise ValueError(f"{index_path}: shard {file!r} must be a file name in the same directory")
+        path = index_path.parent / file
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file (a shard listed in {index_path})")
+        tensors = read_tensors(path)
+        listed = {name for name, where in weight_map.items() if where == file}
+        absent = sorted(listed - set(tensors))
+        if absent:
+            raise ValueError(f"{path}: lacks {len(absent)} tensor(s) that {index_path.name} places there, "
+                             f"e.g. {absent[0]!r}")
+        unlisted = sorted(set(tensors) - listed)
+        if unlisted:
+            raise ValueError(f"{path}: holds {len(unlisted)} tensor(s) missing from {index_path.name}'s "
+                             f"weight_map, e.g. {unlisted[0]!r}")
+        weights.update(tensors)
+    return weights
+
+
 def load_pretrained(directory) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(config, float32 weights) of a checkpoint directory, both checked; errors name the file."""
+    """(config, float32 weights) of a checkpoint directory, both checked; errors name the file.
+    The weights are ``model.safetensors`` or, without it, the shards of ``model.safetensors.index.json``."""
     directory = pathlib.Path(directory)
     config = read_config(directory / "config.json")
-    path = directory / "model.safetensors"
-    weights = read_tensors(path)
+    path = directory / SINGLE_FILE
+    if path.is_file() or not (directory / SHARD_INDEX).is_file():
+        weights = read_tensors(path)
+    else:
+        path = directory / SHARD_INDEX
+        weights = read_sharded(path)
     try:
         check_weights(config, weights)
     except ValueError as error:
