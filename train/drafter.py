@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.config import ModelConfig
-from ddtree.drafters import MASK, PAD
-from ddtree.weights import load_pretrained, save_pretrained
+from ddtree.drafters import MASK, PAD, BlockDrafter, save_block_drafter
+from ddtree.weights import load_pretrained
 from train.common import (
     Budget,
     autocast,
@@ -268,10 +268,8 @@ def train_drafter(options: DrafterOptions) -> dict:
     heldout_batches = Batches(corpus["heldout"], options, device, options.seed + 1)
     heldout = evaluate(drafter, target, heldout_batches, options)
     out = pathlib.Path(options.out)
-    save_pretrained(out, config, to_ddtree(drafter.cpu()))
-    write_json(out / "drafter.json", {"kind": "block", "window": options.window,
-                                      "max_depths": options.max_depths, "pad_token_id": PAD,
-                                      "mask_token_id": MASK})
+    save_block_drafter(out, BlockDrafter(config, to_ddtree(drafter.cpu()), options.window, options.max_depths,
+                                         pad_token=PAD, mask_token=MASK))
     record = {
         "steps": step, "roots_seen": step * batch * options.roots, "wall_seconds": round(wall, 2),
         "device": device_name(device), "torch": torch.__version__, "labels": options.labels,
