@@ -11,6 +11,7 @@ operations, whose weights, KV cache and activations stay on the device.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import types
@@ -20,7 +21,7 @@ import numpy as np
 from ddtree import mla
 from ddtree.config import ModelConfig
 from ddtree.kv_cache import LatentKVCache
-from ddtree.moe import MoEParams
+from ddtree.moe import MoEParams, route
 from ddtree.rope import cos_sin_scale, inv_freq, softmax_scale
 from ddtree.weights import check_weights
 
@@ -220,3 +221,25 @@ class Transformer:
         """Logits (len(tokens), V) of one causal pass from an empty cache."""
         tokens = np.asarray(tokens)
         return self.forward(self.new_cache(max(tokens.size, 1)), tokens)
+
+
+def routed_experts(model: Transformer, cache: LatentKVCache, tokens, positions=None, visible=None):
+    """``model.forward`` that also says which experts each MoE layer routed each row to:
+    (logits (T, V), {MoE layer index: expert ids (T, num_experts_per_tok) int64}).
+
+    The ids are ``ddtree.moe.route``'s for the very input the layer hands ``ops.moe``, so they are
+    the choice ``moe`` makes inside. The forward runs on a shallow copy of ``model`` (the weights
+    shared) whose ``ops.moe`` keeps them: ``model``'s ops and ``forward_count`` stay as they are,
+    and the cache commits the T rows as ``forward`` does."""
+    layer_of = {id(layer.moe): index for index, layer in enumerate(model.layers) if layer.moe is not None}
+    routed, moe = {}, model.ops.moe
+
+    def moe_keeping_ids(x, params, config):
+        ids, _ = route(x, params.gate, params.bias, config)              # [T, num_experts_per_tok]
+        routed[layer_of[id(params)]] = ids
+        return moe(x, params, config)
+
+    recorder = copy.copy(model)
+    recorder.ops = types.SimpleNamespace(**{**vars(model.ops), "moe": moe_keeping_ids})
+    logits = recorder.forward(cache, tokens, positions, visible)                 # [T, V]
+    return logits, routed
