@@ -5,10 +5,12 @@ Legend (docs/glossary.md): Bq sequences of a batch, T rows of each, V vocab_size
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import pathlib
 import random
+import sys
 import time
 
 import numpy as np
@@ -111,6 +113,12 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 def windows(tokens: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
     """Rows ``tokens[s : s + length]`` for each start s: (Bq,) -> (Bq, length) int64."""
     return tokens[starts[:, None] + torch.arange(length, device=tokens.device)].long()  # [Bq, length]
+
+
+def run_facts(module: str) -> dict:
+    """When and how this run was started (``python -m module`` with this process's arguments)."""
+    return {"date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(["python -m", module, *sys.argv[1:]])}
 
 
 def write_json(path: pathlib.Path, values: dict) -> None:

@@ -41,6 +41,7 @@ from train.common import (
     load_corpus,
     make_optimizer,
     pick_device,
+    run_facts,
     seed_everything,
     windows,
     write_json,
@@ -271,6 +272,7 @@ def train_drafter(options: DrafterOptions) -> dict:
     save_block_drafter(out, BlockDrafter(config, to_ddtree(drafter.cpu()), options.window, options.max_depths,
                                          pad_token=PAD, mask_token=MASK))
     record = {
+        **run_facts("train.drafter"),
         "steps": step, "roots_seen": step * batch * options.roots, "wall_seconds": round(wall, 2),
         "device": device_name(device), "torch": torch.__version__, "labels": options.labels,
         "final_train_loss": last_loss, "initialised_from_target": copied, "heldout": heldout,

@@ -36,6 +36,7 @@ from train.common import (
     load_corpus,
     make_optimizer,
     pick_device,
+    run_facts,
     seed_everything,
     windows,
     write_json,
@@ -194,6 +195,7 @@ def train_target(options: TargetOptions) -> dict:
     heldout_bytes = corpus["meta"]["heldout"]["bytes"]
     unigram = unigram_nats(train_tokens, heldout, config.vocab_size)
     record = {
+        **run_facts("train.target"),
         "config": options.config, "steps": step, "tokens_seen": step * batch * options.seq_len,
         "wall_seconds": round(wall, 2), "tokens_per_second": round(step * batch * options.seq_len / wall),
         "device": device_name(device), "torch": torch.__version__,

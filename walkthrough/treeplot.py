@@ -67,7 +67,7 @@ ROW_INCHES = 0.36
 
 
 def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, fontsize=8,
-              title=None, start=None, top1=False, weights=None):
+              title=None, start=None, top1=False, weights=None, words=None):
     """Draw ``tree`` on ``ax``.
 
     accepted: node indices of the accepted walk (starting at 0), drawn in orange.
@@ -78,7 +78,10 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
     start: if given, the x axis is labelled with positions start + depth instead of depths.
     top1: mark the drafter's top-1 chain with a purple band under its edges.
     weights: per node, the cumulative log-probability, written under the box.
+    words: token ids -> their texts (``ddtree.text.tokens_as_text`` with a tokenizer): each node
+        shows its token's text instead of its id.
     """
+    label = (lambda token: words([token])[0]) if words is not None else str
     parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
     x, y = layout(parents, depths)
     on_path = np.zeros(len(parents), dtype=bool)
@@ -94,19 +97,20 @@ def draw_tree(ax, tree, accepted=None, pop_order=True, bonus=None, tokens=True, 
         ax.plot([x[parent], x[node]], [y[parent], y[node]], color=ACCEPTED if hot else EDGE,
                 lw=2.2 if hot else 0.9, zorder=1)
     for node in range(len(parents)):
-        _draw_node(ax, x[node], y[node], node, int(tree.tokens[node]) if tokens else None, on_path[node],
-                   fontsize, pop_order, None if weights is None or node == 0 else float(weights[node]))
+        weight = None if weights is None or node == 0 else float(weights[node])
+        _draw_node(ax, x[node], y[node], node, label(int(tree.tokens[node])) if tokens else None,
+                   on_path[node], fontsize, pop_order, weight)
     right = int(depths.max()) + 0.6
     if bonus is not None and accepted is not None and len(accepted) > 0:
         last = int(np.asarray(accepted)[-1])
-        right = max(right, _draw_bonus(ax, x[last], y[last], int(bonus) if tokens else None, fontsize))
+        right = max(right, _draw_bonus(ax, x[last], y[last], label(int(bonus)) if tokens else None, fontsize))
     _style_axes(ax, int(depths.max()) + 1, right, y.max(), start, fontsize, title)
     return ax
 
 
 def _draw_node(ax, x, y, node, token, accepted, fontsize, pop_order, weight):
     """One node's box (its token), its pop index above and its weight below, when asked for."""
-    ax.text(x, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
+    ax.text(x, y, "" if token is None else token, ha="center", va="center", fontsize=fontsize,
             zorder=3, color="white" if accepted else "black",
             bbox=dict(BOX, fc=ACCEPTED if accepted else NODE, ec="#444444" if node == 0 else "#6baed6"))
     small = dict(textcoords="offset points", ha="center", fontsize=fontsize * SMALL, color="#555555",
@@ -123,7 +127,7 @@ def _draw_bonus(ax, x, y, token, fontsize) -> float:
     bx = x + 0.5
     ax.annotate("", (bx, y), xytext=(x, y), zorder=4,
                 arrowprops=dict(arrowstyle="-|>", color=BONUS, lw=1.5, shrinkA=7, shrinkB=8))
-    ax.text(bx, y, "" if token is None else str(token), ha="center", va="center", fontsize=fontsize,
+    ax.text(bx, y, "" if token is None else token, ha="center", va="center", fontsize=fontsize,
             zorder=5, color="white", bbox=dict(BOX, fc=BONUS, ec=BONUS))
     ax.annotate("bonus", (bx, y), xytext=(0, fontsize * 0.95), textcoords="offset points",
                 ha="center", va="bottom", fontsize=fontsize * SMALL, color=BONUS, zorder=5)
