@@ -417,6 +417,14 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
         log(f"  floor {result['floor']}; tree sizes {result['tree_sizes']}")
     result["runs"] = [dataclasses.asdict(r) for r in runs]
     del model
+    from kernels.bench import peers as torch_peers
+    if not engine_only and torch_peers.available():    # torch with TF32 off; transformers not needed
+        from kernels.bench.torch_peer import peer_rate
+        rate, same = peer_rate(config, weights, prompt, continuation, repeats)
+        forwards = prompt.size + NEW_TOKENS - 1          # the prompt runs row by row through the graph
+        result["runs"].append(dataclasses.asdict(Run("PyTorch, CUDA graph", "AR", None, rate, forwards)))
+        result["torch_peer_same_tokens"] = same
+        log(f"  PyTorch, CUDA graph: {rate:.0f} tok/s (same tokens: {same})")
     if peers is not None:
         rate, same = transformers_rate(peers, config, host_weights(weights), prompt, continuation, repeats)
         result["runs"].append(dataclasses.asdict(Run("transformers eager", "AR", None, rate, NEW_TOKENS)))
@@ -482,6 +490,12 @@ def targets(result: dict) -> list[str]:
         ratio = engine_ar["tokens_per_second"] / peer[0]["tokens_per_second"]
         verdict = "met" if ratio >= 5 else "missed"
         lines.append(f"engine AR / transformers eager: {ratio:.1f}x (target >= 5x: {verdict})")
+    graph_peer = [r for r in runs if r["system"] == "PyTorch, CUDA graph"]
+    if graph_peer:
+        ratio = engine_ar["tokens_per_second"] / graph_peer[0]["tokens_per_second"]
+        same = "yes" if result.get("torch_peer_same_tokens") else "no"
+        lines.append(f"engine AR / PyTorch, CUDA graph: {ratio:.2f}x (target >= 1.0x: "
+                     f"{'met' if ratio >= 1 else 'missed'}; the engine's tokens: {same})")
     for r in runs:
         if r["system"] == "engine, graphs" and r["decoder"] != "AR":
             speed = r["tokens_per_second"] / engine_ar["tokens_per_second"]
