@@ -210,7 +210,7 @@ class TorchPeer:
             keep = torch.zeros_like(group_score, dtype=torch.bool).index_fill_(0, kept, True)  # [G]
             choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[1]), float("-inf"))
         ids = choice.topk(c.num_experts_per_tok).indices                           # [k]
-        weights = scores[ids]                                                      # [k] unbiased
+        weights = scores.index_select(0, ids)                                      # [k] unbiased
         if c.norm_topk_prob:
             weights = weights / (weights.sum() + 1e-20)
         return ids, weights * c.routed_scaling_factor
