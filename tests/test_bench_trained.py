@@ -313,9 +313,14 @@ def test_a_drafter_too_shallow_for_the_block_is_refused(tmp_path):
 
 
 def trained_weights_missing() -> str | None:
-    for path in (TRAINED / "config.json", TRAINED / "drafter" / "drafter.json"):
+    """Why the trained checkpoint cannot run (the file it lacks), or None."""
+    for path in (TRAINED / "config.json", TRAINED / "drafter" / "drafter.json",
+                 TRAINED / "drafter" / "model.safetensors"):
         if not path.is_file():
             return f"the trained checkpoint's weights are absent: {path} does not exist"
+    if not any((TRAINED / name).is_file() for name in ("model.safetensors.index.json", "model.safetensors")):
+        return (f"the trained checkpoint's weights are absent: {TRAINED} holds neither "
+                "model.safetensors.index.json nor model.safetensors")
     return None
 
 

@@ -234,8 +234,10 @@ def engine_prompt(model, drafters: dict, prompt: np.ndarray, settings: Settings)
     """One prompt on the engine: AR, then DDTree with each drafter at each budget, timed; every
     run's tokens checked equal to the first AR run's."""
     tokens = settings.tokens
-    ar = engine_decode.generate_ar(model, prompt, tokens)       # the tokens every run must equal (and the
-                                                                # AR warm-up: compiled, graphs captured)
+    # the tokens every run must equal; also AR's warm-up (compiled, graphs captured), run even
+    # when settings.warm_up is off, since the timed runs are checked against it
+    ar = engine_decode.generate_ar(model, prompt, tokens)
+
     def ar_run():
         new = engine_decode.generate_ar(model, prompt, tokens)
         check_equal("a repeated AR run", new, ar)
@@ -332,13 +334,12 @@ def measure(args, settings: Settings, log) -> dict:
         log(f"prompt {index + 1}/{len(prompts)}: " + ", ".join(
             f"{r['decoder']}{'' if r['drafter'] is None else ' ' + r['drafter'] + '/' + str(r['budget'])} "
             f"{r['tokens_per_second']:.0f} tok/s" for r in result["runs"]))
-    record = {"checkpoint": str(args.checkpoint), "drafter_dir": str(drafter_dir),
+    return {"checkpoint": str(args.checkpoint), "drafter_dir": str(drafter_dir),
               "config": config.describe(), "drafter_config": block_drafter.config.describe(),
               "window": block_drafter.window, "max_depths": block_drafter.max_depths,
               "settings": dataclasses.asdict(settings), "block": BLOCK,
               "transformers": {"ran": peer is not None, "where": where},
               "prompts": results, "totals": totals(results, settings.tokens)}
-    return record
 
 
 # ------------------------------------------------------------------------------------------------
