@@ -33,6 +33,10 @@ def main(argv=None) -> int:
         from kernels.bench import engine
 
         return engine.main(argv[1:])
+    if argv[:1] == ["trained"]:                         # the trained model and its block drafter, timed
+        from kernels.bench import trained
+
+        return trained.main(argv[1:])
     if argv[:1] == ["profile"]:                         # per-kernel device time in a forward
         from kernels.bench import profile
 
