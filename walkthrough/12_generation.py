@@ -268,9 +268,10 @@ def overlapping_boxes(fig, ax) -> list[tuple[str, str]]:
             if box.overlaps(other_box)]
 
 
-def fit_slots(fig, slots) -> None:
+def fit_slots(fig, slots) -> bool:
     """Keep the cache slots' token texts only if every one fits its slot (measured on the figure);
-    else every slot shows its node number alone (many slots: a large --budget)."""
+    else every slot shows its node number alone (many slots: a large --budget). Returns whether
+    the texts stay."""
     renderer = fig.canvas.get_renderer()
     for text, slot in slots:
         inner, outer = text.get_window_extent(renderer), slot.get_window_extent(renderer)
@@ -278,11 +279,13 @@ def fit_slots(fig, slots) -> None:
             chapter.log(f"  (cache slots too narrow for {text.get_text()!r}: node numbers only)")
             for each, _ in slots:
                 each.set_text(each.get_text().split("\n")[0])
-            return
+            return False
+    return True
 
 
-def draw_round(r: Round, name: str, index: int, words=None) -> str:
-    """The round's tree and its cache strips in one figure; returns the image's file name."""
+def round_figure(r: Round, name: str, index: int, words=None):
+    """The round's tree and its cache strips in one figure; returns it and whether the cache slots
+    keep their token texts (``fit_slots``)."""
     rows = tree_height(r.tree, bonus_of=int(r.accepted[-1]))
     tree_inches = 0.5 * rows + 1.2                          # a row holds #n, the token and the log-prob
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, tree_inches + 3.3), dpi=chapter.DPI,
@@ -298,8 +301,12 @@ def draw_round(r: Round, name: str, index: int, words=None) -> str:
         raise ValueError(f"--block-size: {TITLES[name]}, round {index}: the tree's columns are too narrow "
                          f"for its boxes ({overlaps[0][0]!r} overlaps {overlaps[0][1]!r}); draw fewer "
                          f"depths or lower treeplot.LABEL_CHARS ({LABEL_CHARS})")
-    if words is not None:
-        fit_slots(fig, slots)
+    return fig, words is None or fit_slots(fig, slots)
+
+
+def draw_round(r: Round, name: str, index: int, words=None) -> str:
+    """The round's figure (``round_figure``), saved; returns the image's file name."""
+    fig, _ = round_figure(r, name, index, words)
     return chapter.save_figure(fig, STEM, f"{name}_round_{index}").name
 
 
@@ -340,14 +347,19 @@ def report_lines(line: str, indent: str = "  ") -> list[str]:
                           subsequent_indent=indent + "    ", break_long_words=False, break_on_hyphens=False)]
 
 
-def print_rounds(generations, settings, words=None) -> None:
+def print_rounds(generations, settings, setup) -> None:
     """Each round's first and last lines as ``demo --rounds`` prints them (the tabs show the tree)."""
     for name, (_, trace) in generations.items():
         with chapter.section(name):
+            if name in TRAINED_DRAFTERS:
+                drafter = drafter_for(setup, name, settings)
+                print(f"{TITLES[name]}: {drafter.config.describe()},")
+                print(f"  window {drafter.window} committed tokens, trained for up to {drafter.max_depths} "
+                      "depths")
             print(f"{TITLES[name]}: {settings.tokens} tokens in 1 prefill + {trace.verify_forwards} verify "
                   f"forwards, == AR")
             for index, record in enumerate(trace.rounds):
-                text = describe_round(record, index, words)
+                text = describe_round(record, index, setup.speaks)
                 for line in [text[0], *text[-2:]]:
                     print("\n".join(report_lines(line)))
 
@@ -443,7 +455,7 @@ def main(settings) -> None:
         with chapter.section("text"):
             print_text(setup)
     generations = {name: record_generation(setup, name, s) for name in s.drafters}
-    print_rounds(generations, s, setup.speaks)
+    print_rounds(generations, s, setup)
     write_tabs(generations, setup.speaks)
     plot_commits(generations, s.block_size)
     plot_forwards(generations, s.tokens)
