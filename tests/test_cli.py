@@ -219,7 +219,8 @@ def test_the_generation_chapters_help_lists_its_settings_and_runs_nothing(tmp_pa
                             timeout=120, cwd=tmp_path, env={"MPLBACKEND": "Agg", "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
-    for setting in ("--preset", "--drafters", "--tokens", "--block-size", "--budget", "--budgets", "--seed"):
+    for setting in ("--model", "--checkpoint", "--prompt-index", "--drafters", "--tokens", "--block-size",
+                    "--budget", "--budgets", "--seed"):
         assert setting in out
     assert "(default: 16)" in out and "(default: 12)" in out and "wrote" not in result.stdout + result.stderr
 
