@@ -3,7 +3,8 @@
 Legend (docs/glossary.md): T rows (the tokens of a text), V vocab_size.
 
 ``tokens_as_text`` shows each token's text with one visible rule: a space is '·', a newline '⏎',
-a tab '⇥' (every other character as itself); a token holding part of a multi-byte character
+a tab '⇥', another control character its Unicode control picture ('␍', '␀', '␡'), every other
+character itself; a token holding part of a multi-byte character
 shows the replacement character '�'; a special token shows its name.
 """
 
@@ -19,7 +20,9 @@ TRAINED = ROOT / "checkpoints" / "tiny-code"             # the trained model (tr
 HELDOUT_PROMPTS = ROOT / "corpus" / "prompts.json"       # prompts cut from held-out files (train/corpus.py)
 
 TOKENIZER_FILE = "tokenizer.json"
-VISIBLE = str.maketrans({" ": "·", "\n": "⏎", "\t": "⇥"})
+# other control characters as their Unicode control pictures (U+2400 + code, U+2421 for DEL)
+VISIBLE = str.maketrans({**{chr(code): chr(0x2400 + code) for code in range(32)}, "\x7f": "\u2421",
+                         " ": "·", "\n": "⏎", "\t": "⇥"})
 
 
 def heldout_prompts(path=HELDOUT_PROMPTS) -> list[dict]:

@@ -65,6 +65,7 @@ def test_tokens_as_text_shows_spaces_newlines_and_tabs(tokenizer):
     assert "".join(shown) == "def·f(a,·b):⏎⇥return·a··+·b⏎"
     assert tokens_as_text(tokenizer, [MASK, PAD]) == ["<|mask|>", "<|pad|>"]
     assert set(tokens_as_text(tokenizer, encode(tokenizer, "😀"))) == {"�"}      # bytes of one character
+    assert "".join(tokens_as_text(tokenizer, encode(tokenizer, "a\r\n\x00\x7f"))) == "a␍⏎␀␡"
 
 
 def test_text_helpers_refuse_bad_input_by_name(tokenizer, tmp_path):
