@@ -1,6 +1,7 @@
-"""Command line: ``python -m ddtree demo`` runs AR and DDTree side by side on a random model of a
-preset or on a saved checkpoint, greedy or, with ``--temperature``, sampled (``--sample-seed`` keys
-the draws), and checks that both emit the same tokens."""
+"""Command line: ``python -m ddtree demo`` runs AR and DDTree side by side on the trained model (its
+tokenizer: text in and out; its block drafter), on a saved checkpoint or on a random model of a
+preset, greedy or, with ``--temperature``, sampled (``--sample-seed`` keys the draws), and checks
+that both emit the same tokens."""
 
 from __future__ import annotations
 
@@ -26,13 +27,22 @@ from ddtree.decode import (
 from ddtree.drafters import DRAFTER_FILE, DRAFTERS, TRAINED_DRAFTERS, check_seed, make_drafter
 from ddtree.golden import DEFAULT_PROMPTS, WEIGHT_SEED, default_prompt
 from ddtree.sampling import check_sampling_seed, check_temperature
-from ddtree.text import decode, encode, has_tokenizer, heldout_prompts, load_tokenizer, tokens_as_text
+from ddtree.text import (
+    TRAINED,
+    decode,
+    encode,
+    has_tokenizer,
+    heldout_prompts,
+    load_tokenizer,
+    tokens_as_text,
+)
 from ddtree.tree import check_budget
 from ddtree.weights import init_weights, load_pretrained, weights_nbytes
 
 DESCRIPTION = ("Speculative decoding with draft trees (DDTree) on a DeepSeek-V3-style model. The demo "
-               "command runs plain autoregressive (AR) decoding and DDTree side by side, on a random "
-               "model of a preset or on a saved checkpoint, and checks that both emit the same tokens.")
+               "command runs plain autoregressive (AR) decoding and DDTree side by side, on the trained "
+               "model, a saved checkpoint or a random model of a preset, and checks that both emit the "
+               "same tokens.")
 BACKENDS = ("numpy", "numba")
 DEMO_PRESETS = tuple(p for p in PRESET_NAMES if p in DEFAULT_PROMPTS)      # the ones with a golden prompt
 # a random preset the demo cannot build (its weights would fill host memory), and where it runs instead
@@ -195,28 +205,49 @@ def text_prompt(args, tokenizer) -> tuple[np.ndarray, str]:
     return encode(tokenizer, first["text"]), f"held-out file {first['file']}"
 
 
+def has_drafter(checkpoint) -> bool:
+    return checkpoint is not None and (pathlib.Path(checkpoint) / "drafter" / DRAFTER_FILE).is_file()
+
+
+def chosen_drafter(args, checkpoint) -> str:
+    """--drafter, else the trained block drafter where --drafter-dir or the model has one, else the
+    oracle."""
+    if args.drafter is not None:
+        return args.drafter
+    return "block" if args.drafter_dir is not None or has_drafter(checkpoint) else "oracle"
+
+
 def drafter_directory(args, checkpoint) -> str | None:
     """--drafter-dir, else a trained drafter's default home: the checkpoint's drafter/ folder."""
-    if args.drafter not in TRAINED_DRAFTERS:
+    if chosen_drafter(args, checkpoint) not in TRAINED_DRAFTERS:
         if args.drafter_dir is not None:
             raise ValueError(f"--drafter-dir: read by --drafter {' or '.join(TRAINED_DRAFTERS)} only, "
-                             f"got --drafter {args.drafter}")
+                             f"got --drafter {chosen_drafter(args, checkpoint)}")
         return None
     if args.drafter_dir is not None:
         return args.drafter_dir
-    if checkpoint is not None and (pathlib.Path(checkpoint) / "drafter" / DRAFTER_FILE).is_file():
+    if has_drafter(checkpoint):
         return str(pathlib.Path(checkpoint) / "drafter")
-    raise ValueError(f"--drafter-dir: --drafter {args.drafter} needs a drafter directory (with "
-                     f"{DRAFTER_FILE}); none given and the model has no drafter/ folder")
+    raise ValueError(f"--drafter-dir: --drafter {chosen_drafter(args, checkpoint)} needs a drafter directory "
+                     f"(with {DRAFTER_FILE}); none given and the model has no drafter/ folder")
+
+
+def shown_path(path: pathlib.Path) -> str:
+    """``path`` relative to the working directory where it lies below it (the README's run)."""
+    here = pathlib.Path.cwd()
+    return str(path.relative_to(here) if path.is_relative_to(here) else path)
 
 
 def load_model(args) -> types.SimpleNamespace:
     """The demo's model: config, weights, prompt and where they come from, the tokenizer (None
     without one: prompts and output are token ids) and the trained drafter's directory, if any."""
-    if args.checkpoint is not None:
-        config, weights = flagged("--checkpoint", lambda: load_checkpoint(args.checkpoint))
-        tokenizer = load_tokenizer(args.checkpoint) if has_tokenizer(args.checkpoint) else None
-        source = f"checkpoint {args.checkpoint}"
+    checkpoint = args.checkpoint
+    if args.preset is None and checkpoint is None:
+        checkpoint = shown_path(TRAINED)
+    if checkpoint is not None:
+        config, weights = flagged("--checkpoint", lambda: load_checkpoint(checkpoint))
+        tokenizer = load_tokenizer(checkpoint) if has_tokenizer(checkpoint) else None
+        source = f"checkpoint {checkpoint}"
     else:
         name = flagged("--preset", lambda: check_preset(args.preset))
         config, tokenizer, source = preset(name), None, f"preset {name}"
@@ -225,13 +256,14 @@ def load_model(args) -> types.SimpleNamespace:
         prompt, origin = text_prompt(args, tokenizer)
     elif args.prompt is not None:
         prompt, origin = flagged("--prompt", lambda: parse_prompt(args.prompt)), "--prompt"
-    elif args.checkpoint is not None:
+    elif checkpoint is not None:
         raise ValueError("--prompt: a checkpoint without a tokenizer.json has no default prompt; give its "
                          "token ids (e.g. --prompt 5,17,42)")
     else:
         prompt, origin = default_prompt(args.preset), "the preset's golden prompt"
     return types.SimpleNamespace(config=config, weights=weights, prompt=prompt, source=source, origin=origin,
-                                 tokenizer=tokenizer, drafter_dir=drafter_directory(args, args.checkpoint))
+                                 tokenizer=tokenizer, drafter=chosen_drafter(args, checkpoint),
+                                 drafter_dir=drafter_directory(args, checkpoint))
 
 
 def show(tokens, tokenizer, show_ids: bool) -> str:
@@ -265,7 +297,7 @@ def run_demo(args) -> int:
     ar_forwards = model.forward_count
     print(f"AR     ({ar_forwards} target forwards):{show(ar_tokens, tokenizer, args.ids)}")
 
-    drafter = make_drafter(args.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens,
+    drafter = make_drafter(loaded.drafter, model, prompt, args.tokens, seed=args.seed, continuation=ar_tokens,
                            drafter_directory=loaded.drafter_dir)
     model.forward_count = 0
     if args.budget == "auto":
@@ -277,7 +309,7 @@ def run_demo(args) -> int:
     tokens, trace = backend.generate_ddtree(model, prompt, args.tokens, drafter, block_size=args.block_size,
                                             topk=args.topk, **sampling)
     print(f"DDTree ({trace.verify_forwards} verify forwards + {trace.prefill_forwards} prefill; "
-          f"drafter {args.drafter}, block {args.block_size}, budget {args.budget}"
+          f"drafter {loaded.drafter}, block {args.block_size}, budget {args.budget}"
           f"{'' if args.topk is None else f', topk {args.topk}'}):{show(tokens, tokenizer, args.ids)}")
     if args.budget == "auto":
         print(f"auto budget, round by round: {format_tokens(trace.budgets)} (0: an AR step)")
@@ -298,21 +330,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     demo = sub.add_parser(
         "demo", help="run AR and DDTree side by side and check that they emit the same tokens",
-        description="Run AR and DDTree side by side on a random model of a preset (or a saved "
-                    "checkpoint) and check that they emit the same tokens. Every option's default is "
-                    "shown; the default run is the one the README prints.")
+        description="Run AR and DDTree side by side on the trained model (or a saved checkpoint, or "
+                    "a random model of a preset) and check that they emit the same tokens. Every "
+                    "option's default is shown; the default run is the one the README prints.")
     model = demo.add_mutually_exclusive_group()
     small_gib = weights_nbytes(preset("small")) / 2**30
-    model.add_argument("--preset", default="tiny", choices=PRESET_NAMES, metavar="NAME",
-                       help=f"the random model: {', '.join(DEMO_PRESETS)} (micro is the quickest); small "
-                            f"is refused ({small_gib:.0f} GiB of weights: it runs in the numba engine on a "
-                            "GPU, through "
-                            "python -m kernels.bench engine) and so is kimi-k2.6 (shapes only) "
-                            "(default: %(default)s)")
+    model.add_argument("--preset", default=None, choices=PRESET_NAMES, metavar="NAME",
+                       help=f"a random model of a preset instead: {', '.join(DEMO_PRESETS)} (micro is "
+                            f"the quickest); small is refused ({small_gib:.0f} GiB of weights: it runs in "
+                            "the numba engine on a GPU, through python -m kernels.bench engine) and so is "
+                            "kimi-k2.6 (shapes only) (default: none, the trained model)")
     model.add_argument("--checkpoint", metavar="DIR",
-                       help="a saved checkpoint directory instead of a preset: config.json + "
-                            "model.safetensors, as ddtree.weights.save_pretrained writes; needs --prompt "
-                            "(default: none, a random preset)")
+                       help="a saved checkpoint directory: config.json + model.safetensors (or its shards), "
+                            "as ddtree.weights.save_pretrained writes; with a tokenizer.json it speaks text "
+                            f"(default: {TRAINED.relative_to(TRAINED.parents[1])}, the trained model)")
     demo.add_argument("--prompt", metavar="TEXT",
                       help="the prompt: text when the model has a tokenizer (a checkpoint with "
                            "tokenizer.json), else token ids separated by commas or spaces, e.g. 5,17,42 "
@@ -320,10 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "prompt for a random preset)")
     demo.add_argument("--ids", action="store_true",
                       help="with a tokenizer, print the token ids beside the text (default: off)")
-    demo.add_argument("--drafter", default="oracle", choices=DRAFTERS + TRAINED_DRAFTERS,
-                      help="oracle: the target's own continuation; noisy: it with seeded mistakes (trees "
-                           "branch); ngram: copies what followed the context's suffix; block: a trained "
-                           "block drafter (--drafter-dir) (default: %(default)s)")
+    demo.add_argument("--drafter", default=None, choices=DRAFTERS + TRAINED_DRAFTERS,
+                      help="block: the trained block drafter (--drafter-dir); oracle: the target's own "
+                           "continuation; noisy: it with seeded mistakes (trees branch); ngram: copies "
+                           "what followed the context's suffix (default: block where the model has a "
+                           "drafter/ folder, as the trained model does, else oracle)")
     demo.add_argument("--drafter-dir", metavar="DIR",
                       help="the block drafter's directory (config.json, model.safetensors, drafter.json) "
                            "(default: the checkpoint's drafter/ folder)")

@@ -10,6 +10,9 @@ reproduce every token exactly. That is only fair if no step is a near-tie: each 
 ``min_gap``, the smallest top-1 minus top-2 logit over the generated steps, and the default prompts
 were picked (among 12 seeded random prompts per preset) for the largest min_gap, about 0.14 —
 four orders of magnitude above the ~1e-5 float32 disagreement between implementations.
+
+Beside the random presets, ``tiny-code`` is the trained model (``checkpoints/tiny-code``, read
+with ``ddtree.weights.load_pretrained``) on one of the held-out prompts, picked the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import numpy as np
 from ddtree.config import preset
 from ddtree.decode import generate_ar
 from ddtree.model import Transformer
-from ddtree.weights import init_weights
+from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
+from ddtree.weights import init_weights, load_pretrained
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "golden"
-GOLDEN_PRESETS = ("tiny", "tiny-b")
+GOLDEN_PRESETS = ("tiny", "tiny-b")               # random weights of a preset
+TRAINED_NAME = "tiny-code"                         # the trained model ...
+TRAINED_PROMPT = 0                                 # ... on this held-out prompt
+GOLDEN_MODELS = GOLDEN_PRESETS + (TRAINED_NAME,)
 NEW_TOKENS = 24
 WEIGHT_SEED = 0
 MIN_GAP_FLOOR = 1e-2       # a bundle with a closer race than this is refused
@@ -50,10 +57,24 @@ def top2_gap(logits: np.ndarray) -> np.ndarray:
     return top[:, 1] - top[:, 0]
 
 
-def make_bundle(name: str) -> dict[str, np.ndarray]:
+def golden_model(name: str):
+    """(config, weights) of a golden model: a preset's random weights, or the trained checkpoint."""
+    if name == TRAINED_NAME:
+        return load_pretrained(TRAINED)
     config = preset(name)
-    model = Transformer(config, init_weights(config, WEIGHT_SEED))
-    prompt = default_prompt(name)
+    return config, init_weights(config, WEIGHT_SEED)
+
+
+def golden_prompt(name: str) -> np.ndarray:
+    """The golden prompt's token ids: a preset's default prompt, or the trained model's held-out one."""
+    if name == TRAINED_NAME:
+        return encode(load_tokenizer(TRAINED), heldout_prompts()[TRAINED_PROMPT]["text"])
+    return default_prompt(name)
+
+
+def make_bundle(name: str) -> dict[str, np.ndarray]:
+    model = Transformer(*golden_model(name))
+    prompt = golden_prompt(name)
     tokens, logits = generate_ar(model, prompt, NEW_TOKENS, return_logits=True)
     return {"preset": np.array(name), "seed": np.array(WEIGHT_SEED), "prompt": prompt,
             "tokens": tokens, "logits": logits.astype(np.float32),
@@ -98,7 +119,7 @@ def main(argv=None) -> int:
         print(f"error: --dir {args.dir}: no such directory", file=sys.stderr)
         return 2
     failed = False
-    for name in GOLDEN_PRESETS:
+    for name in GOLDEN_MODELS:
         if args.check:
             try:
                 stored = load_bundle(name, args.dir)

@@ -20,7 +20,7 @@ from ddtree.weights import init_weights, load_pretrained, save_pretrained
 
 
 def test_demo_reproduces_the_seeds_picture(capsys):
-    assert main(["demo"]) == 0
+    assert main(["demo", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     expected = " ".join(str(t) for t in golden.load_bundle("tiny")["tokens"])
     assert f"AR     (24 target forwards): {expected}" in out
@@ -95,8 +95,10 @@ def test_a_round_that_accepts_nothing_says_so():
 
 
 def test_demo_rounds_prints_every_rounds_tree(capsys):
-    """The page's noisy generation: each round's text, as describe_round writes the decoder's trace."""
-    assert main(["demo", "--drafter", "noisy", "--tokens", "12", "--budget", "16", "--rounds"]) == 0
+    """A noisy generation on the random tiny: each round's text, as describe_round writes the
+    decoder's trace."""
+    assert main(["demo", "--preset", "tiny", "--drafter", "noisy", "--tokens", "12", "--budget", "16",
+                 "--rounds"]) == 0
     out = capsys.readouterr().out
     model = Transformer(preset("tiny"), init_weights(preset("tiny"), golden.WEIGHT_SEED))
     prompt = golden.default_prompt("tiny")
@@ -131,7 +133,8 @@ def test_demo_help_gives_every_option_a_default(capsys):
     for action in cli.build_parser()._subparsers._group_actions[0].choices["demo"]._actions:
         if action.dest != "help":
             assert action.help and "default" in action.help, action.option_strings
-    assert "(default: tiny)" in out and "(default: 32)" in out and "(default: oracle)" in out
+    assert "(default: none, the trained model)" in out and "(default: 32)" in out
+    assert "as the trained model does, else oracle)" in out
     assert "small is refused" in out and "numba engine on a GPU" in out
 
 

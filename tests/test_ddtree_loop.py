@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from ddtree import golden
-from ddtree.config import preset
 from ddtree.decode import (
     MAX_BUDGET,
     candidates_per_depth,
@@ -19,14 +18,12 @@ from ddtree.drafters import DRAFTERS, NGramDrafter, OracleDrafter, make_drafter
 from ddtree.kv_cache import CacheOverflowError
 from ddtree.model import Transformer
 from ddtree.tree import build_tree, top_candidates
-from ddtree.weights import init_weights
 from tests.helpers import assert_exact
 
 
 @functools.cache
 def model_for(name):
-    config = preset(name)
-    return Transformer(config, init_weights(config, golden.WEIGHT_SEED))
+    return Transformer(*golden.golden_model(name))
 
 
 @functools.cache
@@ -55,7 +52,7 @@ def test_ddtree_equals_ar_equals_golden(name, drafter_name, block_size, budget):
         assert trace.verify_forwards == expected.size                    # one AR token per round
 
 
-@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+@pytest.mark.parametrize("name", golden.GOLDEN_MODELS)
 def test_ar_equals_golden(name):
     bundle = golden.load_bundle(name)
     assert_exact(generate_ar(model_for(name), bundle["prompt"], bundle["tokens"].size), bundle["tokens"])

@@ -57,9 +57,7 @@ def reference(name: str) -> ReferenceTransformer:
 
 @functools.cache
 def engine(name: str, graphs: bool = True, max_tree_nodes: int = 128) -> EngineTransformer:
-    config = preset(name)
-    return EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), graphs=graphs,
-                             max_tree_nodes=max_tree_nodes)
+    return EngineTransformer(*golden.golden_model(name), graphs=graphs, max_tree_nodes=max_tree_nodes)
 
 
 def assert_cache_rows_close(cache, ref_cache, name=""):
@@ -336,7 +334,7 @@ def test_engine_refuses_bad_input_before_running():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+@pytest.mark.parametrize("name", golden.GOLDEN_MODELS)
 def test_golden_bundles(name, graphs):
     """AR and DDTree on the engine reproduce the golden tokens: every drafter, block and budget."""
     model, bundle = engine(name, graphs), golden.load_bundle(name)

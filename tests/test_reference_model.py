@@ -53,7 +53,7 @@ def test_ar_is_deterministic(model):
     assert_exact(generate_ar(model, prompt, 6), generate_ar(model, prompt, 6))
 
 
-@pytest.mark.parametrize("name", golden.GOLDEN_PRESETS)
+@pytest.mark.parametrize("name", golden.GOLDEN_MODELS)
 def test_golden_regenerates(name):
     stored = golden.load_bundle(name)
     fresh = golden.make_bundle(name)

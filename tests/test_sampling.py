@@ -307,7 +307,8 @@ def test_generate_ddtree_with_rejection_sampling():
 # ------------------------------------------------------------------------------------------- CLI
 
 def test_demo_samples_at_a_temperature(capsys):
-    flags = ["--temperature", "0.8", "--sample-seed", "3", "--tokens", "12", "--drafter", "noisy"]
+    flags = ["--preset", "tiny", "--temperature", "0.8", "--sample-seed", "3", "--tokens", "12",
+             "--drafter", "noisy"]
     assert main(["demo", *flags]) == 0
     out = capsys.readouterr().out
     assert "sampling: temperature 0.8, sample seed 3" in out

@@ -177,12 +177,14 @@ def teacher_targets(target: Model, seqs, local, depths: int, labels: str):
     return picked.softmax(-1), tokens, picked.argmax(-1)
 
 
+# --8<-- [start:distill_loss]
 def distill_loss(logits, probs, tokens, labels: str):
     """Mean over roots and depths: soft cross-entropy against ``probs`` or hard against ``tokens``."""
     log_q = F.log_softmax(logits.float(), dim=-1)                               # [Bq, L, V]
     if labels == "target":
         return -(probs * log_q).sum(-1).mean()
     return F.nll_loss(log_q.flatten(0, 1), tokens.flatten())
+# --8<-- [end:distill_loss]
 
 
 @torch.no_grad()

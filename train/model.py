@@ -243,6 +243,7 @@ class Model(nn.Module):
 
 
 @torch.no_grad()
+# --8<-- [start:router_bias]
 def update_router_bias(model: Model, counts, rate: float = ROUTER_BIAS_RATE) -> None:
     """V3's auxiliary-loss-free balancing: bias_i += rate * sign(mean load - load_i) per MoE layer,
     from the per-expert token counts (E,) of each MoE layer (``Model.forward``'s second output)."""
@@ -255,6 +256,7 @@ def update_router_bias(model: Model, counts, rate: float = ROUTER_BIAS_RATE) -> 
         if load.shape != bias.shape:
             raise ValueError(f"counts per layer must be (E,) = {tuple(bias.shape)}, got {tuple(load.shape)}")
         bias += rate * torch.sign(load.mean() - load)
+# --8<-- [end:router_bias]
 
 
 # ---------------------------------------------------------------------------------------------
