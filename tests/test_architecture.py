@@ -70,6 +70,27 @@ def test_kernels_do_not_import_chapters_tests_or_the_lab(path):
         assert package not in ("walkthrough", "tests", "lab"), f"{path.relative_to(ROOT)} imports {package}"
 
 
+TRAINING = sorted((ROOT / "train").glob("*.py"))
+NOT_TESTS = (REFERENCE + KERNELS + sorted((ROOT / "walkthrough").glob("*.py"))
+             + sorted((ROOT / "lab").rglob("*.py")))
+
+
+@pytest.mark.parametrize("path", NOT_TESTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_but_tests_imports_the_training_code(path):
+    assert "train" not in {package for package, _ in imports(path)}, f"{path.relative_to(ROOT)} imports train"
+
+
+@pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.name)
+def test_the_training_code_imports_only_the_reference(path):
+    packages = {package for package, _ in imports(path)}
+    assert not packages & {"kernels", "walkthrough", "tests", "lab"}, f"train/{path.name} imports {packages}"
+
+
+@pytest.mark.parametrize("path", REFERENCE, ids=lambda p: p.name)
+def test_the_reference_never_imports_torch(path):
+    assert "torch" not in {package for package, _ in imports(path)}, f"{path.name} imports torch"
+
+
 # --------------------------------------------------------------------------------------------
 # inside kernels: base <- ops <- engine <- bench
 
