@@ -100,6 +100,36 @@ class Budget:
         return (self.steps is not None and step >= self.steps) or self.elapsed() >= self.seconds
 
 
+def apply_update(model: torch.nn.Module, optimizer, loss: torch.Tensor, lr: float, clip: float) -> None:
+    """One step of both trainings: ``loss``'s gradients, clipped to norm ``clip``, applied at ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+
+
+def logged(step: int, budget: Budget, every: int) -> bool:
+    """Whether ``step`` is logged: the first, every ``every``-th and the last (reading the loss
+    waits for the GPU, so not every step)."""
+    return step == 1 or step % every == 0 or budget.done(step)
+
+
+def history_entry(step: int, loss: float, lr: float, budget: Budget) -> dict:
+    return {"step": step, "loss": round(loss, 4), "lr": lr, "seconds": round(budget.elapsed(), 1)}
+
+
+def command(train, parse_args, argv=None) -> int:
+    """A training script's ``main``: a refused option or a missing file is one line and exit 2."""
+    try:
+        train(parse_args(argv))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW; matrices decay, norms and embeddings do not."""
     decay, keep = [], []

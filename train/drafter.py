@@ -35,10 +35,14 @@ from ddtree.drafters import MASK, PAD, BlockDrafter, save_block_drafter
 from ddtree.weights import load_pretrained
 from train.common import (
     Budget,
+    apply_update,
     autocast,
+    command,
     device_name,
+    history_entry,
     learning_rate,
     load_corpus,
+    logged,
     make_optimizer,
     pick_device,
     run_facts,
@@ -247,8 +251,6 @@ def train_drafter(options: DrafterOptions) -> dict:
     teacher = target if options.labels == "target" else None
     while not budget.done(step):
         lr = learning_rate(budget.progress(step), step, options.lr, options.warmup)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         seqs, local, roots, lengths = train.draw(batch, options.short_fraction)
         probs, tokens, _ = teacher_targets(teacher, seqs, local, options.max_depths, options.labels)
         rows = block_rows_batch(train.stream, roots.flatten(), options.window, options.max_depths,
@@ -256,15 +258,11 @@ def train_drafter(options: DrafterOptions) -> dict:
         with autocast(device):
             logits = draft_logits(drafter, rows, options.window, options.max_depths)
         loss = distill_loss(logits, probs, tokens, options.labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), options.clip)
-        optimizer.step()
+        apply_update(drafter, optimizer, loss, lr, options.clip)
         step += 1
-        if step == 1 or step % options.log_every == 0 or budget.done(step):
+        if logged(step, budget, options.log_every):
             last_loss = loss.item()
-            history.append({"step": step, "loss": round(last_loss, 4), "lr": lr,
-                            "seconds": round(budget.elapsed(), 1)})
+            history.append(history_entry(step, last_loss, lr, budget))
             print(f"drafter step {step:6d}  loss {last_loss:.4f}  lr {lr:.2e}  "
                   f"{step * rows.shape[0] / budget.elapsed():,.0f} roots/s", flush=True)
     wall = budget.elapsed()
@@ -289,12 +287,7 @@ def train_drafter(options: DrafterOptions) -> dict:
 
 
 def main(argv=None) -> int:
-    try:
-        train_drafter(parse_args(argv))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return command(train_drafter, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,14 @@ from ddtree.config import PRESET_NAMES, ModelConfig, preset
 from ddtree.weights import save_pretrained
 from train.common import (
     Budget,
+    apply_update,
     autocast,
+    command,
     device_name,
+    history_entry,
     learning_rate,
     load_corpus,
+    logged,
     make_optimizer,
     pick_device,
     run_facts,
@@ -167,28 +171,21 @@ def train_target(options: TargetOptions) -> dict:
     first_loss = last_loss = math.nan
     while not budget.done(step):
         lr = learning_rate(budget.progress(step), step, options.lr, options.warmup)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         starts = torch.as_tensor(order.integers(0, train_tokens.size - options.seq_len - 1, batch),
                                  device=device)
         with autocast(device):
             loss, counts = loss_and_counts(model, windows(stream, starts, options.seq_len + 1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
-        optimizer.step()
+        apply_update(model, optimizer, loss, lr, options.clip)
         update_router_bias(model, counts, options.bias_rate)
         stacked = torch.stack(counts) if counts else None                     # [MoE layers, E]
         loads = stacked if loads is None else loads + stacked
         step += 1
-        if step == 1 or step % options.log_every == 0 or budget.done(step):
+        if logged(step, budget, options.log_every):
             last_loss = loss.item()
             first_loss = last_loss if step == 1 else first_loss
-            seen = step * batch * options.seq_len
-            history.append({"step": step, "loss": round(last_loss, 4), "lr": lr,
-                            "seconds": round(budget.elapsed(), 1)})
+            history.append(history_entry(step, last_loss, lr, budget))
             print(f"step {step:6d}  loss {last_loss:.4f}  lr {lr:.2e}  "
-                  f"{seen / budget.elapsed():,.0f} tokens/s", flush=True)
+                  f"{step * batch * options.seq_len / budget.elapsed():,.0f} tokens/s", flush=True)
     wall = budget.elapsed()
     result = evaluate(model, heldout, options.seq_len, options.eval_batch, device)
     nats_per_token = result["nats"] / result["predicted"]
@@ -233,12 +230,7 @@ def train_target(options: TargetOptions) -> dict:
 
 
 def main(argv=None) -> int:
-    try:
-        train_target(parse_args(argv))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return command(train_target, parse_args, argv)
 
 
 if __name__ == "__main__":
