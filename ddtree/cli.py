@@ -98,6 +98,28 @@ def budget_value(text: str):
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (the record commands' --prompts, --tokens, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def budget_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated budgets >= 1, sorted, each once."""
+    try:
+        values = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        values = [0]
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return tuple(values)
+
+
 def check_cost_table_flags(args, model, backend) -> None:
     """--budget auto takes its table from --cost-table; the engine on a GPU may time its own."""
     if args.budget != "auto":

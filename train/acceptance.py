@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from ddtree import golden
+from ddtree.cli import budget_list, positive
 from ddtree.config import preset
 from ddtree.decode import generate_ar, generate_ddtree
 from ddtree.drafters import load_block_drafter, make_drafter
@@ -266,26 +267,6 @@ def saturation_rows(experts: int, topk: int, share: float = 0.95) -> int:
     if topk == experts:
         return 1
     return math.ceil(math.log(1.0 - share) / math.log(1.0 - topk / experts))
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def budget_list(text: str) -> tuple[int, ...]:
-    try:
-        values = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        values = [0]
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return tuple(values)
 
 
 def parse(argv) -> argparse.Namespace:

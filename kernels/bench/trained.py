@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 from ddtree import decode as reference_decode
+from ddtree.cli import budget_list, positive
 from ddtree.drafters import load_block_drafter, make_drafter
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
@@ -66,26 +67,6 @@ SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, pr
 
 # ------------------------------------------------------------------------------------------------
 # the command line
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def budget_list(text: str) -> tuple[int, ...]:
-    try:
-        values = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        values = [0]
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return tuple(values)
 
 
 def parse_args(argv):
