@@ -399,18 +399,11 @@ def load_block_drafter(directory) -> BlockDrafter:
     """The block drafter saved in ``directory``: ``drafter.json`` ({"kind": "block", "window",
     "max_depths", "pad_token_id", "mask_token_id"}) beside its model's ``config.json`` and
     ``model.safetensors`` (``ddtree.weights.load_pretrained``); errors name the file and key."""
-    from ddtree.weights import load_pretrained
+    from ddtree.weights import load_pretrained, read_json_object
 
     path = pathlib.Path(directory) / DRAFTER_FILE
-    try:
-        values = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file (a block drafter's directory holds {DRAFTER_FILE}, "
-                                "config.json and model.safetensors)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(values).__name__}")
+    values = read_json_object(path, f"a block drafter's directory holds {DRAFTER_FILE}, config.json and "
+                                    "model.safetensors")
     missing = [key for key in DRAFTER_KEYS if key not in values]
     if missing:
         raise ValueError(f"{path}: missing key {missing[0]!r} (expected {', '.join(DRAFTER_KEYS)})")

@@ -226,17 +226,23 @@ def save_pretrained(directory, config: ModelConfig, weights: dict[str, np.ndarra
     return directory
 
 
-def read_config(path: pathlib.Path) -> ModelConfig:
-    """A ``config.json`` (as transformers writes it) -> ModelConfig; errors name the file."""
+def read_json_object(path: pathlib.Path, holds: str) -> dict:
+    """The JSON object in ``path``; errors name the file (``holds``: what its directory holds,
+    for the message when it is missing)."""
     try:
         values = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file (a checkpoint directory holds config.json "
-                                "and model.safetensors)") from None
+        raise FileNotFoundError(f"{path}: no such file ({holds})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a JSON object, got a JSON {type(values).__name__}")
+    return values
+
+
+def read_config(path: pathlib.Path) -> ModelConfig:
+    """A ``config.json`` (as transformers writes it) -> ModelConfig; errors name the file."""
+    values = read_json_object(path, "a checkpoint directory holds config.json and model.safetensors")
     if values.get("model_type") != "deepseek_v3":
         raise ValueError(f"{path}: model_type must be 'deepseek_v3', got {values.get('model_type')!r}")
     if values.get("rope_interleave", False):
@@ -274,11 +280,8 @@ def read_sharded(index_path: pathlib.Path) -> dict[str, np.ndarray]:
     """Every tensor of a sharded checkpoint, by its ``model.safetensors.index.json``; errors name
     the file: the index, a missing shard, a tensor the map places in a shard that lacks it, or a
     tensor a shard holds that the map does not list."""
-    try:
-        index = json.loads(index_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{index_path}: not valid JSON ({error})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    index = read_json_object(index_path, "a sharded checkpoint's index of its shards")
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index_path}: expected a JSON object with a 'weight_map' of tensor name -> "
                          "shard file name")
