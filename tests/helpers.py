@@ -53,3 +53,27 @@ def assert_ddtree_equals(decode, model, prompt, expected, label: str = "DDTree",
                                                    budget=budget)
                 where = f"{label}[{drafter_name}, block {block}, budget {budget}]"
                 assert_exact(tokens, expected, name=where)
+
+
+def save_text_checkpoint(directory, config, seed: int, drafter_layers: int = 2, window: int = 64,
+                         max_depths: int = 15, drafter_seed: int | None = None):
+    """A checkpoint laid out as checkpoints/tiny-code/ with random weights of ``config``: the
+    committed tokenizer beside it and a random block drafter (``drafter_layers`` dense layers of
+    the same dims) in drafter/; returns the directory."""
+    import dataclasses
+    import pathlib
+    import shutil
+
+    from ddtree.drafters import BlockDrafter, save_block_drafter
+    from ddtree.text import TRAINED
+    from ddtree.weights import init_weights, save_pretrained
+
+    directory = pathlib.Path(directory)
+    save_pretrained(directory, config, init_weights(config, seed))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TRAINED / name, directory / name)
+    drafter_config = dataclasses.replace(config, num_hidden_layers=drafter_layers,
+                                         first_k_dense_replace=drafter_layers)
+    weights = init_weights(drafter_config, seed + 1 if drafter_seed is None else drafter_seed)
+    save_block_drafter(directory / "drafter", BlockDrafter(drafter_config, weights, window, max_depths))
+    return directory

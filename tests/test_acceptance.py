@@ -4,22 +4,20 @@ tokenizer, a random block drafter. No torch."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest
 
 from ddtree.config import preset
 from ddtree.decode import generate_ar
-from ddtree.drafters import BlockDrafter, save_block_drafter
 from ddtree.model import Transformer, routed_experts
 from ddtree.moe import sigmoid, swiglu
-from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
+from ddtree.text import encode, heldout_prompts, load_tokenizer
 from ddtree.tree import visibility
-from ddtree.weights import init_weights, load_pretrained, save_pretrained
+from ddtree.weights import init_weights, load_pretrained
+from tests.helpers import save_text_checkpoint
 from train import acceptance
 
 
@@ -27,15 +25,7 @@ from train import acceptance
 def stand_in(tmp_path_factory):
     """What checkpoints/tiny-code will hold, with random weights: the target (tiny), the committed
     tokenizer, and a block drafter of the default architecture (2 dense layers, window 64, depths 15)."""
-    directory = tmp_path_factory.mktemp("accept") / "model"
-    config = preset("tiny")
-    save_pretrained(directory, config, init_weights(config, seed=5))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TRAINED / name, directory / name)
-    drafter_config = dataclasses.replace(config, num_hidden_layers=2, first_k_dense_replace=2)
-    drafter = BlockDrafter(drafter_config, init_weights(drafter_config, seed=6), window=64, max_depths=15)
-    save_block_drafter(directory / "drafter", drafter)
-    return directory
+    return save_text_checkpoint(tmp_path_factory.mktemp("accept") / "model", preset("tiny"), seed=5)
 
 
 @pytest.fixture(scope="module")

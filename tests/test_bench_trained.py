@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import shutil
 import types
 
 import numpy as np
@@ -25,10 +24,11 @@ from ddtree.config import preset
 from ddtree.drafters import BlockDrafter, save_block_drafter
 from ddtree.model import Transformer as ReferenceTransformer
 from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
-from ddtree.weights import init_weights, load_pretrained, save_pretrained
+from ddtree.weights import init_weights, load_pretrained
 from kernels import device
 from kernels.bench import trained
 from kernels.bench.cli import main as cli_main
+from tests.helpers import save_text_checkpoint
 
 STAND_IN = dataclasses.replace(preset("micro"), vocab_size=512)
 
@@ -36,13 +36,8 @@ STAND_IN = dataclasses.replace(preset("micro"), vocab_size=512)
 def save_stand_in(directory):
     """A checkpoint laid out as checkpoints/tiny-code/ (random weights, the committed tokenizer)
     with a random block drafter in drafter/: a short window keeps its forward small."""
-    save_pretrained(directory, STAND_IN, init_weights(STAND_IN, golden.WEIGHT_SEED))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TRAINED / name, directory)
-    config = dataclasses.replace(STAND_IN, num_hidden_layers=2, first_k_dense_replace=2)
-    save_block_drafter(directory / "drafter", BlockDrafter(config, init_weights(config, 7), window=4,
-                                                           max_depths=7))
-    return directory
+    return save_text_checkpoint(directory, STAND_IN, golden.WEIGHT_SEED, window=4, max_depths=7,
+                                drafter_seed=7)
 
 
 @pytest.fixture(scope="module")

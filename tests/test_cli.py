@@ -1,6 +1,4 @@
-import dataclasses
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -12,11 +10,12 @@ from ddtree import cli, golden
 from ddtree.cli import main
 from ddtree.config import preset
 from ddtree.decode import RoundTrace, budget_limit, describe_round, generate_ar, generate_ddtree
-from ddtree.drafters import BlockDrafter, make_drafter, save_block_drafter
+from ddtree.drafters import make_drafter
 from ddtree.model import Transformer
-from ddtree.text import TRAINED, decode, encode, heldout_prompts, load_tokenizer
+from ddtree.text import decode, encode, heldout_prompts, load_tokenizer
 from ddtree.tree import check_budget
 from ddtree.weights import init_weights, load_pretrained, save_pretrained
+from tests.helpers import save_text_checkpoint
 
 
 def test_demo_reproduces_the_seeds_picture(capsys):
@@ -271,15 +270,8 @@ def test_budget_takes_an_integer_or_auto(capsys):
 def text_checkpoint(tmp_path_factory):
     """Random tiny weights (vocab 512, the tokenizer's) beside the committed tokenizer, and a random
     block drafter in its drafter/ folder."""
-    directory = tmp_path_factory.mktemp("text") / "model"
-    config = preset("tiny")
-    save_pretrained(directory, config, init_weights(config, seed=5))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TRAINED / name, directory / name)
-    drafter_config = dataclasses.replace(config, num_hidden_layers=1, first_k_dense_replace=1)
-    drafter = BlockDrafter(drafter_config, init_weights(drafter_config, seed=6), window=6, max_depths=7)
-    save_block_drafter(directory / "drafter", drafter)
-    return directory
+    return save_text_checkpoint(tmp_path_factory.mktemp("text") / "model", preset("tiny"), seed=5,
+                                drafter_layers=1, window=6, max_depths=7)
 
 
 def test_demo_speaks_text_with_a_tokenizer(text_checkpoint, capsys):

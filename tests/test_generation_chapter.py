@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
-import shutil
 import sys
 
 import numpy as np
@@ -21,9 +20,8 @@ import chapter  # noqa: E402  (walkthrough/chapter.py)
 import matplotlib.pyplot as plt  # noqa: E402  (chapter chose the Agg backend)
 
 from ddtree.config import preset  # noqa: E402
-from ddtree.drafters import BlockDrafter, save_block_drafter  # noqa: E402
 from ddtree.text import TRAINED, load_tokenizer, tokens_as_text  # noqa: E402
-from ddtree.weights import init_weights, save_pretrained  # noqa: E402
+from tests.helpers import save_text_checkpoint  # noqa: E402
 
 pytest.importorskip("tokenizers")
 
@@ -50,15 +48,7 @@ def figures(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     """A checkpoint directory shaped like checkpoints/tiny-code, with random weights."""
-    directory = tmp_path_factory.mktemp("stand_in")
-    config = preset("tiny")
-    save_pretrained(directory, config, init_weights(config, 1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TRAINED / name, directory / name)
-    small = dataclasses.replace(config, num_hidden_layers=2, first_k_dense_replace=2)
-    save_block_drafter(directory / "drafter", BlockDrafter(small, init_weights(small, 2), window=64,
-                                                           max_depths=15))
-    return directory
+    return save_text_checkpoint(tmp_path_factory.mktemp("stand_in"), preset("tiny"), seed=1)
 
 
 def words(ids):
