@@ -6,7 +6,6 @@ is what its files say."""
 import json
 import pathlib
 
-import numpy as np
 import pytest
 
 from ddtree import golden
@@ -73,19 +72,12 @@ def test_the_training_record_is_rendered_from_the_committed_files():
 def test_transformers_gives_the_same_greedy_tokens(trained):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from kernels.bench.trained import transformers_tokens
+
     _, bundle = trained
-    model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        str(TRAINED), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    ids = torch.as_tensor(bundle["prompt"], dtype=torch.long)[None]
-    produced = []
-    with torch.no_grad():                     # greedy, one token at a time, the cache reused
-        out = model(ids, use_cache=True)
-        for _ in range(bundle["tokens"].size):
-            token = int(out.logits[0, -1].argmax())
-            produced.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    assert_exact(np.array(produced), bundle["tokens"], name="transformers greedy tokens")
+    (produced,), _ = transformers_tokens((torch, transformers), TRAINED, [bundle["prompt"]],
+                                         bundle["tokens"].size)
+    assert_exact(produced, bundle["tokens"], name="transformers greedy tokens")
 
 
 @pytest.mark.gpu

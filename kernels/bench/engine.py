@@ -328,15 +328,27 @@ def load_transformers():
     return (torch, transformers), None
 
 
+def load_deepseek(modules, directory, where: str):
+    """transformers' ``DeepseekV3ForCausalLM`` from a checkpoint directory, fp32, eager attention
+    and experts (no fused kernel of its own choosing), in eval mode on ``where``. A tensor missing,
+    unexpected or of another shape is refused: transformers would fill it with random numbers."""
+    torch, transformers = modules
+    kwargs = dict(attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        kwargs["experts_implementation"] = "eager"
+    hf_model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(str(directory), **kwargs)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if info.get(kind):
+            raise ValueError(f"transformers reports {kind} loading {directory}: {sorted(info[kind])[:5]}")
+    return hf_model.to(where).eval()
+
+
 def transformers_rate(modules, config, weights, prompt, expected, repeats: int) -> tuple[float, bool]:
     """transformers' DeepseekV3ForCausalLM (eager, fp32, TF32 off) generate from our checkpoint."""
     torch, transformers = modules                                  # TF32 off: load_transformers
     with tempfile.TemporaryDirectory() as directory:
         save_pretrained(directory, config, weights)
-        kwargs = dict(attn_implementation="eager", dtype=torch.float32)
-        if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
-            kwargs["experts_implementation"] = "eager"
-        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(directory, **kwargs).to("cuda").eval()
+        hf_model = load_deepseek(modules, directory, "cuda")
     ids = torch.as_tensor(prompt, dtype=torch.long, device="cuda")[None]
 
     def generate():

@@ -37,7 +37,7 @@ from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
 from ddtree.weights import load_pretrained
 from kernels import decode as engine_decode
 from kernels import device
-from kernels.bench.engine import median_rate, section
+from kernels.bench.engine import load_deepseek, median_rate, section
 from kernels.bench.environment import versions
 
 BLOCK = 8
@@ -166,15 +166,10 @@ def transformers_tokens(modules, checkpoint: pathlib.Path, prompts, tokens: int)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     where = "cuda" if not device.SIMULATOR and torch.cuda.is_available() else "cpu"
-    kwargs = dict(attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
-    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
-        kwargs["experts_implementation"] = "eager"
-    hf_model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(str(checkpoint), **kwargs)
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        if info.get(kind):
-            raise SystemExit(f"error: transformers reports {kind} loading {checkpoint}: "
-                             f"{sorted(info[kind])[:5]}")
-    hf_model = hf_model.to(where).eval()
+    try:
+        hf_model = load_deepseek(modules, checkpoint, where)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     continuations = []
     with torch.no_grad():
         for prompt in prompts:
