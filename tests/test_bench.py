@@ -4,10 +4,13 @@ In the simulator the times are meaningless; the test only checks that the harnes
 case ran, produced a positive time, a byte count and launched kernels, and the markdown table has
 one row per case. On a GPU the same test also exercises the event timing and the device fill.
 The byte and FLOP formulas (the kernel modules' cost models) are checked at Kimi K2.6 sizes
-without running anything, and the hardware figures against the committed record.
+without running anything, the read-bandwidth kernel on a small buffer, and ``hardware``'s parsing
+against a record the report code writes here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -15,7 +18,7 @@ from kernels import device
 from kernels.bench import hardware, peers
 from kernels.bench.case import KERNEL_MODULES, cases_module, full_sizes, make_cases, quick_sizes
 from kernels.bench.cli import main
-from kernels.bench.harness import benchmark
+from kernels.bench.harness import READ_THREADS, benchmark, read_kernel
 from kernels.bench.report import TABLE_HEADER, format_report
 
 CASE_NAMES = [
@@ -65,7 +68,8 @@ def test_every_case_ran(quick_report):
         assert (result.baseline_seconds is not None) == result.case.name.startswith("tree_build")
         if result.baseline_seconds is not None:
             assert result.baseline_seconds > 0, result.case.name
-    assert report.copy_seconds > 0 and report.launch_seconds > 0 and report.host_launch_seconds > 0
+    assert len(report.read_seconds) == 1 and report.read_seconds[0] > 0     # --quick: one batch
+    assert report.launch_repeats == 1 and report.launch_seconds > 0 and report.host_launch_seconds > 0
     assert report.graph_launch_seconds > 0 and report.fp32 > 0
     assert len(progress) == 3 + len(CASE_NAMES)                           # three ceilings, then the cases
 
@@ -144,17 +148,52 @@ def test_every_kernel_module_has_its_cost_model_and_cases():
             assert callable(getattr(module, attribute, None)), f"{module.__name__}.{attribute}"
 
 
-def test_hardware_figures_come_from_the_record():
-    record = hardware.RESULTS.read_text(encoding="utf-8")
-    figures = hardware.figures()
-    assert set(figures) == {"copy_bandwidth", "launch_seconds", "host_launch_seconds", "fp32_flops"}
+def test_read_kernel_sums_every_element_once_into_its_blocks_partial():
+    """The read-bandwidth kernel reads each element once: block b's partial is the sum of the
+    elements its threads own (element k belongs to thread k mod stride), over a buffer that is
+    not a multiple of the grid's stride, so both the 4-load steps and the tail run; every block
+    writes its partial (the output starts as NaN)."""
+    import numpy as np
+    from numba import cuda
+
+    blocks, count = 3, 4 * 3 * READ_THREADS + 2 * READ_THREADS + 37    # 4-load steps, then a ragged tail
+    values = np.random.default_rng(7).uniform(-1, 1, count).astype(np.float32)
+    partials = cuda.to_device(np.full(blocks, np.nan, np.float32))
+    read_kernel[blocks, READ_THREADS](cuda.to_device(values), partials)
+    owner = np.arange(count) % (blocks * READ_THREADS) // READ_THREADS          # block of each element
+    expected = [values[owner == b].astype(np.float64).sum() for b in range(blocks)]
+    np.testing.assert_allclose(partials.copy_to_host(), expected, rtol=0, atol=1e-4)
+
+
+def test_hardware_reads_the_figures_of_a_record_the_report_writes(quick_report, tmp_path):
+    """``hardware`` parses the lines ``format_report`` writes (here a --quick record of this run):
+    each figure is the report's own, to the digits written, with the record's line as its source."""
+    report, _ = quick_report
+    record = tmp_path / "bench.md"
+    record.write_text(format_report(report, "python -m kernels.bench --quick"), encoding="utf-8")
+    text = record.read_text(encoding="utf-8")
+    figures = hardware.figures(record)
+    assert set(figures) == {"read_bandwidth", "launch_seconds", "host_launch_seconds", "fp32_flops"}
     for name, figure in figures.items():
-        assert figure.value > 0, name
-        assert hardware.RESULTS.name in figure.source, name
-        assert figure.source.split("line ")[1].strip("'") in record, name      # a line of the record
-    assert hardware.copy_bandwidth() == figures["copy_bandwidth"].value
-    assert 1e12 < hardware.copy_bandwidth() < 1e13 and 1e-6 < hardware.launch_seconds() < 1e-4
-    assert 1e13 < hardware.fp32_flops() < 1e14 and figures["fp32_flops"].note      # how it was obtained
+        assert figure.source.split("line ")[1].strip("'") in text, name        # a line of the record
+    read_line = next(line for line in text.splitlines() if line.startswith("- read bandwidth"))
+    assert "`read_kernel` over 4 KiB of float32, 8 passes back to back per batch" in read_line
+    assert "the median of 1 batches" in read_line                                # the batches it ran
+    expected = {"read_bandwidth": report.read_bandwidth, "launch_seconds": report.launch_seconds,
+                "host_launch_seconds": report.host_launch_seconds}
+    for name, value in expected.items():
+        assert figures[name].value == pytest.approx(value, rel=1e-2), name      # three digits written
+    assert figures["fp32_flops"].note                                           # how it was obtained
+    with pytest.raises(ValueError, match="name must be one of"):
+        hardware.figure("copy_bandwidth", record)
+
+
+def test_a_record_without_a_figure_names_the_missing_line(tmp_path):
+    record = tmp_path / "bench.md"
+    record.write_text("- empty kernel launch: 20.5 µs between events (median of 9)\n", encoding="utf-8")
+    assert hardware.figure("launch_seconds", record).value == pytest.approx(20.5e-6)
+    with pytest.raises(ValueError, match=r"bench.md has no line matching .*\(read_bandwidth\)"):
+        hardware.figure("read_bandwidth", record)
 
 
 def test_the_report_says_where_its_fp32_rate_comes_from(quick_report):
@@ -265,3 +304,37 @@ def test_ncu_table_sums_launches_by_kernel_and_shape():
         launches(NCU_CSV.replace('"us","5.5"', '"cycle","5.5"').splitlines())
     with pytest.raises(ValueError, match="no CSV header"):
         launches(["==PROF== nothing"])
+
+
+def test_engine_record_gives_each_rows_runs_and_the_floor_at_the_read_bandwidth():
+    """The engine report: each tok/s row says how many runs its median is of; the AR step's floor
+    is the weight bytes over the median read batch, with the slowest and fastest batch beside it."""
+    from ddtree.config import preset
+    from kernels.bench.engine import READ_BYTES, Run, ar_floor, format_report, weight_bytes_per_token
+
+    config = preset("small")
+    seconds = [READ_BYTES / 4.0e12, READ_BYTES / 4.4e12, READ_BYTES / 3.9e12]   # per pass, three batches
+    floor = ar_floor(config, 2e-3, 7, seconds)
+    assert floor["read_bandwidth"] == pytest.approx(4.0e12)                       # the median batch
+    assert floor["read_bandwidth_spread"] == [pytest.approx(3.9e12), pytest.approx(4.4e12)]
+    assert floor["floor_us"] == pytest.approx(1e6 * weight_bytes_per_token(config) / 4.0e12)
+    runs = [Run("engine, graphs", "AR", None, 500.0, 257, 7), Run("numpy (CPU)", "AR", None, 90.0, 257, 3)]
+    result = {"preset": "small", "runs": [dataclasses.asdict(r) for r in runs], "floor": floor,
+              "tree_sizes": [{"nodes": 1, "verify_us": 900.0, "rounds": 7, "experts_per_layer": 8.0}]}
+    text = format_report([result], [("GPU", "test")], "python -m kernels.bench engine")
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| engine") or
+            line.startswith("| numpy")]
+    assert [row[4] for row in rows] == ["7", "3"]                                 # the runs column
+    floor_line = next(line for line in text.splitlines() if line.startswith("AR step:"))
+    assert "(the median of 7 generations)" in floor_line
+    assert "at 4000 GB/s read bandwidth" in floor_line and "the median of 3 batches" in floor_line
+    assert "batches 3900 to 4400 GB/s" in floor_line and "copy" not in text
+    assert "| 1 | 900 | 7 | 8.0 |" in text
+
+
+def test_engine_bench_refuses_fewer_than_one_repeat(capsys):
+    from kernels.bench.engine import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err

@@ -293,11 +293,11 @@ def record_ops(model, *names: str, replace: dict | None = None):
 # --8<-- [start:h200]
 def h200() -> types.SimpleNamespace:
     """The H200 figures the chapters' cost models use, from the benchmark record on the GPU page:
-    bandwidth (bytes/s, a measured device-to-device copy), fp32 (FLOP/s, torch SGEMM with TF32
+    bandwidth (bytes/s, a measured read-only kernel), fp32 (FLOP/s, torch SGEMM with TF32
     off, as the record states) and launch (seconds of host time per numba launch from Python)."""
     from kernels.bench import hardware  # imports numba: only chapters that cost something pay it
 
-    return types.SimpleNamespace(bandwidth=hardware.copy_bandwidth(), fp32=hardware.fp32_flops(),
+    return types.SimpleNamespace(bandwidth=hardware.read_bandwidth(), fp32=hardware.fp32_flops(),
                                  launch=hardware.host_launch_seconds(), record=hardware.RESULTS.name)
 
 
@@ -311,7 +311,7 @@ def time_floor(bytes_moved: float, flops: float = 0.0) -> float:
 def print_h200() -> None:
     """One report line with the H200 figures the chapter's numbers use, and their source."""
     hw = h200()
-    print(f"H200 ({hw.record}): copy {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} TFLOP/s "
+    print(f"H200 ({hw.record}): read {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} TFLOP/s "
           f"(ridge {hw.fp32 / hw.bandwidth:.1f} FLOP/B),")
     print(f"  {hw.launch * 1e6:.1f} us of host time per kernel launch from Python")
 

@@ -30,11 +30,18 @@ copy nothing; the harness counts both and the tests check for zero. ``harness`` 
 Bytes and FLOPs come from the cost models in ``cases/``: ``bytes`` is the fewest bytes the work
 must move through device memory (every input read once, every output written once); a kernel that
 re-reads moves more, and its GB/s is then an effective rate. FLOPs count a multiply-add as 2. The
-ceilings, measured in the same run: the copy bandwidth (a 1 GiB device-to-device copy, read +
-write), an empty kernel's launch, and the fp32 rate (torch's SGEMM, else ``hardware``'s record).
-A case below the roofline's ridge (FLOPs per byte under fp32 rate / copy bandwidth) is
-memory-bound; a compute-bound one shows "-" under "% of copy BW" and its share of the fp32 rate in
-the note. "% of floor" = max(bytes / copy bandwidth, FLOPs / fp32 rate) over the device time.
+ceilings, measured in the same run: the read bandwidth (``harness.read_kernel`` reads a 1 GiB
+buffer once, passes launched back to back in batches; bytes read per second of the median batch,
+the slowest and fastest batch beside it), an empty kernel's launch, and the fp32 rate (torch's
+SGEMM, else ``hardware``'s record). The floor of a kernel that streams its weights is their bytes
+at the rate a kernel can read them: a copy's rate (read + write) is lower, and a GEMV beats it. A
+case below the roofline's ridge (FLOPs per byte under fp32 rate / read bandwidth) is
+memory-bound; a compute-bound one shows "-" under "% of read BW" and its share of the fp32 rate in
+the note. "% of floor" = max(bytes / read bandwidth, FLOPs / fp32 rate) over the device time.
+
+Every figure says how many repeats its median is of: n= timed calls and the graph replays in each
+case's note, the batches of the read bandwidth, the launches of the empty-launch time; the engine
+report gives each tok/s row's runs, the AR step's generations and each tree size's rounds.
 
 In the CUDA simulator timings are wall-clock seconds of Python threads: meaningless. The report
 says so loudly, and ``--out`` is refused there unless ``--quick``.

@@ -86,7 +86,7 @@ class Sizes:
     kv_layers: int                # layers of the cache compacted at once
     kv_capacity: int              # slots per layer of that cache
     accepted_len: int             # accepted path length (root included) in the compaction
-    copy_bytes: int               # buffer of the device-to-device copy ceiling
+    read_bytes: int               # buffer of the read-bandwidth ceiling (read_kernel)
     host_launches: int            # back-to-back launches timed on the host clock
 
 
@@ -97,7 +97,7 @@ def full_sizes() -> Sizes:
                  paths_contexts=(16384, 131072), paths_trees=(16, 64), paths_heads=(64, 8),
                  verify_prefix=4096, route_tokens=16, moe_experts=32, moe_tokens=16, requests=64,
                  depths=15, budgets=(16, 64, 256), accept_budget=256, kv_layers=61, kv_capacity=8192,
-                 accepted_len=8, copy_bytes=1 << 30, host_launches=200)
+                 accepted_len=8, read_bytes=1 << 30, host_launches=200)
 
 
 def quick_sizes() -> Sizes:
@@ -108,7 +108,7 @@ def quick_sizes() -> Sizes:
                  paths_contexts=(8, 24), paths_trees=(2, 3), paths_heads=(4, 4),
                  verify_prefix=8, route_tokens=2, moe_experts=4, moe_tokens=2, requests=2,
                  depths=3, budgets=(2, 4, 8), accept_budget=8, kv_layers=2, kv_capacity=64,
-                 accepted_len=3, copy_bytes=64 << 10, host_launches=3)
+                 accepted_len=3, read_bytes=4 << 10, host_launches=3)
 
 
 # --8<-- [start:fill_uniform_kernel]

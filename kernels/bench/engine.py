@@ -15,17 +15,17 @@ Every figure side by side, measured in one run on one machine:
   (device time between CUDA events, each phase replayed as its own graph), host (the rest of the
   round's wall time: copies, the wait for the record, Python); and the garbage collector's
   pauses inside the round (``GcPauses``: already counted in draft or host, shown beside them);
-- ``small``: the AR step against its floor (the weight bytes one token reads / the copy
-  bandwidth measured in this run), and the verify forward's time against the tree's size with the
-  number of distinct experts the tree wakes per MoE layer.
+- ``small``: the AR step against its floor (the weight bytes one token reads / the read
+  bandwidth measured in this run, ``harness.read_batches``), and the verify forward's time against
+  the tree's size with the number of distinct experts the tree wakes per MoE layer.
 
 ``--engine-only`` keeps the engine with graphs alone (AR, DDTree, launches, the round split): the
 second target's DDTree / AR ratios after a kernel change, without the slow columns.
 
 Timing: NEW_TOKENS new tokens after a PROMPT_TOKENS-token prompt; weights uploaded, kernels
 compiled and graphs captured (one warm-up run of each configuration) before the clock starts;
-the median of REPEATS runs. The results go to a markdown report and a JSON file (chapter 14
-draws from it).
+the median of ``--repeats`` runs (REPEATS unless given), each row saying how many. The results go
+to a markdown report and a JSON file (chapter 14 draws from it).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ddtree.weights import init_weights, save_pretrained, weight_shapes
 from kernels import decode as engine_decode
 from kernels import device
 from kernels.bench.environment import versions
-from kernels.bench.harness import COPY_BATCH, copy_batches, counting_launches
+from kernels.bench.harness import READ_BATCH, counting_launches, read_batches
 
 PRESETS = ("tiny", "tiny-b", "small")
 HOST_PRESETS = ("tiny", "tiny-b")      # small's weights are made on the GPU; numpy would take minutes a token
@@ -63,6 +63,7 @@ BLOCK = 8
 NEW_TOKENS = 256
 PROMPT_TOKENS = 8
 REPEATS = 5
+READ_BYTES = 1 << 30                   # the read bandwidth's buffer (the AR step's floor)
 SPLIT_BUDGET = 32                      # the round split is measured at this budget
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
 DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for the tree-size sweep
@@ -139,6 +140,7 @@ class Run:
     budget: int | None
     tokens_per_second: float
     forwards: int          # target forwards per run, prefill included
+    repeats: int           # timed runs tokens_per_second is the median of
 
 
 def ar_runs(system: str, generate, model, prompt, repeats: int, warm_up: bool) -> Run:
@@ -149,7 +151,7 @@ def ar_runs(system: str, generate, model, prompt, repeats: int, warm_up: bool) -
     if warm_up:
         run()                                                             # compile, capture
     rate, forwards = median_rate(run, NEW_TOKENS, repeats)
-    return Run(system, "AR", None, rate, forwards)
+    return Run(system, "AR", None, rate, forwards, repeats)
 
 
 def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int, warm_up: bool,
@@ -163,7 +165,7 @@ def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int
                 run()                                                     # compile, capture
             rate, trace = median_rate(run, NEW_TOKENS, repeats)
             runs.append(Run(system, f"DDTree {drafter_name}", budget, rate,
-                            trace.prefill_forwards + trace.verify_forwards))
+                            trace.prefill_forwards + trace.verify_forwards, repeats))
     return runs
 
 
@@ -287,8 +289,9 @@ def weight_bytes_per_token(config: ModelConfig) -> int:
     return 4 * total
 
 
-def tree_size_sweep(model, prompt) -> list[dict]:
-    """Verify time (device) against tree nodes, with the distinct experts the tree wakes."""
+def tree_size_sweep(model, prompt, repeats: int) -> list[dict]:
+    """Verify time (device; the median of ``repeats`` rounds) against tree nodes, with the distinct
+    experts the tree wakes."""
     c, rows = model.config, []
     moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
     for nodes in TREE_SIZES:
@@ -300,7 +303,7 @@ def tree_size_sweep(model, prompt) -> list[dict]:
         context = np.array(prompt)
         engine_decode.ddtree_round(model, cache, context, drafter, block, budget, None)   # warm-up
         times, woken = [], []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             cache = model.new_cache()
             model.prefill(cache, prompt[:-1], emit_token=False)
             model.round_timings = {}
@@ -309,7 +312,7 @@ def tree_size_sweep(model, prompt) -> list[dict]:
             model.round_timings = None
             woken.append(np.mean([np.unique(model.moe_scratch[layer].ids.copy_to_host()[:record.tokens.size]).size
                                   for layer in moe_layers]))
-        rows.append({"nodes": nodes, "verify_us": 1e6 * statistics.median(times),
+        rows.append({"nodes": nodes, "verify_us": 1e6 * statistics.median(times), "rounds": repeats,
                      "experts_per_layer": float(np.mean(woken))})
     return rows
 
@@ -424,8 +427,9 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
             raise AssertionError(f"{name}: the engine's AR tokens differ from numpy's")
         runs.append(Run(**measured["run"]))
     if name not in HOST_PRESETS:
-        result["floor"] = ar_floor(config, 1 / runs[0].tokens_per_second)
-        result["tree_sizes"] = tree_size_sweep(model, prompt)
+        result["floor"] = ar_floor(config, 1 / runs[0].tokens_per_second, runs[0].repeats,
+                                   read_batches(READ_BYTES, quick=False))
+        result["tree_sizes"] = tree_size_sweep(model, prompt, repeats)
         log(f"  floor {result['floor']}; tree sizes {result['tree_sizes']}")
     result["runs"] = [dataclasses.asdict(r) for r in runs]
     del model
@@ -439,37 +443,31 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
         log(f"  PyTorch, CUDA graph: {rate:.0f} tok/s (same tokens: {same})")
     if peers is not None:
         rate, same = transformers_rate(peers, config, host_weights(weights), prompt, continuation, repeats)
-        result["runs"].append(dataclasses.asdict(Run("transformers eager", "AR", None, rate, NEW_TOKENS)))
+        result["runs"].append(dataclasses.asdict(Run("transformers eager", "AR", None, rate, NEW_TOKENS,
+                                                     repeats)))
         result["transformers_same_tokens"] = same
         log(f"  transformers: {rate:.0f} tok/s (same tokens: {same})")
     return result
 
 
-def ar_floor(config: ModelConfig, ar_step_seconds: float) -> dict:
-    """The AR step against its floor: the weight bytes one token reads over the copy bandwidth,
-    measured now (1 GiB device-to-device copies back to back, read and write counted; the median
-    batch, and the slowest and fastest batch as the spread)."""
-    bandwidths = sorted(2 * (1 << 30) / seconds for seconds in copy_batches(1 << 30, quick=False))
+def ar_floor(config: ModelConfig, ar_step_seconds: float, ar_step_runs: int, read_seconds: list) -> dict:
+    """The AR step (the median of ``ar_step_runs`` generations) against its floor: the weight bytes
+    one token reads over the read bandwidth, from ``read_seconds`` = ``read_batches(READ_BYTES)``
+    measured now (a read-only kernel over 1 GiB, seconds per pass of each batch of READ_BATCH
+    passes back to back): the median batch, and the slowest and fastest batch as the spread."""
+    bandwidths = sorted(READ_BYTES / seconds for seconds in read_seconds)
     bandwidth = statistics.median(bandwidths)
     weight_bytes = weight_bytes_per_token(config)
-    return {"copy_bandwidth": bandwidth, "copy_bandwidth_spread": [bandwidths[0], bandwidths[-1]],
-            "floor_us": 1e6 * weight_bytes / bandwidth,
-            "ar_step_us": 1e6 * ar_step_seconds, "weight_bytes_per_token": weight_bytes}
+    return {"read_bandwidth": bandwidth, "read_bandwidth_spread": [bandwidths[0], bandwidths[-1]],
+            "read_batches": len(bandwidths), "floor_us": 1e6 * weight_bytes / bandwidth,
+            "ar_step_us": 1e6 * ar_step_seconds, "ar_step_runs": ar_step_runs,
+            "weight_bytes_per_token": weight_bytes}
 
 
-def copy_spread(floor: dict) -> str:
-    """The copy bandwidth's spread over its batches, for the record (older records have none)."""
-    if "copy_bandwidth_spread" not in floor:
-        return ""
-    low, high = floor["copy_bandwidth_spread"]
-    return (f", the median of batches of {COPY_BATCH} 1 GiB copies back to back; batches "
-            f"{low / 1e9:.0f} to {high / 1e9:.0f} GB/s")
-
-
-def floor_only(name: str, log) -> dict:
+def floor_only(name: str, repeats: int, log) -> dict:
     """The AR step against its floor and verify time against tree size, without the tok/s grid
-    (``--floor-only``: what ``small`` needs, in minutes instead of an hour). AR: one warmed-up
-    generation of NEW_TOKENS tokens, timed."""
+    (``--floor-only``: what ``small`` needs, in minutes instead of an hour). AR: the median of
+    ``repeats`` timed generations of NEW_TOKENS tokens after a warm-up one."""
     from kernels.model import Transformer
     from kernels.weights import init_weights as device_init_weights
 
@@ -480,13 +478,11 @@ def floor_only(name: str, log) -> dict:
     log(f"{name}: weights made in {time.perf_counter() - begin:.1f} s (GPU)")
     model = Transformer(config, weights)
     prompt = prompt_for(name, config)
-    engine_decode.generate_ar(model, prompt, NEW_TOKENS)                        # compile and capture
-    begin = time.perf_counter()
-    engine_decode.generate_ar(model, prompt, NEW_TOKENS)
-    ar_step = (time.perf_counter() - begin) / NEW_TOKENS
-    result = {"preset": name, "floor": ar_floor(config, ar_step)}
+    ar = ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=True)
+    result = {"preset": name, "floor": ar_floor(config, 1 / ar.tokens_per_second, repeats,
+                                                read_batches(READ_BYTES, quick=False))}
     log(f"  floor {result['floor']}")
-    result["tree_sizes"] = tree_size_sweep(model, prompt)
+    result["tree_sizes"] = tree_size_sweep(model, prompt, repeats)
     log(f"  tree sizes {result['tree_sizes']}")
     return result
 
@@ -529,20 +525,20 @@ def format_report(results: list[dict], header: list, command: str) -> str:
     lines = ["# Engine benchmark", "", f"Command: `{command}`", ""]
     lines += [f"- {key}: {value}" for key, value in header]
     if any(result.get("runs") for result in results):
-        lines += ["", f"{NEW_TOKENS} new tokens after a {PROMPT_TOKENS}-token prompt, block {BLOCK}; median "
-                  f"of {REPEATS} runs after a warm-up run (compiled, graphs captured). Forwards: target "
-                  f"forwards per run, prefill included."]
+        lines += ["", f"{NEW_TOKENS} new tokens after a {PROMPT_TOKENS}-token prompt, block {BLOCK}; tok/s: "
+                  f"the median of the row's runs, after a warm-up run (compiled, graphs captured) where "
+                  f"the system compiles. Forwards: target forwards per run, prefill included."]
     lines.append("")
     for result in results:
         name = result["preset"]
         lines += [f"## {name}", ""]
         if result.get("runs"):
-            table = ["| system | decoder | budget | tok/s | forwards | tokens per forward |",
-                     "|---|---|---|---|---|---|"]
+            table = ["| system | decoder | budget | tok/s | runs | forwards | tokens per forward |",
+                     "|---|---|---|---|---|---|---|"]
             for r in result["runs"]:
                 rate, forwards = r["tokens_per_second"], r["forwards"]
                 table.append(f"| {r['system']} | {r['decoder']} | {r['budget'] or '-'} | {rate:.0f} | "
-                             f"{forwards} | {NEW_TOKENS / forwards:.2f} |")
+                             f"{r['repeats']} | {forwards} | {NEW_TOKENS / forwards:.2f} |")
             lines += section(f"engine-{name}", table)
             verdicts = [f"- {line}" for line in targets(result)]
             if "transformers_same_tokens" in result:
@@ -561,13 +557,17 @@ def format_report(results: list[dict], header: list, command: str) -> str:
                       "events):", ""] + section(f"split-{name}", split)
         if "floor" in result:
             f = result["floor"]
-            floor = [f"AR step: {f['ar_step_us']:.0f} µs; floor {f['floor_us']:.0f} µs "
-                     f"({f['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token at "
-                     f"{f['copy_bandwidth'] / 1e9:.0f} GB/s copy bandwidth measured in this run"
-                     + copy_spread(f) + f"): {f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
-                     "| tree nodes | verify µs | distinct experts per MoE layer |", "|---|---|---|"]
-            floor += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['experts_per_layer']:.1f} |"
-                      for row in result["tree_sizes"]]
+            low, high = f["read_bandwidth_spread"]
+            floor = [f"AR step: {f['ar_step_us']:.0f} µs (the median of {f['ar_step_runs']} generations); "
+                     f"floor {f['floor_us']:.0f} µs ({f['weight_bytes_per_token'] / 1e9:.2f} GB of weights "
+                     f"per token at {f['read_bandwidth'] / 1e9:.0f} GB/s read bandwidth measured in this "
+                     f"run: `read_kernel` over {READ_BYTES >> 30} GiB, the median of {f['read_batches']} "
+                     f"batches of {READ_BATCH} passes back to back; batches {low / 1e9:.0f} to "
+                     f"{high / 1e9:.0f} GB/s): {f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
+                     "| tree nodes | verify µs | rounds | distinct experts per MoE layer |",
+                     "|---|---|---|---|"]
+            floor += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['rounds']} | "
+                      f"{row['experts_per_layer']:.1f} |" for row in result["tree_sizes"]]
             lines += [""] + section(f"floor-{name}", floor)
         lines.append("")
     return "\n".join(lines)
@@ -587,7 +587,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m kernels.bench engine",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
-    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help="timed runs each tok/s (and the floor's AR step, and each tree size's "
+                             "verify time) is the median of")
     parser.add_argument("--floor-only", action="store_true",
                         help="only the AR step against its floor and verify time against tree size")
     parser.add_argument("--engine-only", action="store_true",
@@ -598,7 +600,10 @@ def parse_args(argv):
                              "GPU's kernels; its ngram runs take minutes): every other column stays")
     parser.add_argument("--out", type=pathlib.Path,
                         help="write the markdown report here (and a .json beside it)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -613,7 +618,7 @@ def main(argv=None) -> int:
     log = lambda text: print(text, file=sys.stderr, flush=True)
     command = "python -m kernels.bench engine " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.floor_only:
-        print(write_record(args.out, [floor_only(n, log) for n in names], versions(), command))
+        print(write_record(args.out, [floor_only(n, args.repeats, log) for n in names], versions(), command))
         return 0
     on_host = [] if args.engine_only or args.no_numpy else [n for n in names if n in HOST_PRESETS]
     numpy_results = numpy_runs(on_host, args.repeats, log) if on_host else {}

@@ -2,16 +2,18 @@
 
 Every number here comes from ``RESULTS`` (docs/results/bench.md), the report
 ``python -m kernels.bench`` wrote on the project's H200 (its date, GPU and command are inside); a
-new run replaces the file, and the figures follow. ``figures()`` gives each one with where it comes from:
+new run replaces the file, and the figures follow. ``figure(name)`` gives each one with where it
+comes from, ``figures()`` all of them:
 
-- ``copy_bandwidth()``: bytes/s of a 1 GiB device-to-device copy, read + write counted: the
-  memory-bound ceiling measured in that run (below the 4.8 TB/s on the datasheet);
+- ``read_bandwidth()``: bytes/s a read-only kernel reads from a 1 GiB buffer: the ceiling of a
+  kernel that streams its weights, measured in that run (below the 4.8 TB/s on the datasheet);
 - ``launch_seconds()``: an empty kernel launch between two CUDA events, and
   ``host_launch_seconds()``: host time per launch, back to back, from Python;
 - ``fp32_flops()``: the fp32 rate the report used for compute-bound cases: torch SGEMM with TF32
   off on the same H200, as the record states it.
 
-The record lives in the source tree (docs/), so these work from a checkout, not an installed wheel.
+Each figure is read from its own line, when asked for. The record lives in the source tree
+(docs/), so these work from a checkout, not an installed wheel.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import re
 import typing
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench.md"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results" / "bench.md"
 
 _UNITS = {"GB/s": 1e9, "µs": 1e-6, "TFLOP/s": 1e12}
 _PATTERNS = {   # figure -> (a regular expression: groups number, unit and a note if any; what it is)
-    "copy_bandwidth": (r"- device-to-device copy of [^:]+: ([\d.]+) (GB/s)",
-                       "device-to-device copy, read + write counted (bytes/s)"),
+    "read_bandwidth": (r"- read bandwidth \(`read_kernel`[^:]+\): ([\d.]+) (GB/s)",
+                       "read-only kernel over a large buffer, bytes read (bytes/s)"),
     "launch_seconds": (r"- empty kernel launch: ([\d.]+) (µs) between events",
                        "empty kernel launch between two CUDA events (s)"),
     "host_launch_seconds": (r"; ([\d.]+) (µs) of host time per launch back to back",
@@ -45,40 +48,45 @@ class Figure(typing.NamedTuple):
 
 
 @functools.cache
-def figures() -> dict[str, Figure]:
-    """Every figure of the record, by name (see the module docstring)."""
-    if not RESULTS.exists():
-        raise FileNotFoundError(f"the H200 benchmark record {RESULTS} is missing: the hardware figures "
+def figure(name: str, record: Path = RESULTS) -> Figure:
+    """One figure of ``record`` by name (see the module docstring), from the line that states it."""
+    if name not in _PATTERNS:
+        raise ValueError(f"name must be one of {sorted(_PATTERNS)}, got {name!r}")
+    if not record.exists():
+        raise FileNotFoundError(f"the H200 benchmark record {record} is missing: the hardware figures "
                                 "are read from it (run from a source checkout)")
-    text = RESULTS.read_text(encoding="utf-8")
-    found = {}
-    for name, (pattern, what) in _PATTERNS.items():
-        match = re.search(pattern, text)
-        if match is None:
-            raise ValueError(f"{RESULTS.name} has no line matching {pattern!r} ({name})")
-        line = text[text.rfind("\n", 0, match.start()) + 1:text.find("\n", match.end())]
-        found[name] = Figure(float(match.group(1)) * _UNITS[match.group(2)],
-                             f"{what}: {RESULTS.relative_to(RESULTS.parents[2])}, line {line.strip()!r}",
-                             match.group(3) if match.lastindex == 3 else "")
-    return found
+    text = record.read_text(encoding="utf-8")
+    pattern, what = _PATTERNS[name]
+    match = re.search(pattern, text)
+    if match is None:
+        raise ValueError(f"{record.name} has no line matching {pattern!r} ({name})")
+    line = text[text.rfind("\n", 0, match.start()) + 1:text.find("\n", match.end())]
+    return Figure(float(match.group(1)) * _UNITS[match.group(2)],
+                  f"{what}: {record.relative_to(ROOT) if record.is_relative_to(ROOT) else record}, "
+                  f"line {line.strip()!r}",
+                  match.group(3) if match.lastindex == 3 else "")
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of the H200's device-to-device copy (read + write counted), as recorded."""
-    return figures()["copy_bandwidth"].value
+def figures(record: Path = RESULTS) -> dict[str, Figure]:
+    """Every figure of ``record``, by name."""
+    return {name: figure(name, record) for name in _PATTERNS}
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a read-only kernel reads on the H200, as recorded."""
+    return figure("read_bandwidth").value
 
 
 def launch_seconds() -> float:
     """Seconds of an empty numba kernel launch between two CUDA events on the H200, as recorded."""
-    return figures()["launch_seconds"].value
+    return figure("launch_seconds").value
 
 
 def host_launch_seconds() -> float:
     """Host seconds per numba kernel launch from Python, back to back, on the H200, as recorded."""
-    return figures()["host_launch_seconds"].value
+    return figure("host_launch_seconds").value
 
 
 def fp32_flops() -> float:
     """FLOP/s of fp32 on the H200 (torch SGEMM with TF32 off), as recorded."""
-    return figures()["fp32_flops"].value
-
+    return figure("fp32_flops").value

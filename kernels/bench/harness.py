@@ -1,6 +1,6 @@
 """The timing harness: CUDA-event timing of one public call and of the same kernels replayed from
 a CUDA graph (device time), the number of timed calls, launch and allocation counting, the
-ceilings (copy bandwidth, empty launch, fp32 rate), torch beside each case that has a peer, and
+ceilings (read bandwidth, empty launch, fp32 rate), torch beside each case that has a peer, and
 ``benchmark``, which runs every case.
 
 How a case is timed (the inputs are allocated once per input set, before timing, and filled with
@@ -22,6 +22,13 @@ random values: zeros can hide unwritten outputs and run faster than real data):
 6. torch, where the case has a peer and torch runs here: the same work on the same device
    arrays, C copies in a torch CUDA graph, timed the same way.
 
+The ceilings, measured first: the read bandwidth (``read_kernel`` reads a float32 buffer of 1 GiB
+once, READ_BATCH passes launched back to back between two events, batches for about 0.2 s and at
+least 5; the median batch, and the slowest and fastest as the spread; bytes read counted, not the
+block partials written), the empty launch (median between events, host time back to back, device
+time replayed from a graph) and the fp32 rate (``measure_fp32``). Weights are read, not copied, so
+a weight-streaming kernel's floor is its bytes over the read bandwidth.
+
 With ``--quick`` (the simulator's smoke test): one input set, one call as warm-up and timing, and
 the outputs-given launches once, directly (the simulator has no graphs). The tree-build cases
 also time the numpy reference on the same requests, on the host clock (the speed-up is in the
@@ -41,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cuda
+from numba import cuda, float32
 
 from kernels.bench import hardware, peers
 from kernels.bench.case import Case, Sizes, uniform
@@ -56,13 +63,54 @@ MAX_SETS = 64                   # input sets rotated to keep small cases out of 
 SETS_MEMORY = 16 << 30          # ... holding at most this much device memory together
 GRAPH_SECONDS = 2e-3            # device time: one graph holds about this much work ...
 MAX_COPIES = 64                 # ... in at most this many copies of the case's launches
-COPY_BATCH = 8                  # copies back to back between two events (copy bandwidth)
+READ_BATCH = 8                  # read kernels back to back between two events (read bandwidth)
+READ_THREADS = 256              # threads per block of the read kernel ...
+READ_LOADS = 4                  # ... each with this many independent loads in flight per step ...
+READ_BLOCKS_PER_SM = 8          # ... in at most this many blocks per SM (2048 threads: a full SM)
 
 
 @cuda.jit
 def empty_kernel():
     # one thread does nothing: the launch overhead alone
     pass
+
+
+@cuda.jit
+def read_kernel(values, partials):
+    # thread: a grid-stride walk over values, READ_LOADS (4) strides a step into 4 float32 sums
+    # (independent loads in flight); block: READ_THREADS sums added in shared memory, its partial
+    # to partials[block] (a result the loads feed, so none can be dropped)
+    thread, block = cuda.threadIdx.x, cuda.blockIdx.x
+    stride = cuda.gridDim.x * READ_THREADS
+    i = block * READ_THREADS + thread
+    s0 = s1 = s2 = s3 = float32(0.0)
+    while i + 3 * stride < values.size:
+        s0 += values[i]
+        s1 += values[i + stride]
+        s2 += values[i + 2 * stride]
+        s3 += values[i + 3 * stride]
+        i += 4 * stride
+    while i < values.size:                     # the tail: fewer than 4 strides left
+        s0 += values[i]
+        i += stride
+    sums = cuda.shared.array(READ_THREADS, float32)
+    sums[thread] = (s0 + s1) + (s2 + s3)
+    cuda.syncthreads()
+    width = READ_THREADS // 2
+    while width > 0:
+        if thread < width:
+            sums[thread] += sums[thread + width]
+        cuda.syncthreads()
+        width //= 2
+    if thread == 0:
+        partials[block] = sums[0]
+
+
+def read_blocks(count: int) -> int:
+    """Blocks of ``read_kernel`` over ``count`` float32: enough for one step of READ_LOADS loads
+    per thread, at most READ_BLOCKS_PER_SM per SM (the grid-stride walk covers the rest)."""
+    sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None) or 1    # the simulator: None
+    return max(1, min(-(-count // (READ_THREADS * READ_LOADS)), READ_BLOCKS_PER_SM * sms))
 
 
 def time_once(call: Callable[[], Any], events) -> tuple[float, float]:
@@ -117,6 +165,7 @@ class DeviceTime:
     launches: int | None                       # kernel launches per call
     allocations: int                           # device allocations and host copies per call (0 expected)
     copies: int                                # calls per graph replay
+    replays: int                               # timed replays the median is of
 
 
 def graph_seconds(launches: list[Callable[[Any], Any]], copies: int, quick: bool) -> DeviceTime:
@@ -129,7 +178,7 @@ def graph_seconds(launches: list[Callable[[Any], Any]], copies: int, quick: bool
             begin = time.perf_counter()
             launches[0](0)
             seconds = time.perf_counter() - begin
-        return DeviceTime(seconds, count[0], allocations[0], 1)
+        return DeviceTime(seconds, count[0], allocations[0], 1, 1)
     from cuda.core import EventOptions
 
     device = core_device()
@@ -158,7 +207,7 @@ def graph_seconds(launches: list[Callable[[Any], Any]], copies: int, quick: bool
     seconds = statistics.median(replay() for _ in range(repeats))
     stream.sync()
     return DeviceTime(seconds, None if count[0] is None else count[0] // copies, allocations[0] // copies,
-                      copies)
+                      copies, repeats)
 
 
 @contextlib.contextmanager
@@ -268,9 +317,10 @@ class Report:
     simulator: bool
     quick: bool
     header: list                               # (key, value) pairs
-    copy_bytes: int                            # size of the copied buffer
-    copy_seconds: float                        # median per copy
+    read_bytes: int                            # size of the buffer the read kernel reads
+    read_seconds: list                         # seconds per read, one per timed batch (read_batches)
     launch_seconds: float                      # median event time around one empty launch
+    launch_repeats: int                        # launches that median is of
     host_launch_seconds: float                 # host time per launch, back to back
     results: list
     graph_launch_seconds: float = 0.0          # device time per empty launch replayed from a graph
@@ -278,9 +328,14 @@ class Report:
     fp32_source: str = ""                      # measured here (torch), or the recorded figure
 
     @property
-    def copy_bandwidth(self) -> float:
-        """Bytes per second of the device-to-device copy, read + write counted."""
-        return 2 * self.copy_bytes / self.copy_seconds
+    def read_bandwidth(self) -> float:
+        """Bytes read per second by the read kernel: the median batch."""
+        return self.read_bytes / statistics.median(self.read_seconds)
+
+    @property
+    def read_spread(self) -> tuple[float, float]:
+        """(slowest, fastest) batch's read bandwidth, bytes per second."""
+        return self.read_bytes / max(self.read_seconds), self.read_bytes / min(self.read_seconds)
 
     @property
     def fp32(self) -> float:
@@ -350,34 +405,29 @@ def run_case(case: Case, quick: bool) -> Result:
                   device_error, peer_seconds, peer_error)
 
 
-def copy_batches(nbytes: int, quick: bool) -> list[float]:
-    """Seconds per device-to-device copy of ``nbytes`` (random data) in each timed batch of
-    COPY_BATCH copies issued back to back between two events: the GPU stays busy through a batch,
-    as it does through a forward. (One copy alone between events, the GPU idle before it, measured
-    2883 to 3463 GB/s from run to run on the H200, where back-to-back copies ran at 4242 GB/s.)"""
-    src = uniform((nbytes // F32,), 1)
-    dst = cuda.device_array(src.shape, np.float32)
-    batch = lambda: [dst.copy_to_device(src) for _ in range(COPY_BATCH)]
-    batch()
+def read_batches(nbytes: int, quick: bool) -> list[float]:
+    """Seconds per ``read_kernel`` pass over ``nbytes`` of random float32, in each timed batch of
+    READ_BATCH passes launched back to back between two events: the GPU stays busy through a
+    batch, as it does through a forward (one pass alone after an idle GPU reads slower, and
+    varies from run to run). A forward's weights are read, not copied: this is their ceiling."""
+    values = uniform((nbytes // F32,), 1)
+    partials = cuda.device_array(read_blocks(values.size), np.float32)
+    batch = lambda: [read_kernel[partials.size, READ_THREADS](values, partials) for _ in range(READ_BATCH)]
+    batch()                                                                     # compiles
     cuda.synchronize()
     repeats = repeats_for(batch, quick)
     events = (cuda.event(), cuda.event())
-    return [time_once(batch, events)[0] / COPY_BATCH for _ in range(repeats)]
+    return [time_once(batch, events)[0] / READ_BATCH for _ in range(repeats)]
 
 
-def measure_copy(nbytes: int, quick: bool) -> float:
-    """Median seconds of one device-to-device copy of ``nbytes``, copies back to back
-    (``copy_batches``)."""
-    return statistics.median(copy_batches(nbytes, quick))
-
-
-def measure_launch(quick: bool, host_launches: int) -> tuple[float, float, float]:
-    """(median event seconds around one empty launch, host seconds per launch back to back,
-    device seconds per empty launch replayed from a graph)."""
+def measure_launch(quick: bool, host_launches: int) -> tuple[float, int, float, float]:
+    """(median event seconds around one empty launch, the launches it is the median of, host
+    seconds per launch back to back, device seconds per empty launch replayed from a graph)."""
     launch = lambda: empty_kernel[1, 32]()
     launch()                                                                    # compiles
     cuda.synchronize()
-    seconds = median_seconds([launch], repeats_for(launch, quick))[0]
+    repeats = repeats_for(launch, quick)
+    seconds = median_seconds([launch], repeats)[0]
     begin = time.perf_counter()
     for _ in range(host_launches):
         launch()
@@ -385,7 +435,7 @@ def measure_launch(quick: bool, host_launches: int) -> tuple[float, float, float
     host = (time.perf_counter() - begin) / host_launches
     in_graph = graph_seconds([lambda stream: empty_kernel[1, 32, stream]()], 1 if quick else MAX_COPIES,
                              quick)
-    return seconds, host, in_graph.seconds
+    return seconds, repeats, host, in_graph.seconds
 
 
 def measure_fp32(quick: bool) -> tuple[float, str]:
@@ -395,7 +445,7 @@ def measure_fp32(quick: bool) -> tuple[float, str]:
         size = peers.SGEMM_SIZE
         return peers.sgemm_flops(1 if quick else MIN_REPEATS), (
             f"measured here: torch SGEMM {size}x{size}x{size}, TF32 off, from a CUDA graph")
-    recorded = hardware.figures()["fp32_flops"]
+    recorded = hardware.figure("fp32_flops")
     return recorded.value, f"not measured here: {recorded.note}"
 
 
@@ -416,10 +466,11 @@ def quiet_launches():
 def benchmark(sizes: Sizes, cases: list[Case], quick: bool, log=print) -> Report:
     """Measure the ceilings, then every case; ``log`` gets one progress line per step."""
     with quiet_launches():
-        copy_seconds = measure_copy(sizes.copy_bytes, quick)
-        free_device_memory()                                                    # the two buffers
-        log(f"copy: {2 * sizes.copy_bytes / copy_seconds / 1e9:.1f} GB/s")
-        launch_seconds, host_launch_seconds, graph_launch_seconds = measure_launch(quick, sizes.host_launches)
+        read_seconds = read_batches(sizes.read_bytes, quick)
+        free_device_memory()                                                    # the read buffer
+        log(f"read: {sizes.read_bytes / statistics.median(read_seconds) / 1e9:.1f} GB/s")
+        launch_seconds, launch_repeats, host_launch_seconds, graph_launch_seconds = measure_launch(
+            quick, sizes.host_launches)
         log(f"empty launch: {launch_seconds * 1e6:.1f} us, {graph_launch_seconds * 1e6:.2f} us in a graph")
         fp32_flops, fp32_source = measure_fp32(quick)
         log(f"fp32: {fp32_flops / 1e12:.1f} TFLOP/s ({fp32_source})")
@@ -429,5 +480,5 @@ def benchmark(sizes: Sizes, cases: list[Case], quick: bool, log=print) -> Report
             device = results[-1].device
             log(f"{case.name}: {results[-1].seconds * 1e6:.1f} us per call, "
                 + (f"{device.seconds * 1e6:.1f} us device" if device else results[-1].device_error))
-    return Report(SIMULATOR, quick, versions(), sizes.copy_bytes, copy_seconds, launch_seconds,
-                  host_launch_seconds, results, graph_launch_seconds, fp32_flops, fp32_source)
+    return Report(SIMULATOR, quick, versions(), sizes.read_bytes, read_seconds, launch_seconds,
+                  launch_repeats, host_launch_seconds, results, graph_launch_seconds, fp32_flops, fp32_source)
