@@ -438,7 +438,8 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
         from kernels.bench.torch_peer import peer_rate
         rate, same = peer_rate(config, weights, prompt, continuation, repeats)
         forwards = prompt.size + NEW_TOKENS - 1          # the prompt runs row by row through the graph
-        result["runs"].append(dataclasses.asdict(Run("PyTorch, CUDA graph", "AR", None, rate, forwards)))
+        result["runs"].append(dataclasses.asdict(Run("PyTorch, CUDA graph", "AR", None, rate, forwards,
+                                                     repeats)))
         result["torch_peer_same_tokens"] = same
         log(f"  PyTorch, CUDA graph: {rate:.0f} tok/s (same tokens: {same})")
     if peers is not None:
