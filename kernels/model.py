@@ -466,6 +466,9 @@ class Transformer:
         self.made = {}                # launch sequences and buffer views by key, made once
         self.sampling = False         # temperature > 0 (set_sampling): rows draw instead of argmax
         self.temperature, self.seed = 0.0, 0
+        # the uploads and fills above ran on numba's default stream, which the engine's stream
+        # (non-blocking) does not wait for: they finish before the engine's first launch reads them
+        cuda.synchronize()
 
     def cached(self, key, make):
         """``make()`` the first time ``key`` is asked for, the same object after: the views and

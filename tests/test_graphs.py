@@ -57,4 +57,6 @@ def test_the_engine_stream_is_on_numbas_device():
     engine's launches, copies and graph replays share numba's context."""
     graphs = Graphs()
     assert graphs.stream.device.device_id == cuda.get_current_device().id
-    assert graphs.download(cuda.to_device(np.arange(3))).tolist() == [0, 1, 2]
+    numbers = cuda.to_device(np.arange(3))
+    cuda.synchronize()    # numba's copy runs on the default stream, which the engine's stream does not wait for
+    assert graphs.download(numbers).tolist() == [0, 1, 2]
