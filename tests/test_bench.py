@@ -338,3 +338,29 @@ def test_engine_bench_refuses_fewer_than_one_repeat(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "0"])
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_engine_bench_auto_rows_time_a_table_per_drafter_and_stay_lossless(monkeypatch):
+    """Budget auto's rows: the drafter's cost table timed at warm-up (simulated seconds here: only
+    the plumbing is checked), then runs that must give AR's tokens; the report lists the budgets
+    chosen and the >= 0.98 target."""
+    from ddtree import golden
+    from kernels import decode as engine_decode
+    from kernels.bench import engine as bench
+    from kernels.model import Transformer
+
+    monkeypatch.setattr(bench, "NEW_TOKENS", 2)
+    model = Transformer(*golden.golden_model("micro"), max_tree_nodes=4)
+    prompt = golden.default_prompt("micro")[:2]
+    continuation = engine_decode.generate_ar(model, prompt, 2)
+    runs, chosen = bench.auto_runs(model, prompt, continuation, 1, 1, drafters=("oracle",))
+    [run] = runs
+    assert (run.system, run.decoder, run.budget) == ("engine, graphs", "DDTree oracle", "auto")
+    table = chosen["oracle"]["cost_table"]
+    assert len(table["verify"]) == 1 and table["ar_step"] > 0
+    assert set(chosen["oracle"]["budgets"]) <= {0, 1} and chosen["oracle"]["budgets"]
+    ar = bench.Run("engine, graphs", "AR", None, run.tokens_per_second, 2, 1)
+    result = {"preset": "micro", "runs": [dataclasses.asdict(ar), dataclasses.asdict(run)], "auto": chosen}
+    text = bench.format_report([result], [("GPU", "test")], "python -m kernels.bench engine")
+    assert "DDTree oracle, budget auto: DDTree/AR 1.00 (target >= 0.98: met)" in text
+    assert "<!-- --8<-- [start:auto-micro] -->" in text and "| oracle | " in text

@@ -58,5 +58,5 @@ def test_the_engine_stream_is_on_numbas_device():
     graphs = Graphs()
     assert graphs.stream.device.device_id == cuda.get_current_device().id
     numbers = cuda.to_device(np.arange(3))
-    cuda.synchronize()    # numba's copy runs on the default stream, which the engine's stream does not wait for
+    cuda.synchronize()    # numba's copy runs on the default stream, which the engine's stream ignores
     assert graphs.download(numbers).tolist() == [0, 1, 2]

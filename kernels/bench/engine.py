@@ -2,13 +2,14 @@
 
 Every figure side by side, measured in one run on one machine:
 
-- tokens/s of AR and of DDTree (each drafter, block 8, budgets 16/32/64) for the engine with
-  CUDA graphs, the same engine with graphs off (the same buckets and kernels, launched from
-  Python; DDTree at budget 32 only: with every launch from Python a run takes seconds), the
-  numpy reference on the CPU (tiny and tiny-b; one worker process per configuration, before the
-  GPU part), and transformers' ``DeepseekV3ForCausalLM`` (eager, fp32, TF32 off) ``generate``
-  on the same GPU from the project's own checkpoint (skipped with a message when transformers
-  is not installed);
+- tokens/s of AR and of DDTree (each drafter, block 8, budgets 16/32/64 or ``--budgets``, and
+  ``budget="auto"`` with the cost table timed for that drafter at warm-up, budgets up to the
+  largest of the grid) for the engine with CUDA graphs, the same engine with graphs off (the same
+  buckets and kernels, launched from Python; DDTree at budget 32 only: with every launch from
+  Python a run takes seconds), the numpy reference on the CPU (tiny and tiny-b; one worker process
+  per configuration, before the GPU part), and transformers' ``DeepseekV3ForCausalLM`` (eager,
+  fp32, TF32 off) ``generate`` on the same GPU from the project's own checkpoint (skipped with a
+  message when transformers is not installed);
 - target forwards per run (prefill included in both decoders), kernel launches per forward;
 - each round's time split: draft (the drafter's kernels, or its ``propose`` on the host for the
   "(host)" rows and the "engine, host drafters" runs), top-k, build, verify, accept+compact
@@ -31,6 +32,7 @@ to a markdown report and a JSON file (chapter 14 draws from it).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import gc
@@ -47,6 +49,7 @@ import numpy as np
 
 from ddtree import decode as reference_decode
 from ddtree import golden
+from ddtree.cli import budget_list
 from ddtree.config import ModelConfig, preset
 from ddtree.drafters import DRAFTERS, make_drafter
 from ddtree.model import Transformer as ReferenceTransformer
@@ -55,10 +58,13 @@ from kernels import decode as engine_decode
 from kernels import device
 from kernels.bench.environment import versions
 from kernels.bench.harness import READ_BATCH, counting_launches, read_batches
+from kernels.model import DEFAULT_MAX_TREE_NODES
 
 PRESETS = ("tiny", "tiny-b", "small")
 HOST_PRESETS = ("tiny", "tiny-b")      # small's weights are made on the GPU; numpy would take minutes a token
 BUDGETS = (16, 32, 64)
+AUTO = "auto"                          # the cost-aware budget (ddtree.budget), a row beside the grid's
+MAX_BUDGET = DEFAULT_MAX_TREE_NODES - 1  # the engine's largest tree: the grid's limit
 BLOCK = 8
 NEW_TOKENS = 256
 PROMPT_TOKENS = 8
@@ -137,7 +143,7 @@ class RandomDrafter:
 class Run:
     system: str            # "engine, graphs", "engine, no graphs", "numpy (CPU)", "transformers eager"
     decoder: str           # "AR" or "DDTree <drafter>"
-    budget: int | None
+    budget: int | str | None   # an integer, "auto" or None (AR)
     tokens_per_second: float
     forwards: int          # target forwards per run, prefill included
     repeats: int           # timed runs tokens_per_second is the median of
@@ -169,13 +175,36 @@ def ddtree_runs(system: str, generate, model, prompt, continuation, repeats: int
     return runs
 
 
-def ddtree_run(system, generate, model, prompt, continuation, drafter_name, budget):
+def ddtree_run(system, generate, model, prompt, continuation, drafter_name, budget, cost_table=None):
     """One timed DDTree generation (the drafter is made inside: the oracles read the continuation)."""
     drafter = make_drafter(drafter_name, model, prompt, NEW_TOKENS, continuation=continuation)
-    tokens, trace = generate(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK, budget=budget)
+    tokens, trace = generate(model, prompt, NEW_TOKENS, drafter, block_size=BLOCK, budget=budget,
+                             cost_table=cost_table)
     if not np.array_equal(tokens, continuation):
         raise AssertionError(f"{system} DDTree[{drafter_name}, budget {budget}] != AR")
     return trace
+
+
+def auto_runs(model, prompt, continuation, repeats: int, max_budget: int,
+              drafters=DRAFTERS) -> tuple[list[Run], dict]:
+    """The engine with graphs at ``budget="auto"``, per drafter: its cost table timed at warm-up
+    with that drafter (``kernels.decode.measure_cost_table``, budgets 0..``max_budget``, the median
+    of ``repeats`` rounds each), one untimed run (graphs of the budgets it picks), then the timed
+    runs. Returns the runs and, per drafter, its table and the budgets the last run chose."""
+    runs, chosen = [], {}
+    for drafter_name in drafters:
+        drafter = make_drafter(drafter_name, model, prompt, NEW_TOKENS, continuation=continuation)
+        table = engine_decode.measure_cost_table(model, prompt, drafter, BLOCK, max_budget=max_budget,
+                                                 repeats=repeats)
+        run = functools.partial(ddtree_run, "engine, graphs", engine_decode.generate_ddtree, model, prompt,
+                                continuation, drafter_name, AUTO, cost_table=table)
+        run()                                                             # capture the chosen sizes
+        rate, trace = median_rate(run, NEW_TOKENS, repeats)
+        runs.append(Run("engine, graphs", f"DDTree {drafter_name}", AUTO, rate,
+                        trace.prefill_forwards + trace.verify_forwards, repeats))
+        chosen[drafter_name] = {"cost_table": {"ar_step": table.ar_step, "verify": list(table.verify)},
+                                "budgets": [int(b) for b in trace.budgets]}
+    return runs, chosen
 
 
 def numpy_task(task) -> dict:
@@ -193,7 +222,7 @@ def numpy_task(task) -> dict:
     return {"preset": name, "run": dataclasses.asdict(run), "tokens": continuation.tolist()}
 
 
-def numpy_runs(names, repeats: int, log) -> dict[str, list]:
+def numpy_runs(names, repeats: int, log, budgets=BUDGETS) -> dict[str, list]:
     """The numpy reference on the CPU for every host preset, its measurements in parallel worker
     processes (one per configuration; started before the GPU is touched), so they cost the run
     seconds, not minutes. Each worker is single-threaded, as the reference is."""
@@ -203,7 +232,7 @@ def numpy_runs(names, repeats: int, log) -> dict[str, list]:
 
     tasks = [(name, "AR", None, repeats) for name in names]
     tasks += [(name, f"DDTree {drafter}", budget, repeats) for name in names for drafter in DRAFTERS
-              for budget in BUDGETS]
+              for budget in budgets]
     workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 2))
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -390,7 +419,8 @@ def preset_weights(name: str) -> dict:
     return weights
 
 
-def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engine_only: bool = False) -> dict:
+def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engine_only: bool = False,
+                 budgets=BUDGETS) -> dict:
     from kernels.model import Transformer
 
     config = preset(name)
@@ -405,7 +435,9 @@ def bench_preset(name: str, repeats: int, peers, numpy_results: list, log, engin
     continuation = engine_decode.generate_ar(model, prompt, NEW_TOKENS)
     runs = [ar_runs("engine, graphs", engine_decode.generate_ar, model, prompt, repeats, warm_up=True)]
     runs += ddtree_runs("engine, graphs", engine_decode.generate_ddtree, model, prompt, continuation, repeats,
-                        warm_up=True)
+                        warm_up=True, budgets=budgets)
+    auto, result["auto"] = auto_runs(model, prompt, continuation, repeats, max(budgets))
+    runs += auto
     model.device_drafters = False                 # each drafter's propose on the host, as the reference's
     runs += ddtree_runs("engine, host drafters", engine_decode.generate_ddtree, model, prompt, continuation,
                         repeats, warm_up=True, budgets=(SPLIT_BUDGET,))
@@ -489,8 +521,9 @@ def floor_only(name: str, repeats: int, log) -> dict:
 
 
 def targets(result: dict) -> list[str]:
-    """Issue 7's two targets for a preset, each as measured: engine AR / transformers >= 5;
-    DDTree / engine AR >= 0.8 x (AR forwards / DDTree forwards)."""
+    """A preset's targets, each as measured: engine AR / transformers >= 5 and / the PyTorch peer
+    >= 1; DDTree / engine AR >= 0.8 x (AR forwards / DDTree forwards) at a fixed budget, and
+    >= 0.98 at budget auto (never slower than AR, within the timing's spread)."""
     runs = result["runs"]
     engine_ar = next(r for r in runs if r["system"] == "engine, graphs" and r["decoder"] == "AR")
     lines = []
@@ -508,6 +541,10 @@ def targets(result: dict) -> list[str]:
     for r in runs:
         if r["system"] == "engine, graphs" and r["decoder"] != "AR":
             speed = r["tokens_per_second"] / engine_ar["tokens_per_second"]
+            if r["budget"] == AUTO:
+                lines.append(f"{r['decoder']}, budget auto: DDTree/AR {speed:.2f} (target >= 0.98: "
+                             f"{'met' if speed >= 0.98 else 'missed'})")
+                continue
             needed = 0.8 * engine_ar["forwards"] / r["forwards"]
             verdict = "met" if speed >= needed else "missed"
             lines.append(f"{r['decoder']}, budget {r['budget']}: DDTree/AR {speed:.2f} vs 0.8 x forwards "
@@ -546,6 +583,15 @@ def format_report(results: list[dict], header: list, command: str) -> str:
                 verdicts.append(f"- transformers generated the engine's tokens: "
                                 f"{'yes' if result['transformers_same_tokens'] else 'no'}")
             lines += ["", "Targets:", ""] + section(f"targets-{name}", verdicts)
+        if result.get("auto"):
+            chosen = ["| drafter | rounds | budgets chosen (rounds at each) |", "|---|---|---|"]
+            for drafter_name, auto in result["auto"].items():
+                counts = collections.Counter(auto["budgets"])
+                chosen.append(f"| {drafter_name} | {len(auto['budgets'])} | "
+                              + ", ".join(f"{b} x{counts[b]}" for b in sorted(counts)) + " |")
+            lines += ["", f"Budget auto: each drafter's cost table timed at warm-up (budgets 0 to "
+                      f"{len(next(iter(result['auto'].values()))['cost_table']['verify'])}; 0 is an AR "
+                      "step); the budgets its last timed run chose:", ""] + section(f"auto-{name}", chosen)
         if "launches" in result:
             lines += ["", "Kernel launches: " + ", ".join(f"{k} {v}" for k, v in result["launches"].items())]
         if "split" in result:
@@ -591,6 +637,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help="timed runs each tok/s (and the floor's AR step, and each tree size's "
                              "verify time) is the median of")
+    parser.add_argument("--budgets", type=budget_list, default=BUDGETS,
+                        help="the DDTree grid's budgets, e.g. 1,2,4,8,16,32,64 (budget auto's table spans "
+                             "1 to the largest)")
     parser.add_argument("--floor-only", action="store_true",
                         help="only the AR step against its floor and verify time against tree size")
     parser.add_argument("--engine-only", action="store_true",
@@ -604,6 +653,9 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.budgets[-1] > MAX_BUDGET:
+        parser.error(f"--budgets must be at most {MAX_BUDGET} (the engine's largest tree, "
+                     f"kernels.model.DEFAULT_MAX_TREE_NODES - 1), got {args.budgets[-1]}")
     return args
 
 
@@ -622,7 +674,7 @@ def main(argv=None) -> int:
         print(write_record(args.out, [floor_only(n, args.repeats, log) for n in names], versions(), command))
         return 0
     on_host = [] if args.engine_only or args.no_numpy else [n for n in names if n in HOST_PRESETS]
-    numpy_results = numpy_runs(on_host, args.repeats, log) if on_host else {}
+    numpy_results = numpy_runs(on_host, args.repeats, log, args.budgets) if on_host else {}
     peers, missing = (None, "") if args.engine_only else load_transformers()
     if missing:
         log(f"note: {missing}")
@@ -631,7 +683,8 @@ def main(argv=None) -> int:
         header.append(("peer", f"torch {peers[0].__version__}, transformers {peers[1].__version__}"))
     results = []
     for n in names:                               # the report is rewritten after every preset
-        results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log, args.engine_only))
+        results.append(bench_preset(n, args.repeats, peers, numpy_results.get(n, []), log, args.engine_only,
+                                    args.budgets))
         report = write_record(args.out, results, header, command)
     print(report)
     return 0
