@@ -23,6 +23,7 @@ import numpy as np
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 from ddtree import decode as reference_decode
+from ddtree.config import preset
 from ddtree.drafters import make_drafter
 from ddtree.tree import tree_size
 from kernels import decode as engine_decode
@@ -201,6 +202,78 @@ def round_budget(record) -> None:
             print()
 
 
+def verify_fit(rows) -> np.ndarray:
+    """Least squares over the trees of two nodes and more: verify µs = a + b x (distinct experts per
+    MoE layer) + c x (rows); returns (a, b, c). The one-row forward takes its own fast path, so it
+    is left out of the fit."""
+    many = [row for row in rows if row["nodes"] >= 2]
+    terms = np.array([[1.0, row["experts_per_layer"], row["nodes"]] for row in many])   # [n, 3]
+    times = np.array([row["verify_us"] for row in many])                                # [n]
+    return np.linalg.lstsq(terms, times, rcond=None)[0]
+
+
+def fitted(fit: np.ndarray, row: dict) -> float:
+    """The fit's verify µs for one row of the record's tree sizes."""
+    return float(fit @ [1.0, row["experts_per_layer"], row["nodes"]])
+
+
+def uniform_experts(nodes: np.ndarray, experts: int, chosen: int) -> np.ndarray:
+    """Distinct experts per layer that ``nodes`` tokens wake if each picked its ``chosen`` of
+    ``experts`` uniformly and independently: E (1 - (1 - k/E)^n)."""
+    return experts * (1.0 - (1.0 - chosen / experts) ** nodes)
+
+
+def moe_verify(record):
+    """small's verify against its tree's size, from the record's floor section: the distinct
+    experts woken per MoE layer beside uniform routing, and the verify time beside the fit.
+    Returns plot_moe_verify's arguments, or None when the record has no such section."""
+    result = next((r for r in record["results"] if "tree_sizes" in r), None)
+    if result is None:
+        return None
+    config = preset(result["preset"])
+    experts, chosen = config.n_routed_experts, config.num_experts_per_tok
+    rows, fit = result["tree_sizes"], verify_fit(result["tree_sizes"])
+    with chapter.section("moe_verify"):
+        print(f"{result['preset']}: E = {experts} routed experts, k = {chosen} per token")
+        print(f"  verify us ~ {fit[0]:.0f} + {fit[1]:.1f} x experts + {fit[2]:.1f} x rows "
+              f"(least squares over >= 2 nodes)")
+        print(f"  {'nodes':>5} {'verify us':>9} {'fit us':>7} {'experts':>7} {'uniform':>7}")
+        for row in rows:
+            predicted = fitted(fit, row)
+            uniform = uniform_experts(np.array(row["nodes"]), experts, chosen)
+            shown = f"{predicted:7.0f}" if row["nodes"] >= 2 else f"{'-':>7}"
+            print(f"  {row['nodes']:>5} {row['verify_us']:>9.0f} {shown} {row['experts_per_layer']:>7.1f} "
+                  f"{uniform:>7.1f}")
+    return result["preset"], rows, fit, experts, chosen
+
+
+def plot_moe_verify(name, rows, fit, experts, chosen) -> None:
+    """Left: distinct experts per MoE layer against tree nodes, measured and uniform. Right: the
+    verify's µs against tree nodes, measured and fitted."""
+    nodes = np.array([row["nodes"] for row in rows])
+    many = np.geomspace(1, nodes.max(), 64)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    left.plot(nodes, [row["experts_per_layer"] for row in rows], "o-", label="measured (the record)")
+    left.plot(many, uniform_experts(many, experts, chosen), "--",
+              label=f"uniform: {experts} (1 - (1 - {chosen}/{experts})^n)")
+    left.axhline(experts, color="gray", lw=0.8)
+    left.set_xlabel("tree nodes n")
+    left.set_ylabel("distinct experts per MoE layer")
+    left.legend(fontsize=10)
+    right.plot(nodes, [row["verify_us"] for row in rows], "o-", label="measured")
+    many_rows = [row for row in rows if row["nodes"] >= 2]
+    right.plot([row["nodes"] for row in many_rows], [fitted(fit, row) for row in many_rows], "--",
+               label="a + b x experts + c x rows")
+    right.set_xlabel("tree nodes n")
+    right.set_ylabel("verify µs")
+    right.legend(fontsize=10)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+    fig.suptitle(f"{name}: a bigger tree wakes more experts, and each one woken is read")
+    fig.tight_layout()
+    chapter.save_figure(fig, STEM, "moe_verify")
+
+
 def main() -> None:
     setup = chapter.golden_model("micro")
     with chapter.report(STEM):
@@ -213,6 +286,9 @@ def main() -> None:
             round_budget(record)
             plot_tokens(record)
             plot_split(record)
+            verify = moe_verify(record)
+            if verify:
+                plot_moe_verify(*verify)
 
 
 if __name__ == "__main__":
