@@ -39,3 +39,32 @@ def test_uniform_routing_wakes_k_experts_for_one_token_and_all_of_them_at_the_li
     assert uniform(np.array(1), 64, 6) == pytest.approx(6.0)
     assert uniform(np.array(2), 64, 6) == pytest.approx(64 * (1 - (58 / 64) ** 2))
     assert uniform(np.array(10_000), 64, 6) == pytest.approx(64.0)
+
+
+def run(decoder, budget, rate, system="engine, graphs"):
+    return {"system": system, "decoder": decoder, "budget": budget, "tokens_per_second": rate}
+
+
+def test_budget_curves_place_auto_at_its_most_chosen_budget_and_skip_other_systems():
+    result = {"runs": [run("AR", None, 500.0), run("DDTree noisy", 16, 400.0), run("DDTree noisy", 4, 700.0),
+                       run("DDTree noisy", "auto", 800.0), run("DDTree ngram", 16, 90.0),
+                       run("DDTree ngram", "auto", 495.0), run("DDTree noisy", 32, 1.0, "engine, no graphs")],
+              "auto": {"noisy": {"budgets": [8, 3, 3, 0, 3, 8]}, "ngram": {"budgets": [3, 0, 0, 0]}}}
+    curves = engine_chapter.budget_curves(result)
+    assert curves["ar"] == 500.0
+    assert curves["drafters"]["noisy"] == {"budgets": [16, 4], "rates": [400.0, 700.0], "auto": (3, 800.0)}
+    assert curves["drafters"]["ngram"]["auto"] == (0, 495.0)
+    tie = engine_chapter.budget_curves({**result, "auto": {"noisy": {"budgets": [8, 3]}}})
+    assert tie["drafters"]["noisy"]["auto"] == (3, 800.0)        # equal counts: the smaller budget
+
+
+def test_the_budget_figure_draws_auto_stars_including_an_ar_choice(tmp_path, monkeypatch):
+    import chapter  # walkthrough/chapter.py, on the path above
+
+    monkeypatch.setattr(chapter, "FIGURES", tmp_path)
+    result = {"preset": "small", "runs": [run("AR", None, 500.0), run("DDTree noisy", 16, 400.0),
+                                          run("DDTree noisy", "auto", 800.0), run("DDTree ngram", 16, 90.0),
+                                          run("DDTree ngram", "auto", 495.0)],
+              "auto": {"noisy": {"budgets": [3, 3]}, "ngram": {"budgets": [0, 0]}}}
+    engine_chapter.plot_budgets({"results": [result, {**result, "preset": "tiny"}]})
+    assert (tmp_path / "14_engine_budgets.png").exists()

@@ -19,6 +19,7 @@ import json
 
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
@@ -39,6 +40,7 @@ STEM = "14_engine"
 RECORD = chapter.ROOT / "docs" / "results" / "engine.json"       # python -m kernels.bench engine
 NEW_TOKENS = 256                                                   # the benchmark's generation length
 BLOCK, BUDGET = 4, 6                    # one small round: a tree of 7 nodes that branches
+AR_AT = 0.5                             # where budget auto's AR steps (budget 0) sit on a log axis
 
 
 @contextlib.contextmanager
@@ -274,6 +276,53 @@ def plot_moe_verify(name, rows, fit, experts, chosen) -> None:
     chapter.save_figure(fig, STEM, "moe_verify")
 
 
+def budget_curves(result) -> dict:
+    """One preset's DDTree tok/s against budget, per drafter, from the engine with graphs: the
+    fixed budgets' points, and budget auto's run placed at the budget its rounds chose most often
+    (0: an AR step), with the AR rate to compare against."""
+    runs = [r for r in result["runs"] if r["system"] == "engine, graphs"]
+    curves = {"ar": next(r["tokens_per_second"] for r in runs if r["decoder"] == "AR"), "drafters": {}}
+    for r in runs:
+        if r["decoder"] == "AR":
+            continue
+        name = r["decoder"].replace("DDTree ", "")
+        curve = curves["drafters"].setdefault(name, {"budgets": [], "rates": [], "auto": None})
+        if r["budget"] == "auto":
+            chosen = result.get("auto", {}).get(name, {}).get("budgets", [])
+            most = max(set(chosen), key=lambda b: (chosen.count(b), -b)) if chosen else 0
+            curve["auto"] = (most, r["tokens_per_second"])
+        else:
+            curve["budgets"].append(r["budget"])
+            curve["rates"].append(r["tokens_per_second"])
+    return curves
+
+
+def plot_budgets(record) -> None:
+    """One panel per preset: DDTree's tok/s against its budget for each drafter (the engine with
+    graphs), AR's as a line, budget auto's run as a star at the budget it chose most often."""
+    results = record["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(3.3 * len(results), 3.6), squeeze=False)
+    for axis, result in zip(axes[0], results, strict=True):
+        curves = budget_curves(result)
+        axis.axhline(curves["ar"], color="gray", ls="--", label="AR")
+        for index, (name, curve) in enumerate(curves["drafters"].items()):
+            color = f"C{index}"
+            axis.plot(curve["budgets"], curve["rates"], "o-", color=color, label=name)
+            if curve["auto"] is not None:
+                budget, rate = curve["auto"]
+                axis.plot(max(budget, AR_AT), rate, "*", ms=14, color=color, mec="black")
+        axis.set_xscale("log", base=2)
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+            lambda x, _: "AR" if x == AR_AT else f"{x:g}"))
+        axis.set_yscale("log")
+        axis.set_xlabel("budget B (star: auto)")
+        axis.set_title(result["preset"])
+    axes[0, 0].set_ylabel("tokens/s")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    chapter.save_figure(fig, STEM, "budgets")
+
+
 def main() -> None:
     setup = chapter.golden_model("micro")
     with chapter.report(STEM):
@@ -286,6 +335,7 @@ def main() -> None:
             round_budget(record)
             plot_tokens(record)
             plot_split(record)
+            plot_budgets(record)
             verify = moe_verify(record)
             if verify:
                 plot_moe_verify(*verify)
