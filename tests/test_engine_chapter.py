@@ -62,6 +62,7 @@ def test_the_budget_figure_draws_auto_stars_including_an_ar_choice(tmp_path, mon
     import chapter  # walkthrough/chapter.py, on the path above
 
     monkeypatch.setattr(chapter, "FIGURES", tmp_path)
+    monkeypatch.setattr(chapter, "ROOT", tmp_path)
     result = {"preset": "small", "runs": [run("AR", None, 500.0), run("DDTree noisy", 16, 400.0),
                                           run("DDTree noisy", "auto", 800.0), run("DDTree ngram", 16, 90.0),
                                           run("DDTree ngram", "auto", 495.0)],
