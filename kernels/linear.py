@@ -8,27 +8,20 @@ TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state d
     "lanes" (the default, what the engine runs): a warp per C output columns; lane l sums
             k = l, l + 32, ... in order, with U loads of each column in flight, then one lane adds
             an output's 32 lane sums in lane order. The order depends on Din alone, so a row's
-            result never depends on the rows launched with it (batch invariance: a tree row gets
-            the bits of the same row in an AR step)
+            result never depends on the rows launched with it (batch invariance)
     "warps" lanes' order in its plainest form, a warp per column: the same bits as "lanes"
     "gemv"  a block per output y[t, n], a block reduction over Din (chapter 0: a decode step)
     "gemm"  a tiled shared-memory GEMM, 16 x 16 output tiles, a thread per output (chapter 0:
             many rows)
-"gemv" and "gemm" sum in different orders: a library that switches between them by T, as BLAS
-does, gives a row other bits alone than in a batch (chapter 0's lesson). "lanes"' launch shape
-(warps per block, C, U: ``lanes_shape``) changes no bit, so it follows T and Dout.
-``lanes_launch`` also serves MLA's absorb_output (a group of rows and weight rows per head), and
-``lane_dots`` / ``lane_sums`` the MoE's expert kernels.
-
-``tile_dots`` is a second batch-invariant order, the MoE router's: a lane per output column sums
-it sequentially along 32-wide chunks of Din; the block's S warps take chunks s, s + S, ... and
-their partial sums are added in slice order (S = ``k_slices(Din)``, never a function of T).
+"gemv" and "gemm" sum in different orders (chapter 0's lesson); "lanes"' launch shape
+(``lanes_shape``) changes no bit. ``lanes_launch`` also serves MLA's absorb_output, and
+``lane_dots`` / ``lane_sums`` the MoE's expert kernels. ``tile_dots`` is a second batch-invariant
+order, the MoE router's: a lane per output column sums it sequentially along 32-wide chunks of
+Din; the block's S warps take chunks s, s + S, ... and their partial sums are added in slice
+order (S = ``k_slices(Din)``, never a function of T).
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
-and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
-first maximal index wins, and NaN counts as larger than everything (np.argmax returns the first
-NaN).
-
+and reduces (value, index) pairs in np.argmax's order (``kernels.blocks.block_argmax``).
 Kernels whose shared or local arrays depend on a launch parameter are built per value and cached
 (``gemv_kernel(TPB)``, ``lanes_kernel(warps, C, U, R)``, ``argmax_kernel(TPB)``): such an array
 needs a size known when the kernel compiles.
@@ -455,7 +448,6 @@ def tile_dots(rows: int, listed: bool = False, sliced: bool = False):
         dots_range(x, t0, count, row_ids, weight, n0, 0, x.shape[1], acc, w_tile, x_tile, partial)
 
     return dots_range if sliced else dots
-
 # --8<-- [end:tile_dots]
 
 
