@@ -1,13 +1,12 @@
-"""Version 5 of ``kernels.mla.attention_paths``, unfused: part of mla's ``attention_paths``, the
-engine's attention where R >= ``kernels.tuning.UNFUSED_FROM_RANK`` (small, Kimi). Its dispatcher in
-``kernels/mla.py`` calls ``unfused_partials`` and then merges the partials as versions 2 and 3 do.
+"""Version 5 of ``kernels.mla.attention_paths``, unfused: the engine's attention where R >=
+``kernels.tuning.UNFUSED_FROM_RANK`` (small, Kimi). ``kernels/mla.py`` calls ``unfused_partials``,
+then merges the partials as in versions 2 and 3.
 
 Legend: T new rows, P fully visible prefix rows, H heads, dr qk_rope_head_dim, R kv_lora_rank,
 C the cache's capacity (slots), TPB threads per block.
 
-Versions 1 to 3 walk one row's keys per block, so every row and head group stages the prefix
-again, and the online softmax puts barriers and rescales between its two products. Version 5
-runs attention as four kernels, each simple and batched over every row:
+Four kernels, each simple and batched over every row (no online softmax, no per-row staging of
+the prefix):
 
 1. ``attention_scores_kernel`` (``scores_kernel``): the scores of every query row q = t H + h
    against every slot below P + T as one register-tiled GEMM into ``scores`` (T H, C); a decode
@@ -535,7 +534,6 @@ def tail_shape(rows: int) -> tuple[int, int, int]:
     if rows == 1:
         return UNFUSED_TAIL_ONE
     return UNFUSED_TAIL_FEW if rows < TAIL_MANY_ROWS else UNFUSED_TAIL_MANY
-
 
 
 def unfused_chunks(capacity: int) -> int:
