@@ -6,35 +6,26 @@ dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank, C the cache's capacity, TPB 
 Kernels:
 - ``absorb_query_kernel``: q_lat = W_UK^T q_nope, a thread per latent column and slice of dn.
 - ``attention_absorb_kernel``: masked softmax attention over the latent cache, one block per
-  (row, head), online softmax over key tiles of one key per thread: the readable first version
+  (row, head), an online softmax over tiles of one key per thread: the readable version
   (chapter 3), the twin of the reference's ``attention_absorb``.
 - ``attention_paths`` (the engine's attention): each row attends to the prefix and its own path
-  (``paths``), enumerated in position order, in tiles at fixed positions staged through shared
-  memory; the prefix length comes from a device array. A tree row's result is then
-  bit-identical to the AR row at the same position (batch- and mask-invariant). Its versions,
-  chosen per engine by ``paths_plan`` (a ``PathsPlan``):
+  (``paths``) in position order, in tiles at fixed positions, the prefix length read from a
+  device array; a tree row's result is bit-identical to the AR row at the same position. Its
+  versions, chosen per engine by ``paths_plan`` (a ``PathsPlan``):
   1. ``attention_paths_kernel``: one block per (row, head) walks every tile.
-  2. ``attention_split_kernel`` + ``attention_merge_kernel``: the same tiles dealt round-robin
-     to Z blocks per (row, head), whose partial softmaxes are merged in split order.
+  2. ``attention_split_kernel`` + ``attention_merge_kernel``: the tiles dealt round-robin to Z
+     blocks per (row, head), whose partial softmaxes are merged in split order.
   3. ``attention_heads_kernel`` (+ the merge): a block per (G heads, row, split), each tile
      staged once for its G heads (MLA's heads share the latent cache), a warp per head.
   5. unfused (``kernels/mla_unfused.py``, + the merge): every row's scores as one GEMM, the
      softmax's statistics, P V as a second GEMM over chunks at fixed positions.
   (Version 4, a register-tiled fused kernel, is in ``lab/attention/``.)
-- ``absorb_output``: o = W_UV o_lat, a linear per head: ``kernels.linear``'s "lanes" kernel with
-  a group per head (a warp per few outputs (h, v), lane l summing r = l, l + 32, ...).
+- ``absorb_output``: o = W_UV o_lat, ``kernels.linear``'s "lanes" kernel with a group per head.
 
-Only the absorbed form is implemented here, on purpose. The numpy module also has
-``attention_naive``, which expands every cached latent into per-head keys and values
-(S * H * (dn + dv) floats per layer); it is there to prove the absorption exact, and the model
-runs it only with the numpy backend, so it has no kernel twin.
-
-Inputs are numpy arrays (the results come back as numpy) or numba device arrays (the results
-stay on the device). ``visible`` (T, T) is a small bool mask. A host mask is checked by
-``ddtree.mla.check_visibility`` (the numpy reference's errors) and copied to the device; a
-device mask is used as it is, except that with no prefix (P = 0) it is copied back to check
-that every row sees a key (with P > 0 every row sees the prefix). Cost models and benchmark
-cases are in ``kernels/bench/cases/mla.py``.
+Only the absorbed form has kernels: the reference's ``attention_naive`` is there to prove the
+absorption exact (chapter 3). Inputs are numpy arrays (the results come back as numpy) or numba
+device arrays (the results stay on the device); masks are checked by ``_check_mask``. Cost models
+and benchmark cases are in ``kernels/bench/cases/mla.py``.
 """
 
 from __future__ import annotations
@@ -82,8 +73,7 @@ MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the siz
 DOT_PARTS = 32           # attention_paths: a key's score is summed in 32 strided parts, in parallel
 DOT_STRIDE = DOT_PARTS + 1    # a key's parts in shared memory (+1: the parts' readers hit distinct banks)
 HEADS_PER_BLOCK = (1, 2, 4)   # version 3's G (1: versions 1 and 2), G * LANES <= MAX_TPB threads
-# version 3's registers per thread: 168 leaves room for 3 blocks of 128 threads in an SM's 64K
-# registers (allocated 8 at a time) and spills nothing (ptxas -v, sm_90)
+# version 3's registers per thread: 3 blocks of 128 threads fit an SM's 64K (allocated 8 at a time)
 HEADS_MAX_REGISTERS = 168
 MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
@@ -108,12 +98,10 @@ def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
         warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive
         n (threadIdx.y = s: slice s, its n in order), for the passes of PASS rows y, y +
         gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the
-        pass's rows' queries, before it adds their products to all of the pass's rows (a query
-        loaded inside the add's guard made every add wait for its own load); then the slices' sums
-        meet in shared memory and thread (lane, r) adds row r's in slice order. The slices depend
-        on dn only, so a row's sum does not depend on the rows beside it. W_UK (H dn R floats) is
-        read once per pass; a decode row's 16 heads x 512 r get H R S threads, a load each in
-        flight per batch.
+        pass's rows' queries, before it adds their products to all of the pass's rows; then the
+        slices' sums meet in shared memory and thread (lane, s) adds those of rows s, s +
+        ABSORB_SLICES, ... in slice order. The slices depend on dn only, so a row's sum does not
+        depend on the rows beside it.
         """
         lane, part = cuda.threadIdx.x, cuda.threadIdx.y
         r = cuda.blockIdx.x * ABSORB_LANES + lane
@@ -198,8 +186,7 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
 
     Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output
     accumulator (R); static: p (the tile's probabilities) and red (reduction scratch), TPB
-    floats each. Cost: each block reads the S visible cache rows twice (scores, then values),
-    from L2 after the first head; a block per (row, group of heads) would share those reads.
+    floats each.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -372,26 +359,21 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
 # --8<-- [start:attention_paths_kernel]
 @cuda.jit
 def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile, o_lat):
-    """One block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
+    """Version 1: one block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
 
     The keys of row i are the prefix (slots 0 .. P-1, P = prefix[0]) and then its path root..i,
-    at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by their
-    logical index j (= their position). Tiles of ``tile`` keys start at fixed logical indices, so a
-    tree node and the AR step at the same position combine the same keys in the same tiles:
-    bit-identical outputs. Masked keys are never enumerated (no -inf arithmetic, no reads of other
-    branches' rows).
+    at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by position.
+    Tiles of ``tile`` keys start at fixed positions, so a tree node and the AR step at the same
+    position combine the same keys in the same tiles: bit-identical outputs. Masked keys are never
+    enumerated (no -inf arithmetic, no reads of other branches' rows).
 
-    Per tile: the block's TPB >= tile threads copy the tile's key rows (R + dr floats each) into
-    shared memory with coalesced loads (more threads than keys: more loads in flight, which one
-    row's few blocks need), the block scores the keys from there (``_tile_score``: 32 parts per
-    key in parallel, thread j adds key j's), reduces the tile's max and (after rescaling to the new
-    running max) its sum of exp, and thread i updates acc[r] for r = i, i + TPB, ... from the same
-    shared rows: the cache is read once per (row, head).
-    Shared memory (dynamic): the query (R + dr), the accumulator (R), the score parts
-    (tile x DOT_STRIDE) and the tile's keys
-    (tile x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
-    the tile's slots. The reductions run over all TPB entries, the ones past the tile neutral
-    (-inf, 0), which leaves every max and sum as a tile-wide tree gives it.
+    Per tile (``_fold_row``) the block's TPB >= tile threads stage the tile's key rows in shared
+    memory (``_stage_tile``; more threads than keys: more loads in flight, which one row's few
+    blocks need), then fold them into the running softmax (``_fold_tile``): the cache is read once
+    per (row, head). Shared memory (dynamic): the query (R + dr), the accumulator (R), the score
+    parts (tile x DOT_STRIDE) and the tile's keys (tile x (R + dr + 1); the +1 staggers rows across
+    banks); static: p, red (TPB floats) and the tile's slots. The reductions run over all TPB
+    entries, the ones past the tile neutral (-inf, 0): every max and sum is a tile-wide tree's.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -566,14 +548,12 @@ def _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment):
 def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
                            partials):
     """Version 2, split over the keys: block (head, row, z) of a grid with Z = gridDim.z splits
-    folds the row's tiles z, z + Z, z + 2Z, ... (the same fixed-position tiles as version 1, dealt
-    round-robin) into its own running softmax, and leaves it unnormalised in
-    partials[row, head, z] = (acc[0..R-1], run_max, run_sum). ``attention_merge_kernel`` then adds
-    the Z partials in split order. Z blocks share one row's keys, so a decode row keeps Z times
-    more of the GPU busy; a split whose first tile lies past the row's keys does nothing (the
-    merge skips it by the same rule). Which tile goes to which split depends only on the tile's
-    position and Z, so a tree row and the AR row at its position still add the same keys in the
-    same order: bit-identical. Shared memory as version 1.
+    folds the row's tiles z, z + Z, z + 2Z, ... (version 1's tiles, dealt round-robin) into its own
+    running softmax, left unnormalised in partials[row, head, z] = (acc[0..R-1], run_max, run_sum);
+    ``attention_merge_kernel`` adds the Z partials in split order. A decode row keeps Z times more
+    of the GPU busy; a split whose first tile lies past the row's keys does nothing (the merge
+    skips it by the same rule). Which split gets a tile depends only on its position and Z, so a
+    tree row still equals its AR row, bit for bit. Shared memory as version 1.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -658,17 +638,16 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
 def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
                            partials):
     """Version 3, a block per (group of heads, row, split): block (x, row, z) of G = TPB / LANES
-    warps, grid (H / G, T, Z). Warp g serves head x * G + g. Per tile the whole block stages the
+    warps, grid (H / G, T, Z); warp g serves head x * G + g. Per tile the whole block stages the
     tile's keys once (``_stage_tile``), then each warp folds them into its own head's running
-    softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce over
-    the warp's 32 slots, lanes stride over R). With MLA every head reads the same latent cache,
-    so a tile staged once serves G heads: H / G stagings of each tile per row instead of H.
+    softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce
+    over the warp's 32 slots, lanes stride over R): H / G stagings of each tile per row, not H.
 
     Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``,
-    even for Z = 1). A head's sums depend on its own keys, the tile and Z only (the reduction is
-    over the warp's 32 slots whatever G), so a tree row still equals its AR row bit for bit.
-    Shared memory (dynamic): G times (query R + dr, accumulator R), then the tile's keys
-    (tile x (R + dr + 1)); static: p, red (MAX_TPB floats), slots (MAX_TILE ints).
+    even for Z = 1). A head's sums depend on its own keys, the tile and Z only, never on G: a tree
+    row still equals its AR row bit for bit. Shared memory (dynamic): G queries (R + dr) and
+    accumulators (R), G heads' score parts, then the tile's keys (tile x (R + dr + 1)); static:
+    p, red (MAX_TPB floats), slots (MAX_TILE ints).
     """
     group = cuda.threadIdx.x // LANES
     lane = cuda.threadIdx.x % LANES
@@ -744,12 +723,12 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
     q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
     and paths (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for
     d = 0 .. depths[i]. Returns o_lat (T, H, R): ``ddtree.mla.attention_paths``, which equals
-    ``attention_absorb`` with the tree's ancestor mask; unlike the mask, its sums do not depend on
-    the other rows. ``plan`` (a ``PathsPlan``; None: ``paths_plan`` for these dims and C, what the
-    engine runs) picks the version. Versions 2, 3 and 5 write a partial softmax per split (or
-    chunk) into ``partials`` (T, H, ``plan.partial_groups(C)``, R + 2) and merge them; version 5
-    first writes every row's scores into ``scores`` (T H, C); both are allocated when not given.
-    Results depend on the plan (the order of sums), never on the other rows.
+    ``attention_absorb`` with the tree's ancestor mask; its sums depend on the plan (their
+    order), never on the other rows. ``plan`` (a ``PathsPlan``; None: ``paths_plan`` for these
+    dims and C, what the engine runs) picks the version. Versions 2, 3 and 5 write a partial
+    softmax per split (or chunk) into ``partials`` (T, H, ``plan.partial_groups(C)``, R + 2) and
+    merge them; version 5 first writes every row's scores into ``scores`` (T H, C); both are
+    allocated when not given.
     """
     q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths = check_attention_paths(
         q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
