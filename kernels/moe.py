@@ -3,40 +3,30 @@
 Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token,
 F moe_intermediate_size, S the router's depth slices, TPB threads per block.
 
-The router (``route``): the logits x . gate[e] in S = ceil(D / LOGIT_SLICE) depth slices, each
-slice's sums ``kernels.linear``'s ``tile_dots`` (``logit_slices_kernel``), then one block per
-token (``route_ranks_kernel``): the slices added in slice order, the sigmoid, the groups left out
-set to -inf, and the top k picked by rank. An expert's rank is the number of experts before it
-in numpy's order (``comes_before``: np.argsort(-choice, stable), ties to the lower index, NaN
-last), and the expert of rank j < k is pick j, so no pick waits on another; the bests of COLUMNS
-columns of experts are ranked first, then only the experts of the k best columns
-(``_candidates``), which keeps the comparisons few. A few tokens on a small grid run both steps
-in one launch (``route_one_kernel``: a token's last block to finish routes it). A logit depends
-on D alone, never on T.
+The router (``route``): the logits in S = ceil(D / LOGIT_SLICE) depth slices
+(``logit_slices_kernel``), then one block per token picks its k experts by rank in numpy's order
+(``route_ranks_kernel``, ``_route_parts``); a few tokens on a small grid run both steps in one
+launch (``route_one_kernel``). A logit depends on D alone, never on T.
 
 The routed experts (``version=`` of ``moe`` and ``swiglu``):
 - version 3, the default and what the engine runs, grouped by expert: ``expert_lists_kernel``
   lists each expert's (token, slot) pairs from the routed ids; in the hidden and down kernels
   (``expert_lanes_kernels``) a block takes an expert and a pass of its pairs, so the expert's
-  weights are read once per pass, not once per pair. Each dot product is ``kernels.linear``'s
-  "warps" order (lane l sums k = l, l + 32, ... in order, then the 32 lanes' sums in lane
-  order): a warp's load of a weight row is 128 consecutive bytes straight into registers, with
-  no barrier until the pass's sums. ``combine_kernel`` adds each token's k slots in slot order.
-  One token, and a few tokens whose experts are small, need no lists: a block per (token, slot)
-  pair, its expert read from the router's ids (``block_pairs``). The launch shape
-  (``lane_shape``) changes no sum.
-- version 1, the readable one: a block per (token, slot) pair and "tiles" sums (``tile_dots``):
-  an expert's weights staged once per pair that chose it, two launches, the slots added in slot
-  order by the down kernel. Other bits than version 3's (another order of the same terms).
+  weights are read once per pass, not once per pair, each dot product in ``kernels.linear``'s
+  "warps" order. ``combine_kernel`` adds each token's k slots in slot order. A few tokens need no
+  lists: a block per (token, slot) pair, its expert read from the router's ids (``by_slot``,
+  ``block_pairs``). The launch shape (``lane_shape``) changes no sum.
+- version 1, the readable one: a block per (token, slot) pair and "tiles" sums (``tile_dots``),
+  two launches, the slots added in slot order by the down kernel. Other bits than version 3's
+  (another order of the same terms).
 Every sum runs in an order fixed by its own row: a token's result depends neither on the tokens
 beside it nor on how many share its experts (the engine's tree rows equal its AR rows, bit for
 bit). No grid depends on the routing, so the launches can be captured in a CUDA graph.
 
 A dense SwiGLU (the dense layers, the shared expert) is the same two expert kernels with one
-"expert" that every row chooses with weight 1. ``moe`` runs the shared expert on a graph branch of
-its own beside the router and the routed experts; only the kernel that writes ``out`` joins it.
-Inputs are numpy or device arrays (results come back alike); with ``device_params``, ``out``, a
-``scratch`` (``moe_scratch``, ``dense_scratch``) and device inputs nothing is allocated or copied.
+"expert" that every row chooses with weight 1. Inputs are numpy or device arrays (results come
+back alike); with ``device_params``, ``out``, a ``scratch`` (``moe_scratch``, ``dense_scratch``)
+and device inputs nothing is allocated or copied.
 """
 
 from __future__ import annotations
@@ -102,10 +92,8 @@ F32 = 4
 listed_dots_one = tile_dots(1, listed=True)          # version 1: one pair's "tiles" sums
 slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # the router: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
-# lane): none changes a sum. A decode row's kernels keep one row's sums in registers (``pass_rows``)
-# with many loads in flight; a few rows take 4 outputs a warp, many rows 8 (each x value then feeds
-# 8 outputs, at fewer loads in flight: 255 registers). The simulator's shape: one warp a block (each
-# thread a Python thread), 16 outputs a warp.
+# lane; ``lane_shape``): none changes a sum. The simulator's: one warp a block (each thread a Python
+# thread), 16 outputs a warp.
 LANES_SIMULATED_MOE = (1, 16, 2)
 LANE_ONE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)
 LANE_ONE_DENSE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
@@ -322,12 +310,9 @@ def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scalin
     columns' experts. 4. ``_ranks`` of the candidates: the candidate of rank r < k is pick r. 5.
     Thread j < k weighs pick j (the total in slot order). With E <= C experts (COLUMNS) every
     expert is a column of its own, so 3 and 4 are one ``_ranks`` of all E (fewer barriers); more
-    experts keep the columns (a ranking of all E would compare E^2 pairs).
-
-    Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
-    column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
-    each), the picks (k). Cost: two rankings (columns, candidates; a third for groups) of a few
-    comparisons per thread each, six barriers (nine with groups), none of them per pick.
+    experts keep the columns (a ranking of all E would compare E^2 pairs). Cost: two rankings
+    (columns, candidates; a third for groups) of a few comparisons per thread each, six barriers
+    (nine with groups), none of them per pick.
     """
     tid = cuda.threadIdx.x
     experts, top_k = parts.shape[2], ids.shape[1]
@@ -749,8 +734,6 @@ def logits_shape(rows: int, experts: int, depth: int) -> tuple[int, int, int]:
     """The shape of ``route``'s ``logits`` for T rows, E experts and depth D: (T, S, E), S =
     ``logit_slices(D)``."""
     return rows, logit_slices(depth), experts
-
-
 
 
 def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals, ids, weights,
