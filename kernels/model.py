@@ -21,23 +21,17 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per shape serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear``'s "lanes", ``attention_paths``, the MoE
-kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
-DDTree == AR holds exactly in the engine, for any weights.
+runs in an order fixed by its own row: a tree node's logits are bit-identical to the AR logits at
+the same position, so DDTree == AR holds exactly in the engine, for any weights.
 
-``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
-Four differences of form, none of them changing a bit:
-
-- q_a_proj is stacked on kv_a_proj_with_mqa at load (both read the normed hidden state): one
-  projection, the same dot products, sliced after;
-- the two latent norms, the rope key's rotation and the cache write are one launch
-  (``kernels.kv_cache.write_new_rows``: rmsnorm's and apply_rope's bits, straight into the cache
-  slots); the queries' rope parts are rotated in place after q_proj (``apply_rope``, out=q_pe);
-- the MoE layer's shared expert is captured as a graph branch of its own (``kernels.moe.moe``,
-  ``kernels.graphs.fork``): it runs beside the router and the routed experts, the same launches;
-- each residual addition is done by the RMSNorm after it (``rmsnorm(..., residual=delta)``: h +=
-  delta written back, and the norm of the sum, in one launch): the attention's by the
-  post-attention norm, the MLP's by the next layer's input norm or the final norm.
+``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order,
+with four differences of form, none of them changing a bit: q_a_proj is stacked on
+kv_a_proj_with_mqa at load (``device_layer``); the latent norms, the rope key's rotation and the
+cache write are one launch (``kernels.kv_cache.write_new_rows``), and the queries' rope parts are
+rotated in place; the MoE layer's shared expert runs on a graph branch of its own
+(``kernels.moe.moe``); each residual addition is done by the RMSNorm after it
+(``rmsnorm(..., residual=delta)``): the attention's by the post-attention norm, the MLP's by the
+next layer's input norm or the final norm.
 """
 
 from __future__ import annotations
@@ -114,8 +108,6 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     return min(bucket, max_rows)
 
 
-
-
 # ------------------------------------------------------------------------------------------------
 # the engine's own kernels: the bookkeeping of a step
 
@@ -172,8 +164,7 @@ def commit_token_kernel(state, posterior, tokens, generated):
 @functools.cache
 def round_end_kernel(width: int):
     """The round's end in one launch, for trees of ``width`` rows (W): acceptance, the cache's
-    compaction and the commit, which were three launches (``accept_batch``, compaction version 2,
-    and a bookkeeping thread)."""
+    compaction and the commit."""
 
     @cuda.jit
     def kernel(state, tree_tokens, tree_parents, tree_depths, sizes, posterior, root, committed,
@@ -401,9 +392,8 @@ class Transformer:
     debugging, and to measure what graphs save; ``graphs.enabled`` may be switched later); the
     CUDA simulator always launches directly. ``max_tree_nodes`` (Tmax) bounds the buckets and so
     the budget (B <= Tmax - 1). ``attention_plan`` (a ``kernels.mla.PathsPlan``; None, the
-    default: ``kernels.mla.paths_plan`` for the config's dims and the cache's capacity, which
-    ``attention_paths`` also defaults to) is how attention cuts its work, fixed per engine: any
-    plan keeps DDTree == AR, but two engines with different plans round differently.
+    default: ``attention_paths``' own default) is how attention cuts its work, fixed per engine:
+    any plan keeps DDTree == AR, but two engines with different plans round differently.
     ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
     the round (``kernels.drafters``: the same logits, bit for bit; a block drafter's forward is a
     second engine's, within the model tolerance of numpy's), reading the committed tokens
@@ -443,9 +433,8 @@ class Transformer:
         # one cache for the whole context, plus a bucket of scratch rows past its end
         self.cache = DeviceCache(config.num_hidden_layers, config.max_position_embeddings + self.max_rows,
                                  config.kv_lora_rank, config.qk_rope_head_dim)
-        # attention_paths' plan, fixed by the dims and the cache's capacity, so that every step and
-        # every bucket sums its keys alike; its partials (versions 2, 3, 5) and version 5's scores
-        # are kept for the largest bucket
+        # attention_paths' plan (``kernels.mla.paths_plan``), its partials (versions 2, 3, 5) and
+        # version 5's scores, for the largest bucket
         heads, capacity = config.num_attention_heads, self.cache.capacity
         self.attention_plan = paths_plan(heads, config.kv_lora_rank, config.qk_rope_head_dim, capacity) \
             if attention_plan is None else attention_plan
