@@ -304,13 +304,11 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane, lane +
         THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP
-        columns: 18 of them for small's 576, on a query tile that a decode row's 16 heads fill
-        half), then each thread adds its score's R + dr terms one at a time in column order
+        columns), then each thread adds its score's R + dr terms one at a time in column order
         (``row_dot``), the query's values read from global memory (every block reads the same
-        row: H (R + dr) floats, 36 KB for small). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ...
-        below P + 1 (P read on the device): one launch shape serves every step, and a grid of a
-        few blocks per SM spends no time on the cache's empty capacity. The same bits as the GEMM,
-        whatever the tile."""
+        row). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on the device): one
+        launch shape serves every step, and the cache's empty capacity costs nothing. The same bits
+        as the GEMM, whatever the tile."""
         tid = index(cuda.threadIdx.x)
         heads = q_lat.shape[1]
         keys = prefix[0] + 1
@@ -360,8 +358,7 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     in position order (its loads all issued before its adds), then lane 0 adds the 32 lanes' sums
     in lane order: partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) //
     CHUNK. The order depends on the key's position in its chunk alone, not on the rows or the
-    tree. A warp per chunk, not a thread: a decode row of 16 heads at 16k keys has 1024 chunks,
-    a few per SM, and a thread adding its chunk's keys one after another would wait on each."""
+    tree. A warp per chunk, not a thread: a thread adding its chunk's keys in turn waits on each."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     tid = cuda.threadIdx.x
