@@ -377,13 +377,12 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     slice; thread (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums
     chunks p, p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does;
     thread e adds its W sums in part order into parts[z, y, e]: logit_slices_kernel's bits. Then
-    the block counts itself in arrivals[z], after a fence (its parts are visible to the other
-    blocks first). The token's block that arrives last sees every slice (a fence after its count
-    orders its reads after the others' writes): it routes the token as route_ranks_kernel does,
-    then sets arrivals[z] back to 0 for the next launch. A token whose E and D fit one block
-    routes itself after a barrier, with no fence and no count. One launch instead of two, and
-    EB = 8 experts per block where logit_slices_kernel has 32: four times the blocks reading the
-    gate (each token's blocks read it again: ``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens)."""
+    the block counts itself in arrivals[z] behind a fence; the token's block that arrives last
+    sees every slice (a fence after its count orders its reads after the others' writes), routes
+    the token and sets arrivals[z] back to 0. A token whose E and D fit one block routes itself
+    after a barrier. EB = 8 experts per block where logit_slices_kernel has 32: four times the
+    blocks reading the gate (``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens, whose blocks each
+    read it)."""
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
@@ -1002,13 +1001,11 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
     experts in slot order. While a graph is captured, the shared expert is a branch of its own
-    (``kernels.graphs.fork``): it runs beside the router and the routed experts' hidden and down
-    products, and only the kernel that adds them to ``out`` waits for it (the same launches and
-    bits as one after the other). Host ``params`` are copied to the device on each call; pass
-    ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
-    intermediate buffers; new ones by default. ``version``: 3 (the default, what the engine runs)
-    groups the pairs by expert, 1 runs each (token, slot) pair on its own (see the module's
-    docstring; other bits).
+    (``kernels.graphs.fork``): it runs beside the router and the routed experts, and only the
+    kernel that adds them to ``out`` waits for it (the same launches and bits). Host ``params``
+    are copied to the device on each call; pass ``device_params(params)`` to keep them there.
+    ``scratch`` (from ``moe_scratch``) holds the intermediate buffers; new ones by default.
+    ``version``: 3 (the default, what the engine runs) or 1 (see the module's docstring).
     """
     x = check_moe(x, params, config, out=out, scratch=scratch, version=version)
     rows, width = x.shape
