@@ -395,11 +395,9 @@ class Transformer:
     default: ``attention_paths``' own default) is how attention cuts its work, fixed per engine:
     any plan keeps DDTree == AR, but two engines with different plans round differently.
     ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
-    the round (``kernels.drafters``: the same logits, bit for bit; a block drafter's forward is a
-    second engine's, within the model tolerance of numpy's), reading the committed tokens
-    the engine keeps on the device; False, or any other drafter, runs ``propose`` on the host and
-    uploads its logits, as the reference's loop does. Either way the same tokens, and the same
-    trees except where a block drafter's candidates tie within that tolerance.
+    the round (``kernels.drafters``); False, or any other drafter, runs ``propose`` on the host
+    and uploads its logits, as the reference's loop does. Either way the same tokens, and the same
+    trees except where a block drafter's candidates tie within the model tolerance.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
