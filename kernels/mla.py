@@ -177,7 +177,7 @@ def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, v
     (``_score``), the block reduces the tile's max and (after rescaling to the new running max)
     its sum of exp, and ``_accumulate`` updates the accumulator: acc[r] = acc[r] * alpha +
     sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared memory independent of the context
-    length (a whole score row would need S floats: 16 KiB at 4k keys, too much at 100k+).
+    length (a whole score row would need S floats).
 
     Masked keys are skipped, never computed with: their score is not formed, their
     probability is exactly 0 and their cache row is never read (it may even hold NaN). A tile

@@ -61,7 +61,7 @@ def comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_pa
     Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate
     to the other's depth, then climb both until they share a parent: the ranks there decide. They
     always differ: one live candidate is never a prefix of another (the shorter one is not popped
-    yet, so nothing below it exists). Ties are rare; the walk costs at most L steps in shared
+    yet, so nothing below it exists). The walk costs at most L steps in shared
     memory. ``inline="always"``: numba pastes it into the kernel instead of a call that passes
     every array field by field.
     """
