@@ -11,13 +11,12 @@ the reference's bits (chapter 6): splitmix64 word for word, its uint64 sums and 
 GPU wraps), the rankings' log-probabilities a table computed on the host (``scored``), the
 n-gram votes small integers added by atomics (exact in any order).
 
-The block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of
-the drafter's config and weights, with its own cache and buffers), which the engine makes and
-hands to ``load`` (``make_forward``). Per round, ``block_rows_kernel`` gathers ``block_rows``
-from the committed tokens into that engine's rows (a chain from position 0 over an empty cache),
-its ``forward_rows`` runs on the round's stream, and ``block_logprobs_kernel`` writes the
-log-softmax of rows window - 2 + d into the draft: close to the reference's, within the model
-tests' tolerance, not its bits.
+The block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of the drafter's
+config and weights, with its own cache and buffers), which the engine makes and hands to ``load``
+(``make_forward``). Per round, ``block_rows_kernel`` gathers ``block_rows`` from the committed tokens into
+that engine's rows (a chain from position 0 over an empty cache), its ``forward_rows`` runs on the round's
+stream, and ``block_logprobs_kernel`` writes the log-softmax of rows window - 2 + d into the draft: close to
+the reference's, within the model tests' tolerance, not its bits.
 
 A drafter runs on the device when ``load`` knows its exact class and its constants fit
 ``DrafterBuffers`` (a ranking of at most KMAX tokens, a sequence of at most C tokens, a seed
@@ -394,9 +393,8 @@ def always_proposes(buffers: DrafterBuffers) -> bool:
 
 
 def check_round(buffers: DrafterBuffers, context_size: int, depths: int) -> None:
-    """The refusals of the reference's ``propose`` a kernel cannot raise: an oracle without
-    distractors has nothing to rank past its sequence's end; a block drafter drafts at most
-    max_depths."""
+    """The refusals of the reference's ``propose`` a kernel cannot raise: an oracle without distractors has
+    nothing to rank past its sequence's end; a block drafter drafts at most max_depths."""
     drafter, last = buffers.loaded[0], context_size - 1 + depths          # the deepest position drafted
     if buffers.kind == "block":
         drafter.check_depths(depths)

@@ -70,10 +70,9 @@ class DeviceCache:
 # --8<-- [start:compact_columns_kernel]
 @cuda.jit(device=True)
 def compact_column(cache_latent, cache_rope, index, first, accepted, kept):
-    """Column ``index`` of the Ly x (R + dr) columns (R latent, then dr rope; past them: nothing)
-    runs numpy's loop: slot first + j <- slot first + accepted[j], j = 0 .. kept - 1 in order
-    (``accepted`` a 1-D row, global or shared), rows in place skipped. Reads COMPACT_BATCH rows
-    into registers, then writes them."""
+    """Column ``index`` of the Ly x (R + dr) columns (R latent, then dr rope; past them: nothing) runs numpy's
+    loop: slot first + j <- slot first + accepted[j], j = 0 .. kept - 1 in order (``accepted`` a 1-D row,
+    global or shared), rows in place skipped. Reads COMPACT_BATCH rows into registers, then writes them."""
     rank = cache_latent.shape[2]
     width = rank + cache_rope.shape[2]
     layer = index // width

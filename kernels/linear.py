@@ -1,8 +1,7 @@
 """Linear layers, embedding gather and greedy argmax: the numba.cuda twin of ``ddtree/linear.py``.
 
-Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden_size,
-TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
-``y = x @ W.T``.
+Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden_size, TPB threads per block.
+Weights are stored (Dout, Din) as in Hugging Face state dicts, so ``y = x @ W.T``.
 
 ``linear`` runs one of four kernels (``version``):
     "lanes" (the default, what the engine runs): a warp per C output columns; lane l sums
@@ -172,11 +171,10 @@ def gemv_kernel(threads: int):
 # --8<-- [start:warps_kernel]
 @cuda.jit
 def warps_kernel(x, weight, out):
-    # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of
-    # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ...
-    # in order (a warp's W loads are one coalesced 128-byte row segment; UNROLL of them in flight
-    # per lane), then lane r adds the 32 lanes' sums of row r in lane order, from lane 0's
-    # (shared memory)
+    # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of ROWS_PER_PASS rows
+    # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ... in order (a warp's W loads are
+    # one coalesced 128-byte row segment; UNROLL of them in flight per lane), then lane r adds the 32 lanes'
+    # sums of row r in lane order, from lane 0's (shared memory)
     partial = cuda.shared.array((WARPS_PER_BLOCK, ROWS_PER_PASS, LANES_PADDED), float32)
     acc = cuda.local.array(ROWS_PER_PASS, float32)
     w = cuda.local.array(UNROLL, float32)
@@ -304,10 +302,9 @@ def lane_sums(warps: int, columns: int, per_pass: int = ROWS_PER_PASS):
 # --8<-- [start:lanes_kernel]
 @functools.cache
 def lanes_kernel(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
-    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp,
-    ``unroll`` W loads in flight per column and lane and passes of R = ``per_pass`` rows
-    (literals: shared and local array sizes). None of them changes a sum: every output is added in
-    "warps"' order."""
+    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp, ``unroll`` W
+    loads in flight per column and lane and passes of R = ``per_pass`` rows (literals: shared and local array
+    sizes). None of them changes a sum: every output is added in "warps"' order."""
     outputs = columns * per_pass                         # a warp's (column, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
     dots = pass_dots(columns, unroll, per_pass)
@@ -318,9 +315,8 @@ def lanes_kernel(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER
         # groups G (blockIdx.z = g): row t of group g is x[t G + g] and out[t G + g], its weight
         # rows g Dout .. (g + 1) Dout - 1 (one group: a linear; a head each: MLA's absorb_output).
         # One warp = C columns n0 + c (blockIdx.x: warps * C columns) for the passes of R rows
-        # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of
-        # every dot product (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in
-        # lane order (lane_sums)
+        # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of every dot product
+        # (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in lane order (lane_sums)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         acc = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
@@ -469,12 +465,11 @@ def check_linear(x, weight, *, version="lanes", threads=None, out=None):
 def linear(x, weight, *, version: str = "lanes", threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: "lanes" (the default: the engine's kernel, launch shape and bits), "warps" (the
-    same bits, a warp per column), "gemv" or "gemm" (the module's docstring says how each sums).
-    ``threads``: the GEMV's block size (default: the smallest power of two covering Din, at most
-    128; the other versions size their own blocks). ``out`` receives the result; ``stream`` is
-    where the kernel is launched (None: the default stream).
-    numpy in -> numpy out; device arrays stay on the device.
+    ``version``: "lanes" (the default: the engine's kernel, launch shape and bits), "warps" (the same bits, a
+    warp per column), "gemv" or "gemm" (the module's docstring says how each sums). ``threads``: the GEMV's
+    block size (default: the smallest power of two covering Din, at most 128; the other versions size their
+    own blocks). ``out`` receives the result; ``stream`` is where the kernel is launched
+    (None: the default stream). numpy in -> numpy out; device arrays stay on the device.
     """
     x, weight = check_linear(x, weight, version=version, threads=threads, out=out)
     d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
@@ -562,10 +557,9 @@ def argmax_kernel(threads: int):
 
     @cuda.jit
     def kernel(logits, out):
-        # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping
-        # its first (value, index) in np.argmax's order, its loads ARGMAX_BATCH at a time (in
-        # flight together, not one wait per entry); shared memory: TPB values and TPB indices,
-        # reduced by block_argmax
+        # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping its first
+        # (value, index) in np.argmax's order, its loads ARGMAX_BATCH at a time (in flight together, not one
+        # wait per entry); shared memory: TPB values and TPB indices, reduced by block_argmax
         values = cuda.shared.array(threads, float32)
         indices = cuda.shared.array(threads, int32)
         batch = cuda.local.array(ARGMAX_BATCH, float32)

@@ -94,14 +94,13 @@ def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
     def absorb_query_kernel(q_nope, w_uk, q_lat):
         """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
 
-        Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
-        warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive
-        n (threadIdx.y = s: slice s, its n in order), for the passes of PASS rows y, y +
-        gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the
-        pass's rows' queries, before it adds their products to all of the pass's rows; then the
-        slices' sums meet in shared memory and thread (lane, s) adds those of rows s, s +
-        ABSORB_SLICES, ... in slice order. The slices depend on dn only, so a row's sum does not
-        depend on the rows beside it.
+        Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a warp's loads
+        of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive n (threadIdx.y = s:
+        slice s, its n in order), for the passes of PASS rows y, y + gridDim.z, ... Each thread issues
+        ABSORB_BATCH loads of W_UK, and the same n of the pass's rows' queries, before it adds their products
+        to all of the pass's rows; then the slices' sums meet in shared memory and thread (lane, s) adds those
+        of rows s, s + ABSORB_SLICES, ... in slice order. The slices depend on dn only, so a row's sum does
+        not depend on the rows beside it.
         """
         lane, part = cuda.threadIdx.x, cuda.threadIdx.y
         r = cuda.blockIdx.x * ABSORB_LANES + lane
@@ -173,20 +172,18 @@ def _accumulate(acc, p, cache_latent, start, count, alpha):
 def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, o_lat):
     """One block computes o_lat[row, head, :] (R) for one query row and one head.
 
-    Online softmax over tiles of TPB keys: in each tile, thread j scores key start + j
-    (``_score``), the block reduces the tile's max and (after rescaling to the new running max)
-    its sum of exp, and ``_accumulate`` updates the accumulator: acc[r] = acc[r] * alpha +
-    sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared memory independent of the context
-    length (a whole score row would need S floats).
+    Online softmax over tiles of TPB keys: in each tile, thread j scores key start + j (``_score``), the block
+    reduces the tile's max and (after rescaling to the new running max) its sum of exp, and ``_accumulate``
+    updates the accumulator: acc[r] = acc[r] * alpha + sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared
+    memory independent of the context length (a whole score row would need S floats).
 
     Masked keys are skipped, never computed with: their score is not formed, their
     probability is exactly 0 and their cache row is never read (it may even hold NaN). A tile
     without a visible key is skipped whole. Every row sees at least one key (checked on the
     host), so the running sum ends >= 1: no division by zero, no exp of -inf arithmetic.
 
-    Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output
-    accumulator (R); static: p (the tile's probabilities) and red (reduction scratch), TPB
-    floats each.
+    Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output accumulator (R);
+    static: p (the tile's probabilities) and red (reduction scratch), TPB floats each.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -333,11 +330,10 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
                      threads=None, out=None, stream=None):
     """Absorbed attention over the latent cache.
 
-    q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
-    hold the prefix in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R).
-    ``threads`` (32, 64 or 128) is the block size, which is also the key tile; by default the
-    smallest that covers the S keys. ``out`` receives the result; ``stream`` is where the kernel
-    is launched (None: the default stream).
+    q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr) hold the prefix
+    in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R). ``threads`` (32, 64 or 128) is the
+    block size, which is also the key tile; by default the smallest that covers the S keys. ``out`` receives
+    the result; ``stream`` is where the kernel is launched (None: the default stream).
     """
     q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible = check_attention_absorb(
         q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, threads=threads, out=out)
@@ -513,13 +509,12 @@ def score_parts(tile):
 def _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment):
     """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile.
 
-    A tile of LANES keys or more gives every lane of a warp a key: lane j runs key j's products
-    alone. A shorter tile (R = 512 leaves room for 8 or 16 keys) would leave most lanes idle while
-    a few run R + dr dependent products, so the segment shares the work: part j of key k sums
-    query[i] * key[i] for i = j, j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads
-    stride over the jobs) into dots[k, j], then lane k adds its key's parts in order. Either way
-    the sums depend on the tile alone (fixed by the model's dims), never on the segment's size or
-    the rows: every version scores a key alike."""
+    A tile of LANES keys or more gives every lane of a warp a key: lane j runs key j's products alone. A
+    shorter tile (R = 512 leaves room for 8 or 16 keys) would leave most lanes idle while a few run R + dr
+    dependent products, so the segment shares the work: part j of key k sums query[i] * key[i] for i = j,
+    j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads stride over the jobs) into dots[k, j],
+    then lane k adds its key's parts in order. Either way the sums depend on the tile alone
+    (fixed by the model's dims), never on the segment's size or the rows: every version scores a key alike."""
     width = query.shape[0]
     score = float32(0.0)
     if tile >= LANES:                                 # a key per lane
@@ -586,13 +581,12 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
 
 @cuda.jit
 def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
-    """One block per (head, row), a thread per latent column r (MERGE_THREADS on a GPU: Kimi's 512
-    columns one each): the splits that had keys (z * tile < S_i) combined in split order, each
-    rescaled to the largest running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M).
-    Each loop issues MERGE_BATCH splits' loads before it adds them (in order), so a decode row's
-    merge does not wait on one load at a time (version 5 merges up to hundreds of chunks). Thread
-    0 finds M and the denominator once for the block: every thread doing it would repeat the
-    splits' loads R times."""
+    """One block per (head, row), a thread per latent column r (MERGE_THREADS on a GPU: Kimi's 512 columns one
+    each): the splits that had keys (z * tile < S_i) combined in split order, each rescaled to the largest
+    running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M). Each loop issues MERGE_BATCH splits'
+    loads before it adds them (in order), so a decode row's merge does not wait on one load at a time
+    (version 5 merges up to hundreds of chunks). Thread 0 finds M and the denominator once for the block:
+    every thread doing it would repeat the splits' loads R times."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     rank = o_lat.shape[2]
@@ -643,11 +637,10 @@ def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce
     over the warp's 32 slots, lanes stride over R): H / G stagings of each tile per row, not H.
 
-    Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``,
-    even for Z = 1). A head's sums depend on its own keys, the tile and Z only, never on G: a tree
-    row still equals its AR row bit for bit. Shared memory (dynamic): G queries (R + dr) and
-    accumulators (R), G heads' score parts, then the tile's keys (tile x (R + dr + 1)); static:
-    p, red (MAX_TPB floats), slots (MAX_TILE ints).
+    Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``, even for
+    Z = 1). A head's sums depend on its own keys, the tile and Z only, never on G: a tree row still equals its
+    AR row bit for bit. Shared memory (dynamic): G queries (R + dr) and accumulators (R), G heads' score
+    parts, then the tile's keys (tile x (R + dr + 1)); static: p, red (MAX_TPB floats), slots (MAX_TILE ints).
     """
     group = cuda.threadIdx.x // LANES
     lane = cuda.threadIdx.x % LANES
@@ -720,15 +713,14 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
                     scores=None, partials=None, out=None, stream=None):
     """Absorbed attention of each row over the prefix and its own path.
 
-    q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
-    and paths (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for
-    d = 0 .. depths[i]. Returns o_lat (T, H, R): ``ddtree.mla.attention_paths``, which equals
-    ``attention_absorb`` with the tree's ancestor mask; its sums depend on the plan (their
-    order), never on the other rows. ``plan`` (a ``PathsPlan``; None: ``paths_plan`` for these
-    dims and C, what the engine runs) picks the version. Versions 2, 3 and 5 write a partial
-    softmax per split (or chunk) into ``partials`` (T, H, ``plan.partial_groups(C)``, R + 2) and
-    merge them; version 5 first writes every row's scores into ``scores`` (T H, C); both are
-    allocated when not given.
+    q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,) and paths
+    (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for d = 0 .. depths[i]. Returns
+    o_lat (T, H, R): ``ddtree.mla.attention_paths``, which equals ``attention_absorb`` with the tree's
+    ancestor mask; its sums depend on the plan (their order), never on the other rows. ``plan`` (a
+    ``PathsPlan``; None: ``paths_plan`` for these dims and C, what the engine runs) picks the version.
+    Versions 2, 3 and 5 write a partial softmax per split (or chunk) into ``partials`` (T, H,
+    ``plan.partial_groups(C)``, R + 2) and merge them; version 5 first writes every row's scores into
+    ``scores`` (T H, C); both are allocated when not given.
     """
     q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths = check_attention_paths(
         q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
@@ -782,18 +774,16 @@ def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int =
 
 
 def paths_tile(rank: int, rope_dim: int) -> int:
-    """Keys per tile of versions 1 and 2: 32, or 16 when 32 staged rows of R + dr floats would
-    pass SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by
-    the model's dims alone, never by the call, so tiles sit at the same positions for every row
-    count."""
+    """Keys per tile of versions 1 and 2: 32, or 16 when 32 staged rows of R + dr floats would pass
+    SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by the model's dims
+    alone, never by the call, so tiles sit at the same positions for every row count."""
     return 32 if paths_shared_bytes(rank, rope_dim, 32) <= SHARED_BUDGET else 16
 
 
 def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
-    """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``;
-    version 3 takes 32, else 16, else 8: the largest whose G queries and accumulators and staged
-    keys fit SHARED_BUDGET (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's dims and
-    G, never by the call."""
+    """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``; version 3
+    takes 32, else 16, else 8: the largest whose G queries and accumulators and staged keys fit SHARED_BUDGET
+    (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's dims and G, never by the call."""
     if heads_per_block == 1:
         return paths_tile(rank, rope_dim)
     for tile in (32, 16):
@@ -803,9 +793,8 @@ def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
 
 
 def paths_shared_bytes(rank: int, rope_dim: int, tile: int, heads_per_block: int = 1) -> int:
-    """Dynamic shared memory of versions 1 to 3: a query, an accumulator and the score parts of a
-    tile per head of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged
-    keys."""
+    """Dynamic shared memory of versions 1 to 3: a query, an accumulator and the score parts of a tile per
+    head of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged keys."""
     width = rank + rope_dim
     return F32 * (heads_per_block * (width + rank + score_parts.py_func(tile)) + tile * (width + 1))
 

@@ -5,8 +5,7 @@ then merges the partials as in versions 2 and 3.
 Legend: T new rows, P fully visible prefix rows, H heads, dr qk_rope_head_dim, R kv_lora_rank,
 C the cache's capacity (slots), TPB threads per block.
 
-Four kernels, each simple and batched over every row (no online softmax, no per-row staging of
-the prefix):
+Four kernels, each simple and batched over every row (no online softmax, no per-row staging of the prefix):
 
 1. ``attention_scores_kernel`` (``scores_kernel``): the scores of every query row q = t H + h
    against every slot below P + T as one register-tiled GEMM into ``scores`` (T H, C); a decode
@@ -136,11 +135,10 @@ _stage = staging(UNFUSED_LOADS)
 
 @functools.cache
 def score_loads(query_loads: int, key_loads: int):
-    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots,
-    keys, column, a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows
-    (q_rows[p] < 0: past the last query) into a_next and of its ``key_loads`` cache slots (past
-    ``keys``: none) into b_next, 0 where there is none or the column lies past R + dr (a padded
-    term adds nothing)."""
+    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column,
+    a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows (q_rows[p] < 0: past the
+    last query) into a_next and of its ``key_loads`` cache slots (past ``keys``: none) into b_next, 0 where
+    there is none or the column lies past R + dr (a padded term adds nothing)."""
     @cuda.jit(device=True)
     def load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
         rank = q_lat.shape[2]
@@ -187,15 +185,14 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
         query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
         mask is the next steps' business), a register-tiled GEMM.
 
-        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid
-        covers the cache's capacity and a block past P + T (P read on the device) returns at once,
-        so one launch shape serves every step. Thread (ty, tx) holds the TQ x TK scores of queries
-        TQ ty + i and slots TK tx + j in registers. Per step the block stages STEP columns of both
-        operands k-major in shared memory: a thread loads column tid % STEP of rows LOAD_ROWS
-        apart (consecutive threads read consecutive columns of a row), two buffers, the next
-        step's loads waiting in registers while this step's products run. A score adds its R + dr
-        terms one at a time in column order whatever the launch, the tiles, the rows or the tree:
-        batch-invariant.
+        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid covers the
+        cache's capacity and a block past P + T (P read on the device) returns at once, so one launch shape
+        serves every step. Thread (ty, tx) holds the TQ x TK scores of queries TQ ty + i and slots TK tx + j
+        in registers. Per step the block stages STEP columns of both operands k-major in shared memory: a
+        thread loads column tid % STEP of rows LOAD_ROWS apart (consecutive threads read consecutive columns
+        of a row), two buffers, the next step's loads waiting in registers while this step's products run. A
+        score adds its R + dr terms one at a time in column order whatever the launch, the tiles, the rows or
+        the tree: batch-invariant.
         """
         tid = non_negative(cuda.threadIdx.x)
         ty, tx = tid // side, tid % side
@@ -301,14 +298,14 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         """scores[head, s] = scale * (q_lat | q_pe)[0, head] . (cache_latent | cache_rope)[s] for
         every head and slot s < P + 1: ``attention_scores_kernel``'s scores of one row.
 
-        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane, lane +
-        THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
-        before the first store (one memory round trip per tile, where the GEMM takes one per STEP
-        columns), then each thread adds its score's R + dr terms one at a time in column order
-        (``row_dot``), the query's values read from global memory (every block reads the same
-        row). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on the device): one
-        launch shape serves every step, and the cache's empty capacity costs nothing. The same bits
-        as the GEMM, whatever the tile."""
+        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane,
+        lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
+        before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
+        then each thread adds its score's R + dr terms one at a time in column order (``row_dot``), the
+        query's values read from global memory (every block reads the same row). Tiles
+        s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on the device): one launch shape serves
+        every step, and the cache's empty capacity costs nothing. The same bits as the GEMM, whatever the
+        tile."""
         tid = index(cuda.threadIdx.x)
         heads = q_lat.shape[1]
         keys = prefix[0] + 1
@@ -471,14 +468,13 @@ def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
 
     @cuda.jit
     def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
-        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the
-        one holding the row's own position P + depth, where the row's keys are prefix keys, then
-        its path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
-        g HB .. of one row. Per chunk the block stages the keys' slots and the heads' exp(s - M)
-        in shared memory, then each thread adds the chunk's keys in position order for its column
-        and heads (its cache loads issued BATCH at a time, ahead of their adds): term for
-        term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at
-        its position in the committed chain, bit for bit."""
+        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the one
+        holding the row's own position P + depth, where the row's keys are prefix keys, then its path's nodes
+        (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads g HB .. of one row. Per chunk
+        the block stages the keys' slots and the heads' exp(s - M) in shared memory, then each thread adds the
+        chunk's keys in position order for its column and heads (its cache loads issued BATCH at a time, ahead
+        of their adds): term for term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals
+        the row at its position in the committed chain, bit for bit."""
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
         column = cuda.blockIdx.x * threads + tid
@@ -540,10 +536,9 @@ def unfused_chunks(capacity: int) -> int:
 
 
 def stats_threads(queries: int) -> int:
-    """The statistics' threads for ``queries`` = T H blocks: STATS_THREADS while the blocks are
-    few (a decode row: more chunks' warps at once), STATS_FEW once they fill the GPU
-    (STATS_FEW_FROM_BLOCKS_PER_SM per SM). Neither changes a sum (the max is exact in any order,
-    each chunk's sum is one warp's, in lane order)."""
+    """The statistics' threads for ``queries`` = T H blocks: STATS_THREADS while the blocks are few (a decode
+    row: more chunks' warps at once), STATS_FEW once they fill the GPU (STATS_FEW_FROM_BLOCKS_PER_SM per SM).
+    Neither changes a sum (the max is exact in any order, each chunk's sum is one warp's, in lane order)."""
     many = STATS_FEW_FROM_BLOCKS_PER_SM * sm_count()
     return UNFUSED_STATS_THREADS if queries < many else UNFUSED_STATS_FEW
 

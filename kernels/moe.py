@@ -372,17 +372,16 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     """The router for a few tokens in one launch: ``logit_slices_kernel``'s sums, then the block
     of a token that finishes last routes that token (``_route_parts``).
 
-    Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads
-    stage the EB experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's
-    slice; thread (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums
-    chunks p, p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does;
-    thread e adds its W sums in part order into parts[z, y, e]: logit_slices_kernel's bits. Then
-    the block counts itself in arrivals[z] behind a fence; the token's block that arrives last
-    sees every slice (a fence after its count orders its reads after the others' writes), routes
-    the token and sets arrivals[z] back to 0. A token whose E and D fit one block routes itself
-    after a barrier. EB = 8 experts per block where logit_slices_kernel has 32: four times the
-    blocks reading the gate (``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens, whose blocks each
-    read it)."""
+    Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads stage the EB
+    experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's slice; thread
+    (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums chunks p, p + W, ... of
+    LANES columns, each in column order, as warp p of ``tile_dots`` does; thread e adds its W sums in part
+    order into parts[z, y, e]: logit_slices_kernel's bits. Then the block counts itself in arrivals[z] behind
+    a fence; the token's block that arrives last sees every slice (a fence after its count orders its reads
+    after the others' writes), routes the token and sets arrivals[z] back to 0. A token whose E and D fit one
+    block routes itself after a barrier. EB = 8 experts per block where logit_slices_kernel has 32: four times
+    the blocks reading the gate (``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens, whose blocks each read it).
+    """
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
@@ -577,10 +576,9 @@ def block_pairs(per_pass: int, by_slot: bool):
 
 
 def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a
-    ``dense`` SwiGLU (one "expert": the shared experts, a dense layer; its launch has no other
-    experts' blocks), LANE_WIDE from ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW
-    (the same bits whatever the shape)."""
+    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a ``dense`` SwiGLU
+    (one "expert": the shared experts, a dense layer; its launch has no other experts' blocks), LANE_WIDE from
+    ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW (the same bits whatever the shape)."""
     if rows == 1:
         return LANE_ONE_DENSE if dense else LANE_ONE
     return LANE_WIDE if rows >= tuning.LANE_WIDE_FROM_ROWS else LANE_NARROW
@@ -590,11 +588,10 @@ def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
 @functools.cache
 def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS,
                          by_slot: bool = False):
-    """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
-    warp, ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs
-    (literals: shared and local array sizes); with ``by_slot``, for one token, a block per slot
-    given the token's ids where the lists would be (``block_pairs``). None of them changes a sum:
-    every output is added in "warps"' order."""
+    """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per warp,
+    ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs (literals: shared and
+    local array sizes); with ``by_slot``, for one token, a block per slot given the token's ids where the
+    lists would be (``block_pairs``). None of them changes a sum: every output is added in "warps"' order."""
     outputs = columns * per_pass                         # a warp's (output, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
     warp_dots = pass_dots(columns, unroll, per_pass)
@@ -603,12 +600,11 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
-        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair
-        # p = t * k + j of expert e (lists[:, e]); hidden is (T * k, F). Block y = expert
-        # e = y // per_expert, its passes of R pairs y % per_expert, + per_expert, ...
-        # (``block_pairs``); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
-        # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
-        # feature c's 32 lane sums for pair r in lane order (shared memory)
+        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair p = t * k + j of
+        # expert e (lists[:, e]); hidden is (T * k, F). Block y = expert e = y // per_expert, its passes of R
+        # pairs y % per_expert, + per_expert, ... (``block_pairs``); one warp = C = ``columns`` features
+        # f0 + c (blockIdx.x: warps * C features), lane l = k = l, l + 32, ... of every dot product; then lane
+        # c * R + r adds feature c's 32 lane sums for pair r in lane order (shared memory)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         gate = cuda.local.array((columns, per_pass), float32)
         up = cuda.local.array((columns, per_pass), float32)
@@ -776,11 +772,10 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
 
 
 def by_slot(rows: int, experts: int, expert_bytes: int) -> bool:
-    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
-    experts (not a dense SwiGLU's one): for one token, and for up to ``tuning.SLOT_ROWS`` tokens
-    where one expert's weights (``expert_bytes``) are under ``tuning.LARGE_EXPERT_BYTES``, since
-    every pair then reads its expert's weights again (the lists' launch saved costs more where
-    an expert is large)."""
+    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several experts
+    (not a dense SwiGLU's one): for one token, and for up to ``tuning.SLOT_ROWS`` tokens where one expert's
+    weights (``expert_bytes``) are under ``tuning.LARGE_EXPERT_BYTES``, since every pair then reads its
+    expert's weights again (the lists' launch saved costs more where an expert is large)."""
     few = rows == 1 or (rows <= tuning.SLOT_ROWS and expert_bytes < tuning.LARGE_EXPERT_BYTES)
     return experts > 1 and few
 

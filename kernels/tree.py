@@ -17,13 +17,12 @@ Kernels:
 - ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
   by depth (what the engine's attention enumerates instead of a mask).
 
-The trees are bit-identical to ``ddtree.tree.build_tree``'s: the same float32 weights, summed
-root to leaf (a sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule
-(equal weights: the lexicographically smallest rank tuple pops first, a prefix before its
-extensions), one strict total order, so the pop order does not depend on how the threads share
-the work. The sorted kernel's node table (MAX_TREE_NODES entries), its two frontier buffers and
-the staged log-probs fill the 48 KB of static shared memory, so a budget is at most
-MAX_TREE_NODES - 1 (``check_budget``).
+The trees are bit-identical to ``ddtree.tree.build_tree``'s: the same float32 weights, summed root to leaf (a
+sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule (equal weights: the
+lexicographically smallest rank tuple pops first, a prefix before its extensions), one strict total order, so
+the pop order does not depend on how the threads share the work. The sorted kernel's node table
+(MAX_TREE_NODES entries), its two frontier buffers and the staged log-probs fill the 48 KB of static shared
+memory, so a budget is at most MAX_TREE_NODES - 1 (``check_budget``).
 """
 
 from __future__ import annotations
@@ -58,12 +57,11 @@ def comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_pa
     """True if candidate a = (weight_a, parent node parent_a, rank_a) pops before candidate b:
     heavier first, then the smaller rank tuple.
 
-    Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate
-    to the other's depth, then climb both until they share a parent: the ranks there decide. They
-    always differ: one live candidate is never a prefix of another (the shorter one is not popped
-    yet, so nothing below it exists). The walk costs at most L steps in shared
-    memory. ``inline="always"``: numba pastes it into the kernel instead of a call that passes
-    every array field by field.
+    Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate to the
+    other's depth, then climb both until they share a parent: the ranks there decide. They always differ: one
+    live candidate is never a prefix of another (the shorter one is not popped yet, so nothing below it
+    exists). The walk costs at most L steps in shared memory. ``inline="always"``: numba pastes it into the
+    kernel instead of a call that passes every array field by field.
     """
     if weight_a != weight_b:
         return weight_a > weight_b
@@ -183,9 +181,8 @@ def _logprob(stage, width, top_logprobs, request, depth, rank):
 
 @cuda.jit(device=True, inline="always")
 def _start_tree(top_logprobs, request, first, key_base, key_digits, unit, nodes, front, keyed):
-    """(one thread) The keys' units (``keyed``: unit[d] = base^(D - d), then base^(2D - d)), the
-    root as node 0 (weight 0) and, where ``first`` is ONE, the candidate (depth 1, rank 0) as node
-    1, the first to pop."""
+    """(one thread) The keys' units (``keyed``: unit[d] = base^(D - d), then base^(2D - d)), the root as node
+    0 (weight 0) and, where ``first`` is ONE, the candidate (depth 1, rank 0) as node 1, the first to pop."""
     if keyed:
         power = int64(1)
         for d in range(2 * key_digits, 0, -1):
@@ -497,10 +494,9 @@ def build_tree(root_token: int, top_logprobs, top_ids, budget: int, *,
 def visibility_kernel(parents, vis):
     """One thread per (request, i, j): vis[request, i, j] = is j on the path root..i?
 
-    x indexes columns j (neighbouring threads write neighbouring bytes), y rows i, z requests.
-    Ancestors have smaller indices than their descendants: walk up from i while above j; j is
-    an ancestor (or i itself) iff the walk lands on it. A parent of -1 (root, padding) ends the
-    walk. No shared memory.
+    x indexes columns j (neighbouring threads write neighbouring bytes), y rows i, z requests. Ancestors have
+    smaller indices than their descendants: walk up from i while above j; j is an ancestor (or i itself) iff
+    the walk lands on it. A parent of -1 (root, padding) ends the walk. No shared memory.
     """
     j, i = cuda.grid(2)
     request = cuda.blockIdx.z
@@ -583,13 +579,12 @@ def _log_sum_exp(logits, row, row_max, red64):
 # --8<-- [start:top_candidates_sort_kernel]
 @cuda.jit(device=True, inline="always")
 def _sort_pairs(values, ids, size):
-    """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob
-    descending, token id ascending. Stage (span, stride): pair i compares slots low and
-    low + stride and puts the better one first in spans with (low & span) == 0, last in the
-    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices,
-    shifts and while loops: a stage is a few instructions per thread (numba tests every signed
-    index for wraparound, a signed // 2 needs a sign fix-up, and a strided ``range`` divides to
-    count its steps)."""
+    """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob descending, token id
+    ascending. Stage (span, stride): pair i compares slots low and low + stride and puts the better one first
+    in spans with (low & span) == 0, last in the others; one barrier per stage,
+    log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices, shifts and while loops: a stage is a few
+    instructions per thread (numba tests every signed index for wraparound, a signed // 2 needs a sign fix-up,
+    and a strided ``range`` divides to count its steps)."""
     one = uint64(1)
     half = uint64(size) >> one
     span = uint64(2)
@@ -622,13 +617,12 @@ def top_candidates_sort_kernel(threads: int, slots: int):
 
     @cuda.jit
     def kernel(logits, top_logprobs, top_ids):
-        # one block = one drafter row: 1. the row max (float32); 2. the sum of exp(logit - max) in
-        # float64, its log cast to float32 (numpy's steps, ``_max_log_sum``). Then the first
-        # ``slots`` tokens go into the buffer (token s in slot s, empty slots (-inf, _NO_TOKEN)
-        # sort last); if V fits, one bitonic sort and done. Otherwise sort, keep the best K and
-        # stream the rest of the row in tiles of (slots - K) / 2 tokens: a token joins the
-        # buffer (an atomic slot) only if it beats the K-th best so far; a full buffer is
-        # sorted back to its best K first.
+        # one block = one drafter row: 1. the row max (float32); 2. the sum of exp(logit - max) in float64,
+        # its log cast to float32 (numpy's steps, ``_max_log_sum``). Then the first ``slots`` tokens go into
+        # the buffer (token s in slot s, empty slots (-inf, _NO_TOKEN) sort last); if V fits, one bitonic sort
+        # and done. Otherwise sort, keep the best K and stream the rest of the row in tiles of (slots - K) / 2
+        # tokens: a token joins the buffer (an atomic slot) only if it beats the K-th best so far; a full
+        # buffer is sorted back to its best K first.
         red = cuda.shared.array(threads, float32)
         red64 = cuda.shared.array(threads, float64)
         values = cuda.shared.array(slots, float32)
