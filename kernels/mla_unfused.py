@@ -7,18 +7,12 @@ C the cache's capacity (slots), TPB threads per block.
 
 Four kernels, each simple and batched over every row (no online softmax, no per-row staging of the prefix):
 
-1. ``attention_scores_kernel`` (``scores_kernel``): the scores of every query row q = t H + h
-   against every slot below P + T as one register-tiled GEMM into ``scores`` (T H, C); a decode
-   row takes ``attention_row_scores_kernel`` (``row_scores_kernel``) instead: the GEMM's bits,
-   a whole key tile staged at once.
-2. ``attention_stats_kernel``: each (row, head)'s largest score M over its keys (the prefix,
-   then its path), and each chunk's sum of exp(s - M), a warp per chunk of UNFUSED_CHUNK keys at
-   fixed positions.
-3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, as a second
-   register-tiled GEMM over every query row at once; a partial per chunk.
+1. ``attention_scores_kernel`` (``scores_kernel``; a decode row: ``attention_row_scores_kernel``, the
+   same bits): every query row's scores against every slot below P + T, a GEMM into ``scores`` (T H, C).
+2. ``attention_stats_kernel``: each (row, head)'s largest score M and each chunk's sum of exp(s - M).
+3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, a second GEMM.
 4. ``attention_tail_kernel`` (``tail_kernel``): the chunks from the one holding position P to the
-   row's own, where the keys become the row's path, term for term the sums step 3 gives a chunk
-   of the prefix.
+   row's own, whose keys are the row's path, term for term the sums step 3 gives a prefix chunk.
 
 Every chunk's maximum is M, so the merge rescales by e^0 = 1, and a tree row at position p adds
 the same terms in the same order as the chain row at p: bit-identical (the tests check it with
