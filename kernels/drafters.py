@@ -13,10 +13,8 @@ n-gram votes small integers added by atomics (exact in any order).
 
 The block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of the drafter's
 config and weights, with its own cache and buffers), which the engine makes and hands to ``load``
-(``make_forward``). Per round, ``block_rows_kernel`` gathers ``block_rows`` from the committed tokens into
-that engine's rows (a chain from position 0 over an empty cache), its ``forward_rows`` runs on the round's
-stream, and ``block_logprobs_kernel`` writes the log-softmax of rows window - 2 + d into the draft: close to
-the reference's, within the model tests' tolerance, not its bits.
+(``make_forward``) and ``propose_block`` runs each round: its log-probabilities are within the model tests'
+tolerance of the reference's, not its bits.
 
 A drafter runs on the device when ``load`` knows its exact class and its constants fit
 ``DrafterBuffers`` (a ranking of at most KMAX tokens, a sequence of at most C tokens, a seed
