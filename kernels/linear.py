@@ -15,9 +15,8 @@ Weights are stored (Dout, Din) as in Hugging Face state dicts, so ``y = x @ W.T`
 "gemv" and "gemm" sum in different orders (chapter 0's lesson); "lanes"' launch shape
 (``lanes_shape``) changes no bit. ``lanes_launch`` also serves MLA's absorb_output, and
 ``lane_dots`` / ``lane_sums`` the MoE's expert kernels. ``tile_dots`` is a second batch-invariant
-order, the MoE router's: a lane per output column sums it sequentially along 32-wide chunks of
-Din; the block's S warps take chunks s, s + S, ... and their partial sums are added in slice
-order (S = ``k_slices(Din)``, never a function of T).
+order, the MoE router's: a lane per output column, S = ``k_slices(Din)`` warps (never a function of
+T) over Din's 32-wide chunks, their sums added in slice order.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
 and reduces (value, index) pairs in np.argmax's order (``kernels.blocks.block_argmax``).
