@@ -100,8 +100,7 @@ def compact_column(cache_latent, cache_rope, index, first, accepted, kept):
 def compact_columns_kernel(cache_latent, cache_rope, start, accepted, count):
     """Thread (layer, column) of the Ly x (R + dr) columns runs numpy's loop for its column
     (``compact_column``), P = start[0], m = count[0], the path accepted[0]. No shared memory; the
-    grid may have spare threads (they return).
-    """
+    grid may have spare threads (they return)."""
     compact_column(cache_latent, cache_rope, cuda.grid(1), start[0], accepted[0], count[0])
 # --8<-- [end:compact_columns_kernel]
 
@@ -206,8 +205,7 @@ def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, posi
     * cache_rope slot P + t <- projected[t, Rq + R:] rotated at positions[t] (``rotated``),
 
     with P = start[0]: the bits of ``rmsnorm``, ``apply_rope`` and ``LatentKVCache.write`` in
-    turn, in one launch instead of four (three fewer launches per layer of a forward). The caller
-    keeps the slots inside the cache.
+    turn, in one launch instead of four. The caller keeps the slots inside the cache.
     """
     check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, cache_latent, cache_rope,
                    start, q_normed)

@@ -548,8 +548,7 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
     ``attention_merge_kernel`` adds the Z partials in split order. A decode row keeps Z times more
     of the GPU busy; a split whose first tile lies past the row's keys does nothing (the merge
     skips it by the same rule). Which split gets a tile depends only on its position and Z, so a
-    tree row still equals its AR row, bit for bit. Shared memory as version 1.
-    """
+    tree row still equals its AR row, bit for bit. Shared memory as version 1."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     split = cuda.blockIdx.z

@@ -1015,7 +1015,6 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
                           scratch.shared, d_out, version, beside)
-        # every routed kernel on its branch but the last, which adds to the shared expert's out
         _launch_experts(d_x, weights, scratch, d_out, shared, version, routed,
                         out_queue=lambda: join(routed, beside))
     return deliver(d_out, out, x, *_arrays(params).values())
