@@ -3,13 +3,12 @@
 Legend: Bq requests, W padded tree width (nodes, root included, then padding), m accepted nodes,
 TPB threads per block.
 
-One kernel, ``accept_kernel``: one block per request, one thread per node (strided). Instead
-of walking down from the root one step at a time (a barrier per step), every thread checks its
-own node: node i is on the walk iff every edge of its path matches, ``tokens[c] ==
-posterior[parents[c]]`` for each node c on the path root..i (at most L steps up). Siblings carry
-distinct tokens, so at most one child of a node matches and the matching nodes form one chain
-root..deepest; the node at depth j is ``accepted[j]``. No barrier per step, one per phase.
-The engine's round end runs ``mark_walk`` inside its own kernel.
+One kernel, ``accept_kernel``: one block per request, one thread per node (strided). Instead of walking down
+from the root one step at a time (a barrier per step), every thread checks its own node: node i is on the walk
+iff every edge of its path matches, ``tokens[c] == posterior[parents[c]]`` for each node c on the path root..i
+(at most L steps up). Siblings carry distinct tokens, so at most one child of a node matches and the matching
+nodes form one chain root..deepest; the node at depth j is ``accepted[j]``. No barrier per step, one per
+phase. The engine's round end runs ``mark_walk`` inside its own kernel.
 """
 
 from __future__ import annotations
@@ -49,10 +48,9 @@ def mark_walk(tokens, parents, posterior, size, accepted, count):
 def accept_kernel(tokens, parents, sizes, posterior, accepted, lengths, bonus):
     """One block per request; thread t checks nodes t, t + TPB, ... below sizes[request].
 
-    Shared memory: one counter, the number of accepted nodes m. Phase 1 fills accepted[request]
-    with -1; phase 2 (``mark_walk``) writes accepted[request, depth(i)] = i for every node i on
-    the walk; phase 3 (thread 0) reads the deepest one, accepted[request, m - 1], and its
-    posterior, the bonus token.
+    Shared memory: one counter, the number of accepted nodes m. Phase 1 fills accepted[request] with -1;
+    phase 2 (``mark_walk``) writes accepted[request, depth(i)] = i for every node i on the walk; phase 3
+    (thread 0) reads the deepest one, accepted[request, m - 1], and its posterior, the bonus token.
     """
     request = cuda.blockIdx.x
     tid = cuda.threadIdx.x

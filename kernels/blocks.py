@@ -2,22 +2,19 @@
 
 Legend: TPB threads per block (a kernel's block size, ``cuda.blockDim.x``).
 
-Host side, the block-size pickers: ``pow2_threads`` for a block that reduces over its threads (a
-power of two: each step of a tree reduction halves the live values), ``row_threads`` for a block
-of independent outputs (whole warps), ``blocks`` for the grid, ``check_threads`` for a block size
-a caller forces.
+Host side, the block-size pickers: ``pow2_threads`` for a block that reduces over its threads (a power of two:
+each step of a tree reduction halves the live values), ``row_threads`` for a block of independent outputs
+(whole warps), ``blocks`` for the grid, ``check_threads`` for a block size a caller forces.
 
-Device side, the block reductions. Thread tid writes its value to ``scratch[tid]`` (TPB shared
-slots), the reduction combines them with a tree: TPB/2 threads combine pairs, then TPB/4, ...,
-one barrier per level, log2(TPB) levels; the result lands in ``scratch[0]``. The pairing is
-fixed, so a sum is deterministic run to run (but not numpy's order: floats are not
-associative). Each reduction starts with a barrier (every thread's slot is written) and ends
-with one (``scratch[0]`` is final), so the caller writes its slot just before and reads
-``scratch[0]`` just after; a caller that reuses ``scratch`` waits for a barrier first, so that
-every thread has read ``scratch[0]``. ``segment_max`` / ``segment_sum`` run the same tree inside
-each segment of a block (a warp per head in attention_paths' version 3): segment = TPB is the
-block reduction, pair for pair. Shared-memory trees are the portable baseline: the CUDA
-simulator has no warp shuffles.
+Device side, the block reductions. Thread tid writes its value to ``scratch[tid]`` (TPB shared slots), the
+reduction combines them with a tree: TPB/2 threads combine pairs, then TPB/4, ..., one barrier per level,
+log2(TPB) levels; the result lands in ``scratch[0]``. The pairing is fixed, so a sum is deterministic run to
+run (but not numpy's order: floats are not associative). Each reduction starts with a barrier
+(every thread's slot is written) and ends with one (``scratch[0]`` is final), so the caller writes its slot
+just before and reads ``scratch[0]`` just after; a caller that reuses ``scratch`` waits for a barrier first,
+so that every thread has read ``scratch[0]``. ``segment_max`` / ``segment_sum`` run the same tree inside each
+segment of a block (a warp per head in attention_paths' version 3): segment = TPB is the block reduction, pair
+for pair. Shared-memory trees are the portable baseline: the CUDA simulator has no warp shuffles.
 """
 
 from __future__ import annotations

@@ -3,16 +3,15 @@
 Legend: L draft depths (block_size - 1), V vocab, K candidates per depth, B node budget,
 N tree nodes (root included), m accepted nodes (root included).
 
-The same two decoders, the same checks, the same trace types; what differs is where the work
-happens. AR: the prompt is one forward (``prefill``), then every step replays one captured graph
-that reads the previous token on the device and writes the next one there: the host waits only
-once, at the end, to copy the tokens back. DDTree: per round, one graph runs the drafter's
-kernels (``kernels.drafters``, reading the committed tokens the engine keeps on the device),
-top-K, tree build, the verify forward, argmax, accept and compaction, and one copy brings back the
-round's record (m, the bonus, the accepted path and the tree): the round's only synchronisation,
-since the host decides the next round's block from the committed count. A drafter the device
-cannot run (any but the reference's own, or ``device_drafters=False``) runs on the host, as in
-the reference, and its (L, V) logits cross the bus once per round.
+The same two decoders, the same checks, the same trace types; what differs is where the work happens. AR: the
+prompt is one forward (``prefill``), then every step replays one captured graph that reads the previous token
+on the device and writes the next one there: the host waits only once, at the end, to copy the tokens back.
+DDTree: per round, one graph runs the drafter's kernels (``kernels.drafters``, reading the committed tokens
+the engine keeps on the device), top-K, tree build, the verify forward, argmax, accept and compaction, and one
+copy brings back the round's record (m, the bonus, the accepted path and the tree): the round's only
+synchronisation, since the host decides the next round's block from the committed count. A drafter the device
+cannot run (any but the reference's own, or ``device_drafters=False``) runs on the host, as in the reference,
+and its (L, V) logits cross the bus once per round.
 """
 
 from __future__ import annotations
@@ -113,17 +112,16 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     the reference's sampled tree (children redrawn from the drafter, recursive rejection
     sampling), equal to AR in distribution, and to the reference's rejection run token for token.
 
-    ``budget``: an integer, or ``"auto"`` (``ddtree.budget``: the budget of the most tokens per
-    second, 0 when no tree beats an AR step) with the cost table ``cost_table`` or, without one,
-    ``model.cost_table``; on a GPU an ``"auto"`` without either times one at warm-up
-    (``measure_cost_table``, kept in ``model.cost_table``); in the simulator it is refused, since
-    simulated seconds say nothing. None (the default): ``"auto"`` when a table is at hand, else
-    ``DEFAULT_BUDGET``, the fixed budget the engine has always run, so a call without a table
-    behaves as it did and equals the reference's default. Queued rounds stay queued: the next
-    round's budget is chosen from the records already read, those of the rounds before the one
-    in flight, so a choice lags a round (the reference's loop lags alike: the same budgets); when
-    it differs from the round in flight's, the next round is not queued but launched after the
-    read, in its own shape.
+    ``budget``: an integer, or ``"auto"`` (``ddtree.budget``: the budget of the most tokens per second, 0 when
+    no tree beats an AR step) with the cost table ``cost_table`` or, without one, ``model.cost_table``; on a
+    GPU an ``"auto"`` without either times one at warm-up (``measure_cost_table``, kept in
+    ``model.cost_table``); in the simulator it is refused, since simulated seconds say nothing. None
+    (the default): ``"auto"`` when a table is at hand, else ``DEFAULT_BUDGET``, the fixed budget the engine
+    has always run, so a call without a table behaves as it did and equals the reference's default. Queued
+    rounds stay queued: the next round's budget is chosen from the records already read, those of the rounds
+    before the one in flight, so a choice lags a round (the reference's loop lags alike: the same budgets);
+    when it differs from the round in flight's, the next round is not queued but launched after the read, in
+    its own shape.
     """
     budget, cost_table = engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed,
                                        cost_table)

@@ -1,11 +1,10 @@
 """One place decides where the kernels run (a real CUDA GPU, or numba's CUDA simulator), and the
 host-side helpers every launch wrapper shares: device arrays in and out, output buffers.
 
-The simulator is used when no GPU is present or when the user asks for it with
-``NUMBA_ENABLE_CUDASIM=1``; ``NUMBA_ENABLE_CUDASIM=0`` forces hardware. numba reads the variable
-once, at import, so every kernel module imports this module before ``numba``. In the simulator it
-also installs ``kernels.simulator`` (cheaper barriers, threads and array accesses; the same
-results).
+The simulator is used when no GPU is present or when the user asks for it with ``NUMBA_ENABLE_CUDASIM=1``;
+``NUMBA_ENABLE_CUDASIM=0`` forces hardware. numba reads the variable once, at import, so every kernel module
+imports this module before ``numba``. In the simulator it also installs ``kernels.simulator`` (cheaper
+barriers, threads and array accesses; the same results).
 
 A launch wrapper takes numpy arrays (the result comes back as numpy) or device arrays (the
 result stays on the device). ``out``, when given, is the buffer the kernel writes (``check_out``,
@@ -53,10 +52,9 @@ def hardware_options(**options) -> dict:
 
 
 def reduction_threads(count: int, maximum: int = MAX_TPB) -> int:
-    """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``, at most
-    ``maximum``): at most 32 threads in the simulator, where every idle thread is a Python thread
-    waiting at every barrier. The block size changes the order of a sum, never which rows it
-    depends on."""
+    """TPB for the row kernels' reductions over ``count`` items (``pow2_threads``, at most ``maximum``): at
+    most 32 threads in the simulator, where every idle thread is a Python thread waiting at every barrier. The
+    block size changes the order of a sum, never which rows it depends on."""
     return pow2_threads(count, 32 if SIMULATOR else maximum)
 
 

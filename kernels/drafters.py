@@ -3,38 +3,22 @@
 Legend: L draft depths (block_size - 1), V vocab_size, n committed tokens (the context, root
 last), C the committed-token buffer's capacity, KMAX the longest ranking a device oracle holds.
 
-The engine's round otherwise starts on the host: Python runs ``propose`` on the committed tokens
-and the (L, V) logits cross the bus. The reference's three drafters are pure functions of the
-committed tokens and a few constants, so here they are kernels that read the committed tokens
-where the engine keeps them on the device (``committed[:n]``, n in ``context_length[0]``) and
-write the logits into the engine's draft buffer, inside the round's graph. The bits are the
-reference's:
+The reference's drafters as kernels inside the round's graph: they read the committed tokens
+where the engine keeps them (``committed[:n]``, n in ``context_length[0]``) and write the (L, V)
+logits into its draft buffer, so no logits cross the bus. The oracles and the n-gram drafter give
+the reference's bits (chapter 6): splitmix64 word for word, its uint64 sums and products through
+32-bit halves (``wrapping_add``, ``wrapping_mul``: the simulator's numpy scalars warn where the
+GPU wraps), the rankings' log-probabilities a table computed on the host (``scored``), the
+n-gram votes small integers added by atomics (exact in any order).
 
-- the oracles' keyed draws are splitmix64 on uint64 words (``mix``, ``keyed_state``,
-  ``uniform_of``, ``tokens_of``: the reference's functions, word for word). Products and sums
-  wrap modulo 2^64 through 32-bit halves (``wrapping_add``, ``wrapping_mul``): on the GPU uint64
-  wraps by itself, but the simulator runs numpy scalars, which warn on overflow, and one
-  definition serves both. The probabilities of a ranking of each length are the reference's own
-  float32 log-probabilities, computed once on the host (``scored``) and uploaded as a table;
-- the n-gram drafter's votes are small integers, exact in float32 and in any order (atomic adds),
-  and each row's total is the exact sum of its votes plus V smoothings, as the reference defines
-  it; the logarithm is the device's ``log`` in float64, cast to float32 as numpy's is (the one
-  step where the two libraries' last float64 bit could differ; the float32 results agreed in
-  every test).
+The block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of the drafter's
+config and weights, with its own cache and buffers), which the engine makes and hands to ``load``
+(``make_forward``) and ``propose_block`` runs each round: its log-probabilities are within the model tests'
+tolerance of the reference's, not its bits.
 
-- the block drafter is a model: its forward is a second engine (``kernels.model.Transformer`` of
-  the drafter's config and weights, with its own cache and buffers), which the engine makes and
-  hands to ``load`` (``make_forward``). Per round, ``block_rows_kernel`` gathers ``block_rows``
-  from the committed tokens into that engine's rows (a chain from position 0, its cache length
-  set to 0: every round reads from an empty cache), its ``forward_rows`` runs on the round's
-  stream, and ``block_logprobs_kernel`` writes the log-softmax of rows window - 2 + d into the
-  draft. Not the reference's bits: the engine's forward is within the model tests' tolerance of
-  numpy's, so the log-probabilities are close, not equal.
-
-A drafter runs on the device when ``load`` knows its exact class and its constants fit the
-buffers (``DrafterBuffers``: a ranking of at most KMAX tokens, a sequence of at most C tokens, a
-seed below 2^63; a block drafter needs the engine's ``make_forward``); any other drafter (a
-subclass, a user's own) runs on the host as before.
+A drafter runs on the device when ``load`` knows its exact class and its constants fit
+``DrafterBuffers`` (a ranking of at most KMAX tokens, a sequence of at most C tokens, a seed
+below 2^63; a block drafter needs ``make_forward``); any other drafter runs on the host.
 """
 
 from __future__ import annotations
@@ -407,9 +391,8 @@ def always_proposes(buffers: DrafterBuffers) -> bool:
 
 
 def check_round(buffers: DrafterBuffers, context_size: int, depths: int) -> None:
-    """The refusals of the reference's ``propose`` a kernel cannot raise: an oracle without
-    distractors has nothing to rank past its sequence's end; a block drafter drafts at most
-    max_depths."""
+    """The refusals of the reference's ``propose`` a kernel cannot raise: an oracle without distractors has
+    nothing to rank past its sequence's end; a block drafter drafts at most max_depths."""
     drafter, last = buffers.loaded[0], context_size - 1 + depths          # the deepest position drafted
     if buffers.kind == "block":
         drafter.check_depths(depths)

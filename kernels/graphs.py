@@ -94,10 +94,9 @@ class Graphs:
     def upload(self, host, device_array) -> None:
         """Copy a small host array into a fixed device buffer, ordered on the engine's stream.
 
-        On a GPU this is one driver call (``cuMemcpyHtoDAsync``): numba's ``copy_to_device`` builds
-        and checks array wrappers first, which cost more host time than the copy of a round's few
-        kilobytes. From pageable memory the driver stages the bytes before it returns, so ``host``
-        may be reused at once."""
+        On a GPU this is one driver call (``cuMemcpyHtoDAsync``): numba's ``copy_to_device`` builds and checks
+        array wrappers first, which cost more host time than the copy of a round's few kilobytes. From
+        pageable memory the driver stages the bytes before it returns, so ``host`` may be reused at once."""
         host = _matching_host(host, device_array)
         if SIMULATOR:
             device_array.copy_to_device(host)

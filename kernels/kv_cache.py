@@ -5,34 +5,19 @@
 Legend: Ly layers, C capacity (slots), R kv_lora_rank, dr qk_rope_head_dim, m accepted nodes,
 TPB threads per block.
 
-Verification wrote the tree's rows at slots start..start+n in node order; only the accepted
-path stays: slot ``start + j`` <- slot ``start + accepted[j]``, then length = start + m.
-
-Why not one parallel in-place copy of the rows: ``accepted[j] >= j``, so a row that one thread
-reads can be the row another thread writes. With accepted = [0, 2, 3, 5], thread 1 reads slot 2
-while thread 2 overwrites slot 2 with slot 3; if thread 2 runs first, slot 1 receives row 3
-instead of row 2. numpy's sequential loop (increasing j) is safe because slot j is only
-overwritten by step j, after every step that reads it; GPU threads have no such order, and
-blocks cannot wait for each other inside one launch.
-
-So the compaction parallelises over the columns instead of the rows. One thread owns one column
-of one layer (Ly x (R + dr) threads, every layer in one launch) and replays numpy's loop for it,
-j = 0 .. m-1 in increasing order. No two threads touch the same element, and within a thread
-the rule that makes numpy's loop safe holds: slot P + s is written by step s only, after every
-step that reads it (``accepted`` increases strictly from 0, so step j reads slot accepted[j] >=
-j). A thread issues COMPACT_BATCH reads before their writes, so a batch's loads overlap: a batch
-reads slots accepted[j] >= j, all past what earlier batches wrote.
-
 Kernels:
-- ``compact_columns_kernel``: one thread per (layer, column), no scratch; P, accepted and m read
-  from device arrays (the engine's round end runs ``compact_column`` inside its own kernel).
+- ``compact_columns_kernel``: the accepted path kept, slot ``start + j`` <- slot
+  ``start + accepted[j]``, then length = start + m; P, accepted and m read from device arrays (the
+  engine's round end runs ``compact_column`` inside its own kernel). A thread per row would race
+  (``accepted[j] >= j``: the row one thread reads can be the row another writes, chapter 10), so
+  one thread owns a column of one layer (Ly x (R + dr) threads, no scratch) and replays numpy's
+  loop for it, j in increasing order: slot P + s is written by step s only, after every step that
+  reads it. Its batches of COMPACT_BATCH reads read slots accepted[j] >= j, past what earlier
+  batches wrote.
 - ``new_rows_kernel`` (``write_new_rows``): a forward's new rows into one layer's cache at slots
   P .. P + T - 1 (P read from a device array; what ``LatentKVCache.write`` does), fused with what
   comes before it, one block per row: the query latent's and the key-value latent's RMSNorms
   (``rmsnorm_kernel``'s bits) and the rope key's rotation (``rotated``).
-
-``compact`` decides the new length on the host: it takes a ``stream`` but no ``out`` (the cache
-is compacted in place).
 """
 
 from __future__ import annotations
@@ -85,10 +70,9 @@ class DeviceCache:
 # --8<-- [start:compact_columns_kernel]
 @cuda.jit(device=True)
 def compact_column(cache_latent, cache_rope, index, first, accepted, kept):
-    """Column ``index`` of the Ly x (R + dr) columns (R latent, then dr rope; past them: nothing)
-    runs numpy's loop: slot first + j <- slot first + accepted[j], j = 0 .. kept - 1 in order
-    (``accepted`` a 1-D row, global or shared), rows in place skipped. Reads COMPACT_BATCH rows
-    into registers, then writes them."""
+    """Column ``index`` of the Ly x (R + dr) columns (R latent, then dr rope; past them: nothing) runs numpy's
+    loop: slot first + j <- slot first + accepted[j], j = 0 .. kept - 1 in order (``accepted`` a 1-D row,
+    global or shared), rows in place skipped. Reads COMPACT_BATCH rows into registers, then writes them."""
     rank = cache_latent.shape[2]
     width = rank + cache_rope.shape[2]
     layer = index // width
@@ -116,8 +100,7 @@ def compact_column(cache_latent, cache_rope, index, first, accepted, kept):
 def compact_columns_kernel(cache_latent, cache_rope, start, accepted, count):
     """Thread (layer, column) of the Ly x (R + dr) columns runs numpy's loop for its column
     (``compact_column``), P = start[0], m = count[0], the path accepted[0]. No shared memory; the
-    grid may have spare threads (they return).
-    """
+    grid may have spare threads (they return)."""
     compact_column(cache_latent, cache_rope, cuda.grid(1), start[0], accepted[0], count[0])
 # --8<-- [end:compact_columns_kernel]
 
@@ -222,8 +205,7 @@ def write_new_rows(projected, q_rank: int, q_weight, kv_weight, eps: float, posi
     * cache_rope slot P + t <- projected[t, Rq + R:] rotated at positions[t] (``rotated``),
 
     with P = start[0]: the bits of ``rmsnorm``, ``apply_rope`` and ``LatentKVCache.write`` in
-    turn, in one launch instead of four (three fewer launches per layer of a forward). The caller
-    keeps the slots inside the cache.
+    turn, in one launch instead of four. The caller keeps the slots inside the cache.
     """
     check_new_rows(projected, q_rank, q_weight, kv_weight, positions, inv_freq, cache_latent, cache_rope,
                    start, q_normed)

@@ -1,34 +1,25 @@
 """Linear layers, embedding gather and greedy argmax: the numba.cuda twin of ``ddtree/linear.py``.
 
-Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden_size,
-TPB threads per block. Weights are stored (Dout, Din) as in Hugging Face state dicts, so
-``y = x @ W.T``.
+Legend: T rows, Din input features, Dout output features, V vocab_size, D hidden_size, TPB threads per block.
+Weights are stored (Dout, Din) as in Hugging Face state dicts, so ``y = x @ W.T``.
 
 ``linear`` runs one of four kernels (``version``):
     "lanes" (the default, what the engine runs): a warp per C output columns; lane l sums
             k = l, l + 32, ... in order, with U loads of each column in flight, then one lane adds
             an output's 32 lane sums in lane order. The order depends on Din alone, so a row's
-            result never depends on the rows launched with it (batch invariance: a tree row gets
-            the bits of the same row in an AR step)
+            result never depends on the rows launched with it (batch invariance)
     "warps" lanes' order in its plainest form, a warp per column: the same bits as "lanes"
     "gemv"  a block per output y[t, n], a block reduction over Din (chapter 0: a decode step)
     "gemm"  a tiled shared-memory GEMM, 16 x 16 output tiles, a thread per output (chapter 0:
             many rows)
-"gemv" and "gemm" sum in different orders: a library that switches between them by T, as BLAS
-does, gives a row other bits alone than in a batch (chapter 0's lesson). "lanes"' launch shape
-(warps per block, C, U: ``lanes_shape``) changes no bit, so it follows T and Dout.
-``lanes_launch`` also serves MLA's absorb_output (a group of rows and weight rows per head), and
-``lane_dots`` / ``lane_sums`` the MoE's expert kernels.
-
-``tile_dots`` is a second batch-invariant order, the MoE router's: a lane per output column sums
-it sequentially along 32-wide chunks of Din; the block's S warps take chunks s, s + S, ... and
-their partial sums are added in slice order (S = ``k_slices(Din)``, never a function of T).
+"gemv" and "gemm" sum in different orders (chapter 0's lesson); "lanes"' launch shape
+(``lanes_shape``) changes no bit. ``lanes_launch`` also serves MLA's absorb_output, and
+``lane_dots`` / ``lane_sums`` the MoE's expert kernels. ``tile_dots`` is a second batch-invariant
+order, the MoE router's: a lane per output column, S = ``k_slices(Din)`` warps (never a function of
+T) over Din's 32-wide chunks, their sums added in slice order.
 
 ``embed`` gathers table rows, one thread per output element. ``argmax`` runs one block per row
-and reduces (value, index) pairs with ``kernels.blocks.block_argmax`` in numpy's order: the
-first maximal index wins, and NaN counts as larger than everything (np.argmax returns the first
-NaN).
-
+and reduces (value, index) pairs in np.argmax's order (``kernels.blocks.block_argmax``).
 Kernels whose shared or local arrays depend on a launch parameter are built per value and cached
 (``gemv_kernel(TPB)``, ``lanes_kernel(warps, C, U, R)``, ``argmax_kernel(TPB)``): such an array
 needs a size known when the kernel compiles.
@@ -179,11 +170,10 @@ def gemv_kernel(threads: int):
 # --8<-- [start:warps_kernel]
 @cuda.jit
 def warps_kernel(x, weight, out):
-    # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of
-    # ROWS_PER_PASS rows blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ...
-    # in order (a warp's W loads are one coalesced 128-byte row segment; UNROLL of them in flight
-    # per lane), then lane r adds the 32 lanes' sums of row r in lane order, from lane 0's
-    # (shared memory)
+    # one warp = output column n = blockIdx.x * WARPS_PER_BLOCK + warp, for the passes of ROWS_PER_PASS rows
+    # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l sums k = l, l + 32, ... in order (a warp's W loads are
+    # one coalesced 128-byte row segment; UNROLL of them in flight per lane), then lane r adds the 32 lanes'
+    # sums of row r in lane order, from lane 0's (shared memory)
     partial = cuda.shared.array((WARPS_PER_BLOCK, ROWS_PER_PASS, LANES_PADDED), float32)
     acc = cuda.local.array(ROWS_PER_PASS, float32)
     w = cuda.local.array(UNROLL, float32)
@@ -311,10 +301,9 @@ def lane_sums(warps: int, columns: int, per_pass: int = ROWS_PER_PASS):
 # --8<-- [start:lanes_kernel]
 @functools.cache
 def lanes_kernel(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
-    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp,
-    ``unroll`` W loads in flight per column and lane and passes of R = ``per_pass`` rows
-    (literals: shared and local array sizes). None of them changes a sum: every output is added in
-    "warps"' order."""
+    """The "lanes" kernel for blocks of ``warps`` warps, ``columns`` output columns per warp, ``unroll`` W
+    loads in flight per column and lane and passes of R = ``per_pass`` rows (literals: shared and local array
+    sizes). None of them changes a sum: every output is added in "warps"' order."""
     outputs = columns * per_pass                         # a warp's (column, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
     dots = pass_dots(columns, unroll, per_pass)
@@ -325,9 +314,8 @@ def lanes_kernel(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER
         # groups G (blockIdx.z = g): row t of group g is x[t G + g] and out[t G + g], its weight
         # rows g Dout .. (g + 1) Dout - 1 (one group: a linear; a head each: MLA's absorb_output).
         # One warp = C columns n0 + c (blockIdx.x: warps * C columns) for the passes of R rows
-        # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of
-        # every dot product (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in
-        # lane order (lane_sums)
+        # blockIdx.y, blockIdx.y + gridDim.y, ...; lane l = k = l, l + 32, ... of every dot product
+        # (lane_dots); then lane c R + r adds column c's 32 lane sums of row r in lane order (lane_sums)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         acc = cuda.local.array((columns, per_pass), float32)
         w = cuda.local.array((columns, unroll), float32)
@@ -455,7 +443,6 @@ def tile_dots(rows: int, listed: bool = False, sliced: bool = False):
         dots_range(x, t0, count, row_ids, weight, n0, 0, x.shape[1], acc, w_tile, x_tile, partial)
 
     return dots_range if sliced else dots
-
 # --8<-- [end:tile_dots]
 
 
@@ -477,12 +464,11 @@ def check_linear(x, weight, *, version="lanes", threads=None, out=None):
 def linear(x, weight, *, version: str = "lanes", threads: int | None = None, out=None, stream=None):
     """``x`` (T, Din) (or (..., Din)) times ``weight.T`` (Din, Dout) -> (T, Dout), float32.
 
-    ``version``: "lanes" (the default: the engine's kernel, launch shape and bits), "warps" (the
-    same bits, a warp per column), "gemv" or "gemm" (the module's docstring says how each sums).
-    ``threads``: the GEMV's block size (default: the smallest power of two covering Din, at most
-    128; the other versions size their own blocks). ``out`` receives the result; ``stream`` is
-    where the kernel is launched (None: the default stream).
-    numpy in -> numpy out; device arrays stay on the device.
+    ``version``: "lanes" (the default: the engine's kernel, launch shape and bits), "warps" (the same bits, a
+    warp per column), "gemv" or "gemm" (the module's docstring says how each sums). ``threads``: the GEMV's
+    block size (default: the smallest power of two covering Din, at most 128; the other versions size their
+    own blocks). ``out`` receives the result; ``stream`` is where the kernel is launched
+    (None: the default stream). numpy in -> numpy out; device arrays stay on the device.
     """
     x, weight = check_linear(x, weight, version=version, threads=threads, out=out)
     d_x = as_rows(to_device(x, np.float32), "x")                          # [T, Din]
@@ -570,10 +556,9 @@ def argmax_kernel(threads: int):
 
     @cuda.jit
     def kernel(logits, out):
-        # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping
-        # its first (value, index) in np.argmax's order, its loads ARGMAX_BATCH at a time (in
-        # flight together, not one wait per entry); shared memory: TPB values and TPB indices,
-        # reduced by block_argmax
+        # one block = one row of logits (T, V); one thread scans v = tid, tid + TPB, ... keeping its first
+        # (value, index) in np.argmax's order, its loads ARGMAX_BATCH at a time (in flight together, not one
+        # wait per entry); shared memory: TPB values and TPB indices, reduced by block_argmax
         values = cuda.shared.array(threads, float32)
         indices = cuda.shared.array(threads, int32)
         batch = cuda.local.array(ARGMAX_BATCH, float32)

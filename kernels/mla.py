@@ -6,35 +6,26 @@ dr qk_rope_head_dim, dv v_head_dim, R kv_lora_rank, C the cache's capacity, TPB 
 Kernels:
 - ``absorb_query_kernel``: q_lat = W_UK^T q_nope, a thread per latent column and slice of dn.
 - ``attention_absorb_kernel``: masked softmax attention over the latent cache, one block per
-  (row, head), online softmax over key tiles of one key per thread: the readable first version
+  (row, head), an online softmax over tiles of one key per thread: the readable version
   (chapter 3), the twin of the reference's ``attention_absorb``.
 - ``attention_paths`` (the engine's attention): each row attends to the prefix and its own path
-  (``paths``), enumerated in position order, in tiles at fixed positions staged through shared
-  memory; the prefix length comes from a device array. A tree row's result is then
-  bit-identical to the AR row at the same position (batch- and mask-invariant). Its versions,
-  chosen per engine by ``paths_plan`` (a ``PathsPlan``):
+  (``paths``) in position order, in tiles at fixed positions, the prefix length read from a
+  device array; a tree row's result is bit-identical to the AR row at the same position. Its
+  versions, chosen per engine by ``paths_plan`` (a ``PathsPlan``):
   1. ``attention_paths_kernel``: one block per (row, head) walks every tile.
-  2. ``attention_split_kernel`` + ``attention_merge_kernel``: the same tiles dealt round-robin
-     to Z blocks per (row, head), whose partial softmaxes are merged in split order.
+  2. ``attention_split_kernel`` + ``attention_merge_kernel``: the tiles dealt round-robin to Z
+     blocks per (row, head), whose partial softmaxes are merged in split order.
   3. ``attention_heads_kernel`` (+ the merge): a block per (G heads, row, split), each tile
      staged once for its G heads (MLA's heads share the latent cache), a warp per head.
   5. unfused (``kernels/mla_unfused.py``, + the merge): every row's scores as one GEMM, the
      softmax's statistics, P V as a second GEMM over chunks at fixed positions.
   (Version 4, a register-tiled fused kernel, is in ``lab/attention/``.)
-- ``absorb_output``: o = W_UV o_lat, a linear per head: ``kernels.linear``'s "lanes" kernel with
-  a group per head (a warp per few outputs (h, v), lane l summing r = l, l + 32, ...).
+- ``absorb_output``: o = W_UV o_lat, ``kernels.linear``'s "lanes" kernel with a group per head.
 
-Only the absorbed form is implemented here, on purpose. The numpy module also has
-``attention_naive``, which expands every cached latent into per-head keys and values
-(S * H * (dn + dv) floats per layer); it is there to prove the absorption exact, and the model
-runs it only with the numpy backend, so it has no kernel twin.
-
-Inputs are numpy arrays (the results come back as numpy) or numba device arrays (the results
-stay on the device). ``visible`` (T, T) is a small bool mask. A host mask is checked by
-``ddtree.mla.check_visibility`` (the numpy reference's errors) and copied to the device; a
-device mask is used as it is, except that with no prefix (P = 0) it is copied back to check
-that every row sees a key (with P > 0 every row sees the prefix). Cost models and benchmark
-cases are in ``kernels/bench/cases/mla.py``.
+Only the absorbed form has kernels: the reference's ``attention_naive`` is there to prove the
+absorption exact (chapter 3). Inputs are numpy arrays (the results come back as numpy) or numba
+device arrays (the results stay on the device); masks are checked by ``_check_mask``. Cost models
+and benchmark cases are in ``kernels/bench/cases/mla.py``.
 """
 
 from __future__ import annotations
@@ -82,8 +73,7 @@ MAX_TILE = MAX_TPB       # largest attention block: keys per tile = TPB; the siz
 DOT_PARTS = 32           # attention_paths: a key's score is summed in 32 strided parts, in parallel
 DOT_STRIDE = DOT_PARTS + 1    # a key's parts in shared memory (+1: the parts' readers hit distinct banks)
 HEADS_PER_BLOCK = (1, 2, 4)   # version 3's G (1: versions 1 and 2), G * LANES <= MAX_TPB threads
-# version 3's registers per thread: 168 leaves room for 3 blocks of 128 threads in an SM's 64K
-# registers (allocated 8 at a time) and spills nothing (ptxas -v, sm_90)
+# version 3's registers per thread: 3 blocks of 128 threads fit an SM's 64K (allocated 8 at a time)
 HEADS_MAX_REGISTERS = 168
 MERGE_BATCH = 4 if SIMULATOR else 8          # the merge: splits' loads a thread issues before it adds them
 ABSORB_BATCH = 8               # absorb_query: W_UK loads a thread issues before it adds them
@@ -104,16 +94,13 @@ def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
     def absorb_query_kernel(q_nope, w_uk, q_lat):
         """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
 
-        Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a
-        warp's loads of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive
-        n (threadIdx.y = s: slice s, its n in order), for the passes of PASS rows y, y +
-        gridDim.z, ... Each thread issues ABSORB_BATCH loads of W_UK, and the same n of the
-        pass's rows' queries, before it adds their products to all of the pass's rows (a query
-        loaded inside the add's guard made every add wait for its own load); then the slices' sums
-        meet in shared memory and thread (lane, r) adds row r's in slice order. The slices depend
-        on dn only, so a row's sum does not depend on the rows beside it. W_UK (H dn R floats) is
-        read once per pass; a decode row's 16 heads x 512 r get H R S threads, a load each in
-        flight per batch.
+        Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a warp's loads
+        of a W_UK row are coalesced), dn cut into ABSORB_SLICES slices of consecutive n (threadIdx.y = s:
+        slice s, its n in order), for the passes of PASS rows y, y + gridDim.z, ... Each thread issues
+        ABSORB_BATCH loads of W_UK, and the same n of the pass's rows' queries, before it adds their products
+        to all of the pass's rows; then the slices' sums meet in shared memory and thread (lane, s) adds those
+        of rows s, s + ABSORB_SLICES, ... in slice order. The slices depend on dn only, so a row's sum does
+        not depend on the rows beside it.
         """
         lane, part = cuda.threadIdx.x, cuda.threadIdx.y
         r = cuda.blockIdx.x * ABSORB_LANES + lane
@@ -185,21 +172,18 @@ def _accumulate(acc, p, cache_latent, start, count, alpha):
 def attention_absorb_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, scale, o_lat):
     """One block computes o_lat[row, head, :] (R) for one query row and one head.
 
-    Online softmax over tiles of TPB keys: in each tile, thread j scores key start + j
-    (``_score``), the block reduces the tile's max and (after rescaling to the new running max)
-    its sum of exp, and ``_accumulate`` updates the accumulator: acc[r] = acc[r] * alpha +
-    sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared memory independent of the context
-    length (a whole score row would need S floats: 16 KiB at 4k keys, too much at 100k+).
+    Online softmax over tiles of TPB keys: in each tile, thread j scores key start + j (``_score``), the block
+    reduces the tile's max and (after rescaling to the new running max) its sum of exp, and ``_accumulate``
+    updates the accumulator: acc[r] = acc[r] * alpha + sum_j p_j c_j[r]. A tile-at-a-time loop keeps shared
+    memory independent of the context length (a whole score row would need S floats).
 
     Masked keys are skipped, never computed with: their score is not formed, their
     probability is exactly 0 and their cache row is never read (it may even hold NaN). A tile
     without a visible key is skipped whole. Every row sees at least one key (checked on the
     host), so the running sum ends >= 1: no division by zero, no exp of -inf arithmetic.
 
-    Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output
-    accumulator (R); static: p (the tile's probabilities) and red (reduction scratch), TPB
-    floats each. Cost: each block reads the S visible cache rows twice (scores, then values),
-    from L2 after the first head; a block per (row, group of heads) would share those reads.
+    Shared memory: dynamic (2R + dr floats) = the query q_lat | q_pe (R + dr) and the output accumulator (R);
+    static: p (the tile's probabilities) and red (reduction scratch), TPB floats each.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -346,11 +330,10 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
                      threads=None, out=None, stream=None):
     """Absorbed attention over the latent cache.
 
-    q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr)
-    hold the prefix in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R).
-    ``threads`` (32, 64 or 128) is the block size, which is also the key tile; by default the
-    smallest that covers the S keys. ``out`` receives the result; ``stream`` is where the kernel
-    is launched (None: the default stream).
+    q_lat (T, H, R), q_pe (T, H, dr) rotated; cache_latent (>=S, R) and cache_rope (>=S, dr) hold the prefix
+    in rows [0, P) and the new rows in [P, P+T). Returns o_lat (T, H, R). ``threads`` (32, 64 or 128) is the
+    block size, which is also the key tile; by default the smallest that covers the S keys. ``out`` receives
+    the result; ``stream`` is where the kernel is launched (None: the default stream).
     """
     q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible = check_attention_absorb(
         q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible, threads=threads, out=out)
@@ -372,26 +355,21 @@ def attention_absorb(q_lat, q_pe, cache_latent, cache_rope, prefix_len, visible,
 # --8<-- [start:attention_paths_kernel]
 @cuda.jit
 def attention_paths_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile, o_lat):
-    """One block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
+    """Version 1: one block computes o_lat[row, head, :] (R) over the row's own keys, in position order.
 
     The keys of row i are the prefix (slots 0 .. P-1, P = prefix[0]) and then its path root..i,
-    at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by their
-    logical index j (= their position). Tiles of ``tile`` keys start at fixed logical indices, so a
-    tree node and the AR step at the same position combine the same keys in the same tiles:
-    bit-identical outputs. Masked keys are never enumerated (no -inf arithmetic, no reads of other
-    branches' rows).
+    at slots P + paths[i, 0..depths[i]]: S_i = P + depths[i] + 1 keys, enumerated by position.
+    Tiles of ``tile`` keys start at fixed positions, so a tree node and the AR step at the same
+    position combine the same keys in the same tiles: bit-identical outputs. Masked keys are never
+    enumerated (no -inf arithmetic, no reads of other branches' rows).
 
-    Per tile: the block's TPB >= tile threads copy the tile's key rows (R + dr floats each) into
-    shared memory with coalesced loads (more threads than keys: more loads in flight, which one
-    row's few blocks need), the block scores the keys from there (``_tile_score``: 32 parts per
-    key in parallel, thread j adds key j's), reduces the tile's max and (after rescaling to the new
-    running max) its sum of exp, and thread i updates acc[r] for r = i, i + TPB, ... from the same
-    shared rows: the cache is read once per (row, head).
-    Shared memory (dynamic): the query (R + dr), the accumulator (R), the score parts
-    (tile x DOT_STRIDE) and the tile's keys
-    (tile x (R + dr + 1); the +1 staggers rows across banks); static: p, red (TPB floats) and
-    the tile's slots. The reductions run over all TPB entries, the ones past the tile neutral
-    (-inf, 0), which leaves every max and sum as a tile-wide tree gives it.
+    Per tile (``_fold_row``) the block's TPB >= tile threads stage the tile's key rows in shared
+    memory (``_stage_tile``; more threads than keys: more loads in flight, which one row's few
+    blocks need), then fold them into the running softmax (``_fold_tile``): the cache is read once
+    per (row, head). Shared memory (dynamic): the query (R + dr), the accumulator (R), the score
+    parts (tile x DOT_STRIDE) and the tile's keys (tile x (R + dr + 1); the +1 staggers rows across
+    banks); static: p, red (TPB floats) and the tile's slots. The reductions run over all TPB
+    entries, the ones past the tile neutral (-inf, 0): every max and sum is a tile-wide tree's.
     """
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
@@ -531,13 +509,12 @@ def score_parts(tile):
 def _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment):
     """Lane j's score of key j of the tile (a float32 dot over R + dr), or 0 past the tile.
 
-    A tile of LANES keys or more gives every lane of a warp a key: lane j runs key j's products
-    alone. A shorter tile (R = 512 leaves room for 8 or 16 keys) would leave most lanes idle while
-    a few run R + dr dependent products, so the segment shares the work: part j of key k sums
-    query[i] * key[i] for i = j, j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads
-    stride over the jobs) into dots[k, j], then lane k adds its key's parts in order. Either way
-    the sums depend on the tile alone (fixed by the model's dims), never on the segment's size or
-    the rows: every version scores a key alike."""
+    A tile of LANES keys or more gives every lane of a warp a key: lane j runs key j's products alone. A
+    shorter tile (R = 512 leaves room for 8 or 16 keys) would leave most lanes idle while a few run R + dr
+    dependent products, so the segment shares the work: part j of key k sums query[i] * key[i] for i = j,
+    j + DOT_PARTS, ... in order (job k * DOT_PARTS + j; the threads stride over the jobs) into dots[k, j],
+    then lane k adds its key's parts in order. Either way the sums depend on the tile alone
+    (fixed by the model's dims), never on the segment's size or the rows: every version scores a key alike."""
     width = query.shape[0]
     score = float32(0.0)
     if tile >= LANES:                                 # a key per lane
@@ -566,15 +543,12 @@ def _tile_score(query, tile_keys, dots, tile, count, scale, lane, segment):
 def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
                            partials):
     """Version 2, split over the keys: block (head, row, z) of a grid with Z = gridDim.z splits
-    folds the row's tiles z, z + Z, z + 2Z, ... (the same fixed-position tiles as version 1, dealt
-    round-robin) into its own running softmax, and leaves it unnormalised in
-    partials[row, head, z] = (acc[0..R-1], run_max, run_sum). ``attention_merge_kernel`` then adds
-    the Z partials in split order. Z blocks share one row's keys, so a decode row keeps Z times
-    more of the GPU busy; a split whose first tile lies past the row's keys does nothing (the
-    merge skips it by the same rule). Which tile goes to which split depends only on the tile's
-    position and Z, so a tree row and the AR row at its position still add the same keys in the
-    same order: bit-identical. Shared memory as version 1.
-    """
+    folds the row's tiles z, z + Z, z + 2Z, ... (version 1's tiles, dealt round-robin) into its own
+    running softmax, left unnormalised in partials[row, head, z] = (acc[0..R-1], run_max, run_sum);
+    ``attention_merge_kernel`` adds the Z partials in split order. A decode row keeps Z times more
+    of the GPU busy; a split whose first tile lies past the row's keys does nothing (the merge
+    skips it by the same rule). Which split gets a tile depends only on its position and Z, so a
+    tree row still equals its AR row, bit for bit. Shared memory as version 1."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     split = cuda.blockIdx.z
@@ -606,13 +580,12 @@ def attention_split_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths
 
 @cuda.jit
 def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
-    """One block per (head, row), a thread per latent column r (MERGE_THREADS on a GPU: Kimi's 512
-    columns one each): the splits that had keys (z * tile < S_i) combined in split order, each
-    rescaled to the largest running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M).
-    Each loop issues MERGE_BATCH splits' loads before it adds them (in order), so a decode row's
-    merge does not wait on one load at a time (version 5 merges up to hundreds of chunks). Thread
-    0 finds M and the denominator once for the block: every thread doing it would repeat the
-    splits' loads R times."""
+    """One block per (head, row), a thread per latent column r (MERGE_THREADS on a GPU: Kimi's 512 columns one
+    each): the splits that had keys (z * tile < S_i) combined in split order, each rescaled to the largest
+    running max: o = sum_z acc_z e^(m_z - M) / sum_z s_z e^(m_z - M). Each loop issues MERGE_BATCH splits'
+    loads before it adds them (in order), so a decode row's merge does not wait on one load at a time
+    (version 5 merges up to hundreds of chunks). Thread 0 finds M and the denominator once for the block:
+    every thread doing it would repeat the splits' loads R times."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     rank = o_lat.shape[2]
@@ -658,17 +631,15 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
 def attention_heads_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, tile,
                            partials):
     """Version 3, a block per (group of heads, row, split): block (x, row, z) of G = TPB / LANES
-    warps, grid (H / G, T, Z). Warp g serves head x * G + g. Per tile the whole block stages the
+    warps, grid (H / G, T, Z); warp g serves head x * G + g. Per tile the whole block stages the
     tile's keys once (``_stage_tile``), then each warp folds them into its own head's running
-    softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce over
-    the warp's 32 slots, lanes stride over R). With MLA every head reads the same latent cache,
-    so a tile staged once serves G heads: H / G stagings of each tile per row instead of H.
+    softmax (``_fold_tile`` with segment = LANES: lane j holds key j's score, the max and sum reduce
+    over the warp's 32 slots, lanes stride over R): H / G stagings of each tile per row, not H.
 
-    Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``,
-    even for Z = 1). A head's sums depend on its own keys, the tile and Z only (the reduction is
-    over the warp's 32 slots whatever G), so a tree row still equals its AR row bit for bit.
-    Shared memory (dynamic): G times (query R + dr, accumulator R), then the tile's keys
-    (tile x (R + dr + 1)); static: p, red (MAX_TPB floats), slots (MAX_TILE ints).
+    Tiles and splits as version 2 (partials[row, head, z], merged by ``attention_merge_kernel``, even for
+    Z = 1). A head's sums depend on its own keys, the tile and Z only, never on G: a tree row still equals its
+    AR row bit for bit. Shared memory (dynamic): G queries (R + dr) and accumulators (R), G heads' score
+    parts, then the tile's keys (tile x (R + dr + 1)); static: p, red (MAX_TPB floats), slots (MAX_TILE ints).
     """
     group = cuda.threadIdx.x // LANES
     lane = cuda.threadIdx.x % LANES
@@ -741,15 +712,14 @@ def attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths
                     scores=None, partials=None, out=None, stream=None):
     """Absorbed attention of each row over the prefix and its own path.
 
-    q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,)
-    and paths (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for
-    d = 0 .. depths[i]. Returns o_lat (T, H, R): ``ddtree.mla.attention_paths``, which equals
-    ``attention_absorb`` with the tree's ancestor mask; unlike the mask, its sums do not depend on
-    the other rows. ``plan`` (a ``PathsPlan``; None: ``paths_plan`` for these dims and C, what the
-    engine runs) picks the version. Versions 2, 3 and 5 write a partial softmax per split (or
-    chunk) into ``partials`` (T, H, ``plan.partial_groups(C)``, R + 2) and merge them; version 5
-    first writes every row's scores into ``scores`` (T H, C); both are allocated when not given.
-    Results depend on the plan (the order of sums), never on the other rows.
+    q_lat (T, H, R), q_pe (T, H, dr); the cache (C, R), (C, dr); prefix (1,) = P; depths (T,) and paths
+    (T, >= max depth + 1): row i sees slots 0 .. P-1, then P + paths[i, d] for d = 0 .. depths[i]. Returns
+    o_lat (T, H, R): ``ddtree.mla.attention_paths``, which equals ``attention_absorb`` with the tree's
+    ancestor mask; its sums depend on the plan (their order), never on the other rows. ``plan`` (a
+    ``PathsPlan``; None: ``paths_plan`` for these dims and C, what the engine runs) picks the version.
+    Versions 2, 3 and 5 write a partial softmax per split (or chunk) into ``partials`` (T, H,
+    ``plan.partial_groups(C)``, R + 2) and merge them; version 5 first writes every row's scores into
+    ``scores`` (T H, C); both are allocated when not given.
     """
     q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths = check_attention_paths(
         q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, out=out)
@@ -803,18 +773,16 @@ def paths_splits(capacity: int, rank: int, rope_dim: int, heads_per_block: int =
 
 
 def paths_tile(rank: int, rope_dim: int) -> int:
-    """Keys per tile of versions 1 and 2: 32, or 16 when 32 staged rows of R + dr floats would
-    pass SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by
-    the model's dims alone, never by the call, so tiles sit at the same positions for every row
-    count."""
+    """Keys per tile of versions 1 and 2: 32, or 16 when 32 staged rows of R + dr floats would pass
+    SHARED_BUDGET (48 KB is numba's limit; the static p, red and slots take 1.5 KB). Fixed by the model's dims
+    alone, never by the call, so tiles sit at the same positions for every row count."""
     return 32 if paths_shared_bytes(rank, rope_dim, 32) <= SHARED_BUDGET else 16
 
 
 def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
-    """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``;
-    version 3 takes 32, else 16, else 8: the largest whose G queries and accumulators and staged
-    keys fit SHARED_BUDGET (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's dims and
-    G, never by the call."""
+    """Keys per tile for G = ``heads_per_block``: versions 1 and 2 (G = 1) take ``paths_tile``; version 3
+    takes 32, else 16, else 8: the largest whose G queries and accumulators and staged keys fit SHARED_BUDGET
+    (Kimi's R = 512, dr = 64 at G = 4: 8). Fixed by the model's dims and G, never by the call."""
     if heads_per_block == 1:
         return paths_tile(rank, rope_dim)
     for tile in (32, 16):
@@ -824,9 +792,8 @@ def paths_heads_tile(rank: int, rope_dim: int, heads_per_block: int) -> int:
 
 
 def paths_shared_bytes(rank: int, rope_dim: int, tile: int, heads_per_block: int = 1) -> int:
-    """Dynamic shared memory of versions 1 to 3: a query, an accumulator and the score parts of a
-    tile per head of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged
-    keys."""
+    """Dynamic shared memory of versions 1 to 3: a query, an accumulator and the score parts of a tile per
+    head of the block (G = ``heads_per_block``; 1 in versions 1 and 2), then the staged keys."""
     width = rank + rope_dim
     return F32 * (heads_per_block * (width + rank + score_parts.py_func(tile)) + tile * (width + 1))
 

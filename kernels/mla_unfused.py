@@ -1,26 +1,18 @@
-"""Version 5 of ``kernels.mla.attention_paths``, unfused: part of mla's ``attention_paths``, the
-engine's attention where R >= ``kernels.tuning.UNFUSED_FROM_RANK`` (small, Kimi). Its dispatcher in
-``kernels/mla.py`` calls ``unfused_partials`` and then merges the partials as versions 2 and 3 do.
+"""Version 5 of ``kernels.mla.attention_paths``, unfused: the engine's attention where R >=
+``kernels.tuning.UNFUSED_FROM_RANK`` (small, Kimi). ``kernels/mla.py`` calls ``unfused_partials``,
+then merges the partials as in versions 2 and 3.
 
 Legend: T new rows, P fully visible prefix rows, H heads, dr qk_rope_head_dim, R kv_lora_rank,
 C the cache's capacity (slots), TPB threads per block.
 
-Versions 1 to 3 walk one row's keys per block, so every row and head group stages the prefix
-again, and the online softmax puts barriers and rescales between its two products. Version 5
-runs attention as four kernels, each simple and batched over every row:
+Four kernels, each simple and batched over every row (no online softmax, no per-row staging of the prefix):
 
-1. ``attention_scores_kernel`` (``scores_kernel``): the scores of every query row q = t H + h
-   against every slot below P + T as one register-tiled GEMM into ``scores`` (T H, C); a decode
-   row takes ``attention_row_scores_kernel`` (``row_scores_kernel``) instead: the GEMM's bits,
-   a whole key tile staged at once.
-2. ``attention_stats_kernel``: each (row, head)'s largest score M over its keys (the prefix,
-   then its path), and each chunk's sum of exp(s - M), a warp per chunk of UNFUSED_CHUNK keys at
-   fixed positions.
-3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, as a second
-   register-tiled GEMM over every query row at once; a partial per chunk.
+1. ``attention_scores_kernel`` (``scores_kernel``; a decode row: ``attention_row_scores_kernel``, the
+   same bits): every query row's scores against every slot below P + T, a GEMM into ``scores`` (T H, C).
+2. ``attention_stats_kernel``: each (row, head)'s largest score M and each chunk's sum of exp(s - M).
+3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, a second GEMM.
 4. ``attention_tail_kernel`` (``tail_kernel``): the chunks from the one holding position P to the
-   row's own, where the keys become the row's path, term for term the sums step 3 gives a chunk
-   of the prefix.
+   row's own, whose keys are the row's path, term for term the sums step 3 gives a prefix chunk.
 
 Every chunk's maximum is M, so the merge rescales by e^0 = 1, and a tree row at position p adds
 the same terms in the same order as the chain row at p: bit-identical (the tests check it with
@@ -137,11 +129,10 @@ _stage = staging(UNFUSED_LOADS)
 
 @functools.cache
 def score_loads(query_loads: int, key_loads: int):
-    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots,
-    keys, column, a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows
-    (q_rows[p] < 0: past the last query) into a_next and of its ``key_loads`` cache slots (past
-    ``keys``: none) into b_next, 0 where there is none or the column lies past R + dr (a padded
-    term adds nothing)."""
+    """The device function load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column,
+    a_next, b_next): column ``column`` of the thread's ``query_loads`` query rows (q_rows[p] < 0: past the
+    last query) into a_next and of its ``key_loads`` cache slots (past ``keys``: none) into b_next, 0 where
+    there is none or the column lies past R + dr (a padded term adds nothing)."""
     @cuda.jit(device=True)
     def load(q_lat, q_pe, cache_latent, cache_rope, q_rows, q_heads, slots, keys, column, a_next, b_next):
         rank = q_lat.shape[2]
@@ -188,15 +179,14 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
         query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
         mask is the next steps' business), a register-tiled GEMM.
 
-        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid
-        covers the cache's capacity and a block past P + T (P read on the device) returns at once,
-        so one launch shape serves every step. Thread (ty, tx) holds the TQ x TK scores of queries
-        TQ ty + i and slots TK tx + j in registers. Per step the block stages STEP columns of both
-        operands k-major in shared memory: a thread loads column tid % STEP of rows LOAD_ROWS
-        apart (consecutive threads read consecutive columns of a row), two buffers, the next
-        step's loads waiting in registers while this step's products run. A score adds its R + dr
-        terms one at a time in column order whatever the launch, the tiles, the rows or the tree:
-        batch-invariant.
+        Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid covers the
+        cache's capacity and a block past P + T (P read on the device) returns at once, so one launch shape
+        serves every step. Thread (ty, tx) holds the TQ x TK scores of queries TQ ty + i and slots TK tx + j
+        in registers. Per step the block stages STEP columns of both operands k-major in shared memory: a
+        thread loads column tid % STEP of rows LOAD_ROWS apart (consecutive threads read consecutive columns
+        of a row), two buffers, the next step's loads waiting in registers while this step's products run. A
+        score adds its R + dr terms one at a time in column order whatever the launch, the tiles, the rows or
+        the tree: batch-invariant.
         """
         tid = non_negative(cuda.threadIdx.x)
         ty, tx = tid // side, tid % side
@@ -302,16 +292,14 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         """scores[head, s] = scale * (q_lat | q_pe)[0, head] . (cache_latent | cache_rope)[s] for
         every head and slot s < P + 1: ``attention_scores_kernel``'s scores of one row.
 
-        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane, lane +
-        THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
-        before the first store (one memory round trip per tile, where the GEMM takes one per STEP
-        columns: 18 of them for small's 576, on a query tile that a decode row's 16 heads fill
-        half), then each thread adds its score's R + dr terms one at a time in column order
-        (``row_dot``), the query's values read from global memory (every block reads the same
-        row: H (R + dr) floats, 36 KB for small). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ...
-        below P + 1 (P read on the device): one launch shape serves every step, and a grid of a
-        few blocks per SM spends no time on the cache's empty capacity. The same bits as the GEMM,
-        whatever the tile."""
+        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane,
+        lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
+        before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
+        then each thread adds its score's R + dr terms one at a time in column order (``row_dot``), the
+        query's values read from global memory (every block reads the same row). Tiles
+        s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on the device): one launch shape serves
+        every step, and the cache's empty capacity costs nothing. The same bits as the GEMM, whatever the
+        tile."""
         tid = index(cuda.threadIdx.x)
         heads = q_lat.shape[1]
         keys = prefix[0] + 1
@@ -361,8 +349,7 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     in position order (its loads all issued before its adds), then lane 0 adds the 32 lanes' sums
     in lane order: partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) //
     CHUNK. The order depends on the key's position in its chunk alone, not on the rows or the
-    tree. A warp per chunk, not a thread: a decode row of 16 heads at 16k keys has 1024 chunks,
-    a few per SM, and a thread adding its chunk's keys one after another would wait on each."""
+    tree. A warp per chunk, not a thread: a thread adding its chunk's keys in turn waits on each."""
     head = cuda.blockIdx.x
     row = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -475,14 +462,13 @@ def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
 
     @cuda.jit
     def attention_tail_kernel(scores, cache_latent, prefix, depths, paths, partials):
-        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the
-        one holding the row's own position P + depth, where the row's keys are prefix keys, then
-        its path's nodes (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads
-        g HB .. of one row. Per chunk the block stages the keys' slots and the heads' exp(s - M)
-        in shared memory, then each thread adds the chunk's keys in position order for its column
-        and heads (its cache loads issued BATCH at a time, ahead of their adds): term for
-        term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals the row at
-        its position in the committed chain, bit for bit."""
+        """Version 5, step 4 of 4: the chunks step 3 leaves, from the one holding position P to the one
+        holding the row's own position P + depth, where the row's keys are prefix keys, then its path's nodes
+        (``_key_slot``). Block (x, g, row): latent columns x TPB + tid of heads g HB .. of one row. Per chunk
+        the block stages the keys' slots and the heads' exp(s - M) in shared memory, then each thread adds the
+        chunk's keys in position order for its column and heads (its cache loads issued BATCH at a time, ahead
+        of their adds): term for term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals
+        the row at its position in the committed chain, bit for bit."""
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
         column = cuda.blockIdx.x * threads + tid
@@ -537,7 +523,6 @@ def tail_shape(rows: int) -> tuple[int, int, int]:
     return UNFUSED_TAIL_FEW if rows < TAIL_MANY_ROWS else UNFUSED_TAIL_MANY
 
 
-
 def unfused_chunks(capacity: int) -> int:
     """The P V chunks for a cache of ``capacity`` slots: UNFUSED_CHUNK keys each, at fixed
     positions (a partial per chunk, merged in chunk order)."""
@@ -545,10 +530,9 @@ def unfused_chunks(capacity: int) -> int:
 
 
 def stats_threads(queries: int) -> int:
-    """The statistics' threads for ``queries`` = T H blocks: STATS_THREADS while the blocks are
-    few (a decode row: more chunks' warps at once), STATS_FEW once they fill the GPU
-    (STATS_FEW_FROM_BLOCKS_PER_SM per SM). Neither changes a sum (the max is exact in any order,
-    each chunk's sum is one warp's, in lane order)."""
+    """The statistics' threads for ``queries`` = T H blocks: STATS_THREADS while the blocks are few (a decode
+    row: more chunks' warps at once), STATS_FEW once they fill the GPU (STATS_FEW_FROM_BLOCKS_PER_SM per SM).
+    Neither changes a sum (the max is exact in any order, each chunk's sum is one warp's, in lane order)."""
     many = STATS_FEW_FROM_BLOCKS_PER_SM * sm_count()
     return UNFUSED_STATS_THREADS if queries < many else UNFUSED_STATS_FEW
 

@@ -5,12 +5,11 @@ Tmax; a round's tree size), D hidden, V vocab, H heads, dn/dr/dv head dims, Rq q
 kv_lora_rank, E experts, k experts per token, F moe_intermediate_size, Ly layers, C cache capacity,
 L draft depths, K candidates per depth, B node budget, W tree width (= T).
 
-Everything lives on the device from construction on: the weights (uploaded once), the latent KV
-cache (``DeviceCache``), and every activation, in buffers allocated once for Tmax rows and
-NaN-poisoned once. Every kernel writes into the buffer it is given (the public functions of
-``kernels/`` with ``out=`` and ``stream=``). A forward over T rows is a *launch sequence*
-(``forward_rows``) that reads every per-step value from device buffers whose addresses never
-change:
+Everything lives on the device from construction on: the weights (uploaded once), the latent KV cache
+(``DeviceCache``), and every activation, in buffers allocated once for Tmax rows and NaN-poisoned once. Every
+kernel writes into the buffer it is given (the public functions of ``kernels/`` with ``out=`` and
+``stream=``). A forward over T rows is a *launch sequence* (``forward_rows``) that reads every per-step value
+from device buffers whose addresses never change:
 
     state       [P, rows, AR step]: the cache rows before this forward (the prefix every row
                 sees), the real rows of this forward, the AR tokens emitted so far
@@ -21,23 +20,16 @@ change:
     paths       and each row's path root..row, which attention enumerates instead of a mask
 
 So one captured CUDA graph per shape serves every step (``kernels.graphs``). Every reduction
-runs in an order fixed by its own row (``linear``'s "lanes", ``attention_paths``, the MoE
-kernels): a tree node's logits are bit-identical to the AR logits at the same position, so
-DDTree == AR holds exactly in the engine, for any weights.
+runs in an order fixed by its own row: a tree node's logits are bit-identical to the AR logits at
+the same position, so DDTree == AR holds exactly in the engine, for any weights.
 
-``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order.
-Four differences of form, none of them changing a bit:
-
-- q_a_proj is stacked on kv_a_proj_with_mqa at load (both read the normed hidden state): one
-  projection, the same dot products, sliced after;
-- the two latent norms, the rope key's rotation and the cache write are one launch
-  (``kernels.kv_cache.write_new_rows``: rmsnorm's and apply_rope's bits, straight into the cache
-  slots); the queries' rope parts are rotated in place after q_proj (``apply_rope``, out=q_pe);
-- the MoE layer's shared expert is captured as a graph branch of its own (``kernels.moe.moe``,
-  ``kernels.graphs.fork``): it runs beside the router and the routed experts, the same launches;
-- each residual addition is done by the RMSNorm after it (``rmsnorm(..., residual=delta)``: h +=
-  delta written back, and the norm of the sum, in one launch): the attention's by the
-  post-attention norm, the MLP's by the next layer's input norm or the final norm.
+``forward_rows`` and ``decoder_layer`` run the reference's operations in the reference's order, with four
+differences of form, none of them changing a bit: q_a_proj is stacked on kv_a_proj_with_mqa at load
+(``device_layer``); the latent norms, the rope key's rotation and the cache write are one launch
+(``kernels.kv_cache.write_new_rows``), and the queries' rope parts are rotated in place; the MoE layer's
+shared expert runs on a graph branch of its own (``kernels.moe.moe``); each residual addition is done by the
+RMSNorm after it (``rmsnorm(..., residual=delta)``): the attention's by the post-attention norm, the MLP's by
+the next layer's input norm or the final norm.
 """
 
 from __future__ import annotations
@@ -114,8 +106,6 @@ def bucket_rows(rows: int, max_rows: int) -> int:
     return min(bucket, max_rows)
 
 
-
-
 # ------------------------------------------------------------------------------------------------
 # the engine's own kernels: the bookkeeping of a step
 
@@ -172,21 +162,19 @@ def commit_token_kernel(state, posterior, tokens, generated):
 @functools.cache
 def round_end_kernel(width: int):
     """The round's end in one launch, for trees of ``width`` rows (W): acceptance, the cache's
-    compaction and the commit, which were three launches (``accept_batch``, compaction version 2,
-    and a bookkeeping thread)."""
+    compaction and the commit."""
 
     @cuda.jit
     def kernel(state, tree_tokens, tree_parents, tree_depths, sizes, posterior, root, committed,
                context_length, record, cache_latent, cache_rope, arrivals):
-        # block b = cache columns b * TPB .. of the Ly x (R + dr) (``compact_column``). Every
-        # block stages the tree (tokens, parents, posterior) in shared memory and finds the walk
-        # itself (``mark_walk``: the same path in every block; no block waits for another). After
-        # its columns it counts itself in arrivals[0] behind a fence; the block that arrives last
-        # (every block has read P = state[LENGTH] by then) commits: P += m; the bonus as the next
-        # root; the committed tokens (n of them, the root last) gain the accepted nodes' tokens and
-        # the bonus; and the record the host reads back in one copy, [m, bonus, N, accepted (W),
-        # tokens (W), parents (W), depths (W)] (the round's only copy of the path, m and the
-        # bonus). It sets arrivals[0] back to 0 for the next round.
+        # block b = cache columns b * TPB .. of the Ly x (R + dr) (``compact_column``). Every block stages the
+        # tree (tokens, parents, posterior) in shared memory and finds the walk itself (``mark_walk``: the
+        # same path in every block; no block waits for another). After its columns it counts itself in
+        # arrivals[0] behind a fence; the block that arrives last (every block has read P = state[LENGTH] by
+        # then) commits: P += m; the bonus as the next root; the committed tokens (n of them, the root last)
+        # gain the accepted nodes' tokens and the bonus; and the record the host reads back in one copy,
+        # [m, bonus, N, accepted (W), tokens (W), parents (W), depths (W)] (the round's only copy of the path,
+        # m and the bonus). It sets arrivals[0] back to 0 for the next round.
         # shared memory: 4 x W int64 (the tree, the drawn tokens, the path), 2 counters
         tokens = cuda.shared.array(width, int64)
         parents = cuda.shared.array(width, int64)
@@ -278,10 +266,9 @@ def _rows(arrays) -> object:
 def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
     """Gather one layer's weights on the device (the twin of ``ddtree.model.layer_params``).
 
-    Host tensors are copied to the device here, once; device tensors (``kernels.weights``) are
-    used as they are. Experts are stacked (E, F, D), kv_b_proj split per head into W_UK and
-    W_UV, and q_a_proj stacked on kv_a_proj_with_mqa (both read the normed hidden state: one
-    projection), with device-to-device copies.
+    Host tensors are copied to the device here, once; device tensors (``kernels.weights``) are used as they
+    are. Experts are stacked (E, F, D), kv_b_proj split per head into W_UK and W_UV, and q_a_proj stacked on
+    kv_a_proj_with_mqa (both read the normed hidden state: one projection), with device-to-device copies.
     """
     prefix = f"model.layers.{layer}."
 
@@ -397,19 +384,15 @@ def rows_of(scratch, rows: int):
 class Transformer:
     """The engine: prefill, AR steps and tree verification, every step on the device.
 
-    ``graphs=False`` launches every kernel from Python instead of replaying captured graphs (for
-    debugging, and to measure what graphs save; ``graphs.enabled`` may be switched later); the
-    CUDA simulator always launches directly. ``max_tree_nodes`` (Tmax) bounds the buckets and so
-    the budget (B <= Tmax - 1). ``attention_plan`` (a ``kernels.mla.PathsPlan``; None, the
-    default: ``kernels.mla.paths_plan`` for the config's dims and the cache's capacity, which
-    ``attention_paths`` also defaults to) is how attention cuts its work, fixed per engine: any
-    plan keeps DDTree == AR, but two engines with different plans round differently.
-    ``device_drafters`` True (the default) runs the reference's own drafters as kernels inside
-    the round (``kernels.drafters``: the same logits, bit for bit; a block drafter's forward is a
-    second engine's, within the model tolerance of numpy's), reading the committed tokens
-    the engine keeps on the device; False, or any other drafter, runs ``propose`` on the host and
-    uploads its logits, as the reference's loop does. Either way the same tokens, and the same
-    trees except where a block drafter's candidates tie within that tolerance.
+    ``graphs=False`` launches every kernel from Python instead of replaying captured graphs (for debugging,
+    and to measure what graphs save; ``graphs.enabled`` may be switched later); the CUDA simulator always
+    launches directly. ``max_tree_nodes`` (Tmax) bounds the buckets and so the budget (B <= Tmax - 1).
+    ``attention_plan`` (a ``kernels.mla.PathsPlan``; None, the default: ``attention_paths``' own default) is
+    how attention cuts its work, fixed per engine: any plan keeps DDTree == AR, but two engines with different
+    plans round differently. ``device_drafters`` True (the default) runs the reference's own drafters as
+    kernels inside the round (``kernels.drafters``); False, or any other drafter, runs ``propose`` on the host
+    and uploads its logits, as the reference's loop does. Either way the same tokens, and the same trees
+    except where a block drafter's candidates tie within the model tolerance.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, graphs: bool = True,
@@ -443,9 +426,8 @@ class Transformer:
         # one cache for the whole context, plus a bucket of scratch rows past its end
         self.cache = DeviceCache(config.num_hidden_layers, config.max_position_embeddings + self.max_rows,
                                  config.kv_lora_rank, config.qk_rope_head_dim)
-        # attention_paths' plan, fixed by the dims and the cache's capacity, so that every step and
-        # every bucket sums its keys alike; its partials (versions 2, 3, 5) and version 5's scores
-        # are kept for the largest bucket
+        # attention_paths' plan (``kernels.mla.paths_plan``), its partials (versions 2, 3, 5) and
+        # version 5's scores, for the largest bucket
         heads, capacity = config.num_attention_heads, self.cache.capacity
         self.attention_plan = paths_plan(heads, config.kv_lora_rank, config.qk_rope_head_dim, capacity) \
             if attention_plan is None else attention_plan
@@ -571,13 +553,12 @@ class Transformer:
     # --8<-- [start:round_phases]
     def round_phases(self, rows: int, depths: int, k: int, budget: int, sampling: bool = False,
                      rejection: bool = False, drafter: str | None = None):
-        """One DDTree round as named phases of launches: draft (with a ``drafter`` kind loaded on
-        the device; otherwise its logits are uploaded before), top-K, build, verify, accept,
-        accept+compact (``round_end_kernel``: the walk, the cache's compaction and the commit in
-        one launch). ``rows`` is the tree's size (W), ``depths`` (L) and ``k``
-        (K) the candidates per depth, ``budget`` (B) the drafted nodes. With ``rejection`` (the
-        sampled tree) the phases after the host has redrawn the children: verify (logits, then
-        ``rejection_step`` per node), accept+compact."""
+        """One DDTree round as named phases of launches: draft (with a ``drafter`` kind loaded on the device;
+        otherwise its logits are uploaded before), top-K, build, verify, accept, accept+compact
+        (``round_end_kernel``: the walk, the cache's compaction and the commit in one launch). ``rows`` is the
+        tree's size (W), ``depths`` (L) and ``k`` (K) the candidates per depth, ``budget`` (B) the drafted
+        nodes. With ``rejection`` (the sampled tree) the phases after the host has redrawn the children:
+        verify (logits, then ``rejection_step`` per node), accept+compact."""
         b = self.buffers
         top_logprobs = b.top_logprobs[:depths * k].reshape((1, depths, k))           # [1, L, K]
         top_ids = b.top_ids[:depths * k].reshape((1, depths, k))
@@ -726,10 +707,9 @@ class Transformer:
                            device_drafters=False)
 
     def sync_context(self, context, rows: int) -> None:
-        """Make buffers.committed[:n] the round's ``context`` (n tokens, the root last). After a
-        round of this engine it is there already (``round_end_kernel`` appends what the round
-        commits), so only a context the device has not seen (a generation's first round, a
-        caller's own) is checked and uploaded."""
+        """Make buffers.committed[:n] the round's ``context`` (n tokens, the root last). After a round of this
+        engine it is there already (``round_end_kernel`` appends what the round commits), so only a context
+        the device has not seen (a generation's first round, a caller's own) is checked and uploaded."""
         n, capacity = len(context), self.buffers.committed.size
         if n + rows > capacity:
             raise ValueError(f"context must have at most {capacity - rows} tokens before a round of {rows} "

@@ -3,40 +3,30 @@
 Legend: T tokens, D hidden_size, E routed experts, G groups, k experts per token,
 F moe_intermediate_size, S the router's depth slices, TPB threads per block.
 
-The router (``route``): the logits x . gate[e] in S = ceil(D / LOGIT_SLICE) depth slices, each
-slice's sums ``kernels.linear``'s ``tile_dots`` (``logit_slices_kernel``), then one block per
-token (``route_ranks_kernel``): the slices added in slice order, the sigmoid, the groups left out
-set to -inf, and the top k picked by rank. An expert's rank is the number of experts before it
-in numpy's order (``comes_before``: np.argsort(-choice, stable), ties to the lower index, NaN
-last), and the expert of rank j < k is pick j, so no pick waits on another; the bests of COLUMNS
-columns of experts are ranked first, then only the experts of the k best columns
-(``_candidates``), which keeps the comparisons few. A few tokens on a small grid run both steps
-in one launch (``route_one_kernel``: a token's last block to finish routes it). A logit depends
-on D alone, never on T.
+The router (``route``): the logits in S = ceil(D / LOGIT_SLICE) depth slices
+(``logit_slices_kernel``), then one block per token picks its k experts by rank in numpy's order
+(``route_ranks_kernel``, ``_route_parts``); a few tokens on a small grid run both steps in one
+launch (``route_one_kernel``). A logit depends on D alone, never on T.
 
 The routed experts (``version=`` of ``moe`` and ``swiglu``):
 - version 3, the default and what the engine runs, grouped by expert: ``expert_lists_kernel``
   lists each expert's (token, slot) pairs from the routed ids; in the hidden and down kernels
   (``expert_lanes_kernels``) a block takes an expert and a pass of its pairs, so the expert's
-  weights are read once per pass, not once per pair. Each dot product is ``kernels.linear``'s
-  "warps" order (lane l sums k = l, l + 32, ... in order, then the 32 lanes' sums in lane
-  order): a warp's load of a weight row is 128 consecutive bytes straight into registers, with
-  no barrier until the pass's sums. ``combine_kernel`` adds each token's k slots in slot order.
-  One token, and a few tokens whose experts are small, need no lists: a block per (token, slot)
-  pair, its expert read from the router's ids (``block_pairs``). The launch shape
-  (``lane_shape``) changes no sum.
-- version 1, the readable one: a block per (token, slot) pair and "tiles" sums (``tile_dots``):
-  an expert's weights staged once per pair that chose it, two launches, the slots added in slot
-  order by the down kernel. Other bits than version 3's (another order of the same terms).
+  weights are read once per pass, not once per pair, each dot product in ``kernels.linear``'s
+  "warps" order. ``combine_kernel`` adds each token's k slots in slot order. A few tokens need no
+  lists: a block per (token, slot) pair, its expert read from the router's ids (``by_slot``,
+  ``block_pairs``). The launch shape (``lane_shape``) changes no sum.
+- version 1, the readable one: a block per (token, slot) pair and "tiles" sums (``tile_dots``),
+  two launches, the slots added in slot order by the down kernel. Other bits than version 3's
+  (another order of the same terms).
 Every sum runs in an order fixed by its own row: a token's result depends neither on the tokens
 beside it nor on how many share its experts (the engine's tree rows equal its AR rows, bit for
 bit). No grid depends on the routing, so the launches can be captured in a CUDA graph.
 
 A dense SwiGLU (the dense layers, the shared expert) is the same two expert kernels with one
-"expert" that every row chooses with weight 1. ``moe`` runs the shared expert on a graph branch of
-its own beside the router and the routed experts; only the kernel that writes ``out`` joins it.
-Inputs are numpy or device arrays (results come back alike); with ``device_params``, ``out``, a
-``scratch`` (``moe_scratch``, ``dense_scratch``) and device inputs nothing is allocated or copied.
+"expert" that every row chooses with weight 1. Inputs are numpy or device arrays (results come
+back alike); with ``device_params``, ``out``, a ``scratch`` (``moe_scratch``, ``dense_scratch``)
+and device inputs nothing is allocated or copied.
 """
 
 from __future__ import annotations
@@ -102,10 +92,8 @@ F32 = 4
 listed_dots_one = tile_dots(1, listed=True)          # version 1: one pair's "tiles" sums
 slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # the router: a pass of rows, one depth slice
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
-# lane): none changes a sum. A decode row's kernels keep one row's sums in registers (``pass_rows``)
-# with many loads in flight; a few rows take 4 outputs a warp, many rows 8 (each x value then feeds
-# 8 outputs, at fewer loads in flight: 255 registers). The simulator's shape: one warp a block (each
-# thread a Python thread), 16 outputs a warp.
+# lane; ``lane_shape``): none changes a sum. The simulator's: one warp a block (each thread a Python
+# thread), 16 outputs a warp.
 LANES_SIMULATED_MOE = (1, 16, 2)
 LANE_ONE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)
 LANE_ONE_DENSE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
@@ -322,12 +310,9 @@ def _route_parts(parts, bias, token, n_group, topk_group, norm_topk_prob, scalin
     columns' experts. 4. ``_ranks`` of the candidates: the candidate of rank r < k is pick r. 5.
     Thread j < k weighs pick j (the total in slot order). With E <= C experts (COLUMNS) every
     expert is a column of its own, so 3 and 4 are one ``_ranks`` of all E (fewer barriers); more
-    experts keep the columns (a ranking of all E would compare E^2 pairs).
-
-    Shared memory: score and choice (E floats each), the group scores and ranks (G each), the
-    column bests and ranks (C each), the candidates' choices, experts and ranks (k * ceil(E / C)
-    each), the picks (k). Cost: two rankings (columns, candidates; a third for groups) of a few
-    comparisons per thread each, six barriers (nine with groups), none of them per pick.
+    experts keep the columns (a ranking of all E would compare E^2 pairs). Cost: two rankings
+    (columns, candidates; a third for groups) of a few comparisons per thread each, six barriers
+    (nine with groups), none of them per pick.
     """
     tid = cuda.threadIdx.x
     experts, top_k = parts.shape[2], ids.shape[1]
@@ -387,18 +372,16 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     """The router for a few tokens in one launch: ``logit_slices_kernel``'s sums, then the block
     of a token that finishes last routes that token (``_route_parts``).
 
-    Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads
-    stage the EB experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's
-    slice; thread (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums
-    chunks p, p + W, ... of LANES columns, each in column order, as warp p of ``tile_dots`` does;
-    thread e adds its W sums in part order into parts[z, y, e]: logit_slices_kernel's bits. Then
-    the block counts itself in arrivals[z], after a fence (its parts are visible to the other
-    blocks first). The token's block that arrives last sees every slice (a fence after its count
-    orders its reads after the others' writes): it routes the token as route_ranks_kernel does,
-    then sets arrivals[z] back to 0 for the next launch. A token whose E and D fit one block
-    routes itself after a barrier, with no fence and no count. One launch instead of two, and
-    EB = 8 experts per block where logit_slices_kernel has 32: four times the blocks reading the
-    gate (each token's blocks read it again: ``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens)."""
+    Block (x, y, z) = experts e0 = x EB .. e0 + EB - 1 of depth slice y for token z. Its threads stage the EB
+    experts' weights of the slice (ROUTE_ONE_BATCH loads in flight each) and x's slice; thread
+    (part p, expert e), p < W = ``slice_parts`` (the launch's ``k_slices``), sums chunks p, p + W, ... of
+    LANES columns, each in column order, as warp p of ``tile_dots`` does; thread e adds its W sums in part
+    order into parts[z, y, e]: logit_slices_kernel's bits. Then the block counts itself in arrivals[z] behind
+    a fence; the token's block that arrives last sees every slice (a fence after its count orders its reads
+    after the others' writes), routes the token and sets arrivals[z] back to 0. A token whose E and D fit one
+    block routes itself after a barrier. EB = 8 experts per block where logit_slices_kernel has 32: four times
+    the blocks reading the gate (``tuning.ROUTE_ONE_MAX_BYTES`` bounds the tokens, whose blocks each read it).
+    """
     w_tile = cuda.shared.array(ROUTE_ONE_STAGED, float32)     # [chunk, EB, LANES + 1] (``_staged_at``)
     x_tile = cuda.shared.array(ROUTE_ONE_X, float32)          # [chunk, LANES + 1]
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
@@ -593,10 +576,9 @@ def block_pairs(per_pass: int, by_slot: bool):
 
 
 def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a
-    ``dense`` SwiGLU (one "expert": the shared experts, a dense layer; its launch has no other
-    experts' blocks), LANE_WIDE from ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW
-    (the same bits whatever the shape)."""
+    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a ``dense`` SwiGLU
+    (one "expert": the shared experts, a dense layer; its launch has no other experts' blocks), LANE_WIDE from
+    ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW (the same bits whatever the shape)."""
     if rows == 1:
         return LANE_ONE_DENSE if dense else LANE_ONE
     return LANE_WIDE if rows >= tuning.LANE_WIDE_FROM_ROWS else LANE_NARROW
@@ -606,11 +588,10 @@ def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
 @functools.cache
 def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = ROWS_PER_PASS,
                          by_slot: bool = False):
-    """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per
-    warp, ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs
-    (literals: shared and local array sizes); with ``by_slot``, for one token, a block per slot
-    given the token's ids where the lists would be (``block_pairs``). None of them changes a sum:
-    every output is added in "warps"' order."""
+    """Version 3's hidden and down kernels for blocks of ``warps`` warps, ``columns`` outputs per warp,
+    ``unroll`` loads in flight per W row and lane and passes of R = ``per_pass`` pairs (literals: shared and
+    local array sizes); with ``by_slot``, for one token, a block per slot given the token's ids where the
+    lists would be (``block_pairs``). None of them changes a sum: every output is added in "warps"' order."""
     outputs = columns * per_pass                         # a warp's (output, row) sums per pass
     per_lane = -(-outputs // LANES)                      # ... that each lane adds up
     warp_dots = pass_dots(columns, unroll, per_pass)
@@ -619,12 +600,11 @@ def expert_lanes_kernels(warps: int, columns: int, unroll: int, per_pass: int = 
 
     @cuda.jit
     def expert_hidden_lanes_kernel(x, gate_proj, up_proj, lists, slots, per_expert, hidden):
-        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair
-        # p = t * k + j of expert e (lists[:, e]); hidden is (T * k, F). Block y = expert
-        # e = y // per_expert, its passes of R pairs y % per_expert, + per_expert, ...
-        # (``block_pairs``); one warp = C = ``columns`` features f0 + c (blockIdx.x: warps * C
-        # features), lane l = k = l, l + 32, ... of every dot product; then lane c * R + r adds
-        # feature c's 32 lane sums for pair r in lane order (shared memory)
+        # hidden[p, f] = silu(gate_proj[e, f] . x_t) * (up_proj[e, f] . x_t) for each pair p = t * k + j of
+        # expert e (lists[:, e]); hidden is (T * k, F). Block y = expert e = y // per_expert, its passes of R
+        # pairs y % per_expert, + per_expert, ... (``block_pairs``); one warp = C = ``columns`` features
+        # f0 + c (blockIdx.x: warps * C features), lane l = k = l, l + 32, ... of every dot product; then lane
+        # c * R + r adds feature c's 32 lane sums for pair r in lane order (shared memory)
         sums = cuda.shared.array((warps, outputs, LANES_PADDED), float32)
         gate = cuda.local.array((columns, per_pass), float32)
         up = cuda.local.array((columns, per_pass), float32)
@@ -751,8 +731,6 @@ def logits_shape(rows: int, experts: int, depth: int) -> tuple[int, int, int]:
     return rows, logit_slices(depth), experts
 
 
-
-
 def _launch_route(x, gate, bias, config: ModelConfig, threads, logits, arrivals, ids, weights,
                   stream) -> None:
     """The router on device arrays: x (T, D), gate (E, D), bias (E,) -> ``logits`` (T, S, E), then
@@ -794,11 +772,10 @@ def _launch_pairs(x, stacks, ids, weights, hidden, out, accumulate, stream, out_
 
 
 def by_slot(rows: int, experts: int, expert_bytes: int) -> bool:
-    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several
-    experts (not a dense SwiGLU's one): for one token, and for up to ``tuning.SLOT_ROWS`` tokens
-    where one expert's weights (``expert_bytes``) are under ``tuning.LARGE_EXPERT_BYTES``, since
-    every pair then reads its expert's weights again (the lists' launch saved costs more where
-    an expert is large)."""
+    """Whether version 3 runs a block per (token, slot) pair (``block_pairs``) among several experts
+    (not a dense SwiGLU's one): for one token, and for up to ``tuning.SLOT_ROWS`` tokens where one expert's
+    weights (``expert_bytes``) are under ``tuning.LARGE_EXPERT_BYTES``, since every pair then reads its
+    expert's weights again (the lists' launch saved costs more where an expert is large)."""
     few = rows == 1 or (rows <= tuning.SLOT_ROWS and expert_bytes < tuning.LARGE_EXPERT_BYTES)
     return experts > 1 and few
 
@@ -1019,13 +996,11 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
     experts in slot order. While a graph is captured, the shared expert is a branch of its own
-    (``kernels.graphs.fork``): it runs beside the router and the routed experts' hidden and down
-    products, and only the kernel that adds them to ``out`` waits for it (the same launches and
-    bits as one after the other). Host ``params`` are copied to the device on each call; pass
-    ``device_params(params)`` to keep them there. ``scratch`` (from ``moe_scratch``) holds the
-    intermediate buffers; new ones by default. ``version``: 3 (the default, what the engine runs)
-    groups the pairs by expert, 1 runs each (token, slot) pair on its own (see the module's
-    docstring; other bits).
+    (``kernels.graphs.fork``): it runs beside the router and the routed experts, and only the
+    kernel that adds them to ``out`` waits for it (the same launches and bits). Host ``params``
+    are copied to the device on each call; pass ``device_params(params)`` to keep them there.
+    ``scratch`` (from ``moe_scratch``) holds the intermediate buffers; new ones by default.
+    ``version``: 3 (the default, what the engine runs) or 1 (see the module's docstring).
     """
     x = check_moe(x, params, config, out=out, scratch=scratch, version=version)
     rows, width = x.shape
@@ -1040,7 +1015,6 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
         if shared:
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
                           scratch.shared, d_out, version, beside)
-        # every routed kernel on its branch but the last, which adds to the shared expert's out
         _launch_experts(d_x, weights, scratch, d_out, shared, version, routed,
                         out_queue=lambda: join(routed, beside))
     return deliver(d_out, out, x, *_arrays(params).values())

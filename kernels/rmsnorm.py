@@ -52,11 +52,10 @@ MAX_BATCH = 32              # the largest ``batch`` rmsnorm takes
 # --8<-- [start:rmsnorm_kernel]
 @functools.cache
 def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = tuning.RMSNORM_FEW_ROWS_BATCH):
-    """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``,
-    the residual add before it (x += delta, written back), in the same launch. ``batch``: a
-    thread's elements loaded at a time (``rmsnorm`` picks ``row_batch``); every thread adds its
-    squares in column order whatever the batch, so it changes no bit, only how many loads are in
-    flight."""
+    """The RMSNorm kernel for blocks of ``threads`` threads (a power of two); with ``residual``, the residual
+    add before it (x += delta, written back), in the same launch. ``batch``: a thread's elements loaded at a
+    time (``rmsnorm`` picks ``row_batch``); every thread adds its squares in column order whatever the batch,
+    so it changes no bit, only how many loads are in flight."""
 
     @cuda.jit
     def kernel(x, delta, weight, eps, out):
@@ -132,10 +131,9 @@ def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None, batc
 
 
 def row_batch(rows: int, threads: int) -> int:
-    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads: the
-    larger one up to one block per SM (``sm_count()`` rows), the smaller one for more rows (both in
-    ``kernels.tuning``), at most BATCH_SLOTS / threads. It changes no bit, so it may depend on the
-    rows."""
+    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads: the larger one up
+    to one block per SM (``sm_count()`` rows), the smaller one for more rows (both in ``kernels.tuning``), at
+    most BATCH_SLOTS / threads. It changes no bit, so it may depend on the rows."""
     few = rows <= tuning.sm_count()
     batch = tuning.RMSNORM_FEW_ROWS_BATCH if few else tuning.RMSNORM_MANY_ROWS_BATCH
     return max(1, min(batch, BATCH_SLOTS // threads))
@@ -146,14 +144,13 @@ def rmsnorm(x, weight, eps: float, *, residual=None, threads: int | None = None,
             out=None, stream=None):
     """Normalise each row of ``x`` (T, D) (or any (..., D)) by its RMS, then scale by ``weight`` (D,).
 
-    numpy in -> numpy out; a device array in -> a device array out (no copy back to the host).
-    ``residual`` (device arrays only): first x += residual, written back into x, then the norm of
-    the sum: a residual add and the norm after it in one launch, the same bits as the two apart.
-    ``threads`` (a power of two) sets the block size, by default the smallest covering D (at most
-    ROW_THREADS on a GPU, 32 in the simulator); any D works with any block size. ``batch``: each
-    thread's elements loaded at a time (default ``row_batch``; the same bits at any batch). ``out``
-    (x's shape, float32) receives the result; ``stream`` is where the kernel is launched (None:
-    the default stream).
+    numpy in -> numpy out; a device array in -> a device array out (no copy back to the host). ``residual``
+    (device arrays only): first x += residual, written back into x, then the norm of the sum: a residual add
+    and the norm after it in one launch, the same bits as the two apart. ``threads`` (a power of two) sets the
+    block size, by default the smallest covering D (at most ROW_THREADS on a GPU, 32 in the simulator); any D
+    works with any block size. ``batch``: each thread's elements loaded at a time (default ``row_batch``; the
+    same bits at any batch). ``out`` (x's shape, float32) receives the result; ``stream`` is where the kernel
+    is launched (None: the default stream).
     """
     x, weight = check_rmsnorm(x, weight, eps, threads=threads, out=out, residual=residual, batch=batch)
     threads = threads or reduction_threads(x.shape[x.ndim - 1], ROW_THREADS)

@@ -12,13 +12,12 @@ Two kernel versions, the same bits (``version``):
   version 1 computes each cos and sin H times; version 2 computes them once per group and
   rotates the group's heads with them, its 2 x ROPE_HEADS loads issued before the first store.
 
-Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing
-assumes t == position. The shared rope key (T, dr) is the case H = 1. Each element is read
-once and written once, by the same thread (``bytes_moved``), so ``out=x`` rotates in place
-safely: the engine rotates the queries' rope parts in place, a strided (T, H, dr) view of its q
-buffer. The rope key is rotated inside ``kernels.kv_cache.write_new_rows``, on its way into the
-cache; every kernel turns a pair with the same device functions (``cos_sin``, ``turned``), so
-their bits are the same.
+Positions are arbitrary integers per row: the nodes of a draft tree share positions, so nothing assumes
+t == position. The shared rope key (T, dr) is the case H = 1. Each element is read once and written once, by
+the same thread (``bytes_moved``), so ``out=x`` rotates in place safely: the engine rotates the queries' rope
+parts in place, a strided (T, H, dr) view of its q buffer. The rope key is rotated inside
+``kernels.kv_cache.write_new_rows``, on its way into the cache; every kernel turns a pair with the same device
+functions (``cos_sin``, ``turned``), so their bits are the same.
 
 Angles are float32, exactly as in the numpy reference (``np.outer`` of float32 positions and
 float32 inv_freq): float32(position) * inv_freq[i] is one correctly rounded float32 multiply, so
@@ -126,10 +125,9 @@ def rope_heads_kernel(x, positions, inv_freq, scale, out):
 
 
 def check_rope(x, positions, inv_freq, scale, *, out=None):
-    """The reference's rules, then the launch's: float32 on the device, ``out``, and device arrays
-    of other than 3 dimensions C-contiguous (they are viewed as (T, H, dr); a (T, H, dr) view,
-    such as the engine's queries, may have any strides). Returns x, positions and inv_freq as
-    numpy or device arrays."""
+    """The reference's rules, then the launch's: float32 on the device, ``out``, and device arrays of other
+    than 3 dimensions C-contiguous (they are viewed as (T, H, dr); a (T, H, dr) view, such as the engine's
+    queries, may have any strides). Returns x, positions and inv_freq as numpy or device arrays."""
     x, inv_freq = host_or_device(x, np.float32), host_or_device(inv_freq, np.float32)
     positions = host_or_device(positions)
     reference.check_rope(x, positions, inv_freq, scale)

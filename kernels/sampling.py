@@ -3,15 +3,14 @@
 Legend: T rows (tree nodes or AR steps), V vocab_size, L draft depths, K children per node
 (padded), C indices per row, TPB threads per block.
 
-The random numbers are the reference's, bit for bit: Philox4x32-10 on (index, position lo,
-position hi, purpose) with the seed as key, 52 bits to a float64 uniform (exact), Gumbel =
--log(-log u). Philox needs only 32 x 32 -> 64-bit products, which never wrap, so the device
-functions below run unchanged on the GPU and in the simulator (whose integers are numpy scalars).
-Everything after the bits is float64: division, addition and conversion are correctly rounded
-everywhere, ``math.log`` and ``math.exp`` are not (CUDA's double log and exp are within 1 ulp,
-numpy's SIMD versions too, and they differ now and then), which is the one place where numpy and
-this module can disagree: a draw whose two best scores lie within an ulp or two of each other
-(chapter 13 counts how rarely; tests/test_pair_sampling.py too).
+The random numbers are the reference's, bit for bit: Philox4x32-10 on (index, position lo, position hi,
+purpose) with the seed as key, 52 bits to a float64 uniform (exact), Gumbel = -log(-log u). Philox needs only
+32 x 32 -> 64-bit products, which never wrap, so the device functions below run unchanged on the GPU and in
+the simulator (whose integers are numpy scalars). Everything after the bits is float64: division, addition and
+conversion are correctly rounded everywhere, ``math.log`` and ``math.exp`` are not (CUDA's double log and exp
+are within 1 ulp, numpy's SIMD versions too, and they differ now and then), which is the one place where numpy
+and this module can disagree: a draw whose two best scores lie within an ulp or two of each other (chapter 13
+counts how rarely; tests/test_pair_sampling.py too).
 
 Kernels (one block per row, TPB threads strided over the vocabulary, block reductions from
 ``kernels.blocks`` in float64; the argmax in np.argmax's order):

@@ -8,27 +8,21 @@ Kernels:
 - ``top_candidates_sort_kernel``: the twin of ``ddtree.tree.top_candidates``: one block per
   drafter row, log-softmax (max, then a float64 sum of exp), then a bitonic sort of (log-prob,
   id) pairs in shared memory under the order log-prob descending, id ascending. A row longer
-  than the buffer (TOPK_CHUNK pairs) streams through it: a token enters only if it beats the
-  K-th best so far.
+  than the buffer (TOPK_CHUNK pairs) streams through it.
 - ``build_trees_sorted_kernel`` and ``build_trees_keyed_kernel`` (``sorted_builder``): one block
-  per request. The frontier is kept sorted in shared memory, so the next pop is its last entry
-  and a pop costs one barrier: each thread merges the pop's two new candidates into its gap of
-  the frontier. On equal weights the sorted kernel climbs both candidates' paths through the
-  node table (``comes_before``); the keyed kernel carries every rank tuple as an integer key and
-  compares two words (where the keys fit: ``key_shape``).
+  per request, the frontier kept sorted in shared memory (a pop costs one barrier); on equal
+  weights the sorted kernel climbs both candidates' paths through the node table
+  (``comes_before``), the keyed kernel compares integer keys (where they fit: ``key_shape``).
 - ``visibility_kernel``: one thread per (request, i, j): is j on the path root..i?
 - ``positions_kernel``: one thread per tree row: its position P + depth and its path root..i
   by depth (what the engine's attention enumerates instead of a mask).
 
-The result is bit-identical to ``ddtree.tree.build_tree``: the same float32 weights, summed root
-to leaf (a sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule
-(equal weights: the lexicographically smallest rank tuple pops first, a prefix before its
-extensions). Both follow from comparing candidates with one strict total order, so the pop
-order does not depend on how the threads share the work.
-
-Shared memory bounds the tree: the sorted kernel's node table (MAX_TREE_NODES entries), its two
-frontier buffers and the staged log-probs fill the 48 KB of static shared memory, so a budget is
-at most MAX_TREE_NODES - 1 (``check_budget``).
+The trees are bit-identical to ``ddtree.tree.build_tree``'s: the same float32 weights, summed root to leaf (a
+sibling weighs ``w[parent] + lp``, never ``w - lp + lp``), and the same tie rule (equal weights: the
+lexicographically smallest rank tuple pops first, a prefix before its extensions), one strict total order, so
+the pop order does not depend on how the threads share the work. The sorted kernel's node table
+(MAX_TREE_NODES entries), its two frontier buffers and the staged log-probs fill the 48 KB of static shared
+memory, so a budget is at most MAX_TREE_NODES - 1 (``check_budget``).
 """
 
 from __future__ import annotations
@@ -63,12 +57,11 @@ def comes_before(weight_a, parent_a, rank_a, weight_b, parent_b, rank_b, node_pa
     """True if candidate a = (weight_a, parent node parent_a, rank_a) pops before candidate b:
     heavier first, then the smaller rank tuple.
 
-    Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate
-    to the other's depth, then climb both until they share a parent: the ranks there decide. They
-    always differ: one live candidate is never a prefix of another (the shorter one is not popped
-    yet, so nothing below it exists). Ties are rare; the walk costs at most L steps in shared
-    memory. ``inline="always"``: numba pastes it into the kernel instead of a call that passes
-    every array field by field.
+    Candidate a is the rank tuple path(parent_a) + (rank_a,). On a tie, lift the deeper candidate to the
+    other's depth, then climb both until they share a parent: the ranks there decide. They always differ: one
+    live candidate is never a prefix of another (the shorter one is not popped yet, so nothing below it
+    exists). The walk costs at most L steps in shared memory. ``inline="always"``: numba pastes it into the
+    kernel instead of a call that passes every array field by field.
     """
     if weight_a != weight_b:
         return weight_a > weight_b
@@ -188,9 +181,8 @@ def _logprob(stage, width, top_logprobs, request, depth, rank):
 
 @cuda.jit(device=True, inline="always")
 def _start_tree(top_logprobs, request, first, key_base, key_digits, unit, nodes, front, keyed):
-    """(one thread) The keys' units (``keyed``: unit[d] = base^(D - d), then base^(2D - d)), the
-    root as node 0 (weight 0) and, where ``first`` is ONE, the candidate (depth 1, rank 0) as node
-    1, the first to pop."""
+    """(one thread) The keys' units (``keyed``: unit[d] = base^(D - d), then base^(2D - d)), the root as node
+    0 (weight 0) and, where ``first`` is ONE, the candidate (depth 1, rank 0) as node 1, the first to pop."""
     if keyed:
         power = int64(1)
         for d in range(2 * key_digits, 0, -1):
@@ -275,24 +267,19 @@ def sorted_builder(keyed: bool):
     """The builder's kernel: sorted (``keyed`` False) or keyed (True), one body, two tie breaks.
 
     One block per request. The frontier (every live candidate but the next pop) sits in
-    ``front[side:side + rest]`` in pop order reversed (index rest - 1 pops first), and the
-    candidate that pops next is already node ``popped`` of the node table. Pop it: every thread
-    computes its two new candidates (``_new_candidates``), and thread t merges gap t of the
-    sorted frontier (``_merge_gap``) into the other buffer (reads and writes never share one: no
-    barrier between them); the merged list's last entry, the best, goes straight to the node
-    table as the next node. One ``cuda.syncthreads`` per pop, no reduction. ``stage_width`` > 0:
-    the log-probs [:stage_depths, :stage_width] were copied to shared memory first.
+    ``front[side:side + rest]`` in pop order reversed (index rest - 1 pops first), and the candidate that pops
+    next is already node ``popped`` of the node table. Pop it: every thread computes its two new candidates
+    (``_new_candidates``), and thread t merges gap t of the sorted frontier (``_merge_gap``) into the other
+    buffer (reads and writes never share one), whose last entry, the best, goes straight to the node table as
+    the next node: one ``cuda.syncthreads`` per pop. ``stage_width`` > 0: the log-probs
+    [:stage_depths, :stage_width] were copied to shared memory first.
 
-    The keyed kernel breaks ties without climbing the tree: every candidate carries its rank
-    tuple as a number, the digits rank + 1 in base ``key_base`` (> every rank + 1), the first
-    ``key_digits`` depths in the high word, the next ones in the low word, zeros past its depth
-    (so a prefix comes first). Comparing two keys is comparing the tuples.
-
-    Every shared-memory index of the pop loop is a uint64 (``ZERO``, ``ONE``): numba tests a
-    signed index for wraparound before each load and store, and a pop is one warp's chain of
-    dependent instructions. The node table is the tuple (parent, rank, depth, weight, key high,
-    key low), the frontier (parent, rank, weight, key high, key low), both buffers in one flat
-    array each, the second at ``other_side``.
+    The keyed kernel carries each candidate's rank tuple as a number, the digits rank + 1 in base ``key_base``
+    (> every rank + 1), the first ``key_digits`` depths in the high word, the next ones in the low word, zeros
+    past its depth (a prefix first): comparing keys compares the tuples. Every shared-memory index of the pop
+    loop is a uint64 (``ZERO``, ``ONE``): numba tests a signed index for wraparound before each load and
+    store. The node table is the tuple (parent, rank, depth, weight, key high, key low), the frontier (parent,
+    rank, weight, key high, key low), both buffers in one flat array each, the second at ``other_side``.
     """
     slots = KEYED_TREE_NODES if keyed else MAX_TREE_NODES
     key_slots = KEYED_TREE_NODES if keyed else 1              # the sorted kernel keeps no keys
@@ -507,10 +494,9 @@ def build_tree(root_token: int, top_logprobs, top_ids, budget: int, *,
 def visibility_kernel(parents, vis):
     """One thread per (request, i, j): vis[request, i, j] = is j on the path root..i?
 
-    x indexes columns j (neighbouring threads write neighbouring bytes), y rows i, z requests.
-    Ancestors have smaller indices than their descendants: walk up from i while above j; j is
-    an ancestor (or i itself) iff the walk lands on it. A parent of -1 (root, padding) ends the
-    walk. No shared memory.
+    x indexes columns j (neighbouring threads write neighbouring bytes), y rows i, z requests. Ancestors have
+    smaller indices than their descendants: walk up from i while above j; j is an ancestor (or i itself) iff
+    the walk lands on it. A parent of -1 (root, padding) ends the walk. No shared memory.
     """
     j, i = cuda.grid(2)
     request = cuda.blockIdx.z
@@ -593,13 +579,12 @@ def _log_sum_exp(logits, row, row_max, red64):
 # --8<-- [start:top_candidates_sort_kernel]
 @cuda.jit(device=True, inline="always")
 def _sort_pairs(values, ids, size):
-    """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob
-    descending, token id ascending. Stage (span, stride): pair i compares slots low and
-    low + stride and puts the better one first in spans with (low & span) == 0, last in the
-    others; one barrier per stage, log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices,
-    shifts and while loops: a stage is a few instructions per thread (numba tests every signed
-    index for wraparound, a signed // 2 needs a sign fix-up, and a strided ``range`` divides to
-    count its steps)."""
+    """Bitonic sort of (values, ids)[:size] (size a power of two) into the order log-prob descending, token id
+    ascending. Stage (span, stride): pair i compares slots low and low + stride and puts the better one first
+    in spans with (low & span) == 0, last in the others; one barrier per stage,
+    log2(size) * (log2(size) + 1) / 2 stages. Unsigned indices, shifts and while loops: a stage is a few
+    instructions per thread (numba tests every signed index for wraparound, a signed // 2 needs a sign fix-up,
+    and a strided ``range`` divides to count its steps)."""
     one = uint64(1)
     half = uint64(size) >> one
     span = uint64(2)
@@ -632,13 +617,12 @@ def top_candidates_sort_kernel(threads: int, slots: int):
 
     @cuda.jit
     def kernel(logits, top_logprobs, top_ids):
-        # one block = one drafter row: 1. the row max (float32); 2. the sum of exp(logit - max) in
-        # float64, its log cast to float32 (numpy's steps, ``_max_log_sum``). Then the first
-        # ``slots`` tokens go into the buffer (token s in slot s, empty slots (-inf, _NO_TOKEN)
-        # sort last); if V fits, one bitonic sort and done. Otherwise sort, keep the best K and
-        # stream the rest of the row in tiles of (slots - K) / 2 tokens: a token joins the
-        # buffer (an atomic slot) only if it beats the K-th best so far; a full buffer is
-        # sorted back to its best K first. Random rows rarely refill it after the first chunk.
+        # one block = one drafter row: 1. the row max (float32); 2. the sum of exp(logit - max) in float64,
+        # its log cast to float32 (numpy's steps, ``_max_log_sum``). Then the first ``slots`` tokens go into
+        # the buffer (token s in slot s, empty slots (-inf, _NO_TOKEN) sort last); if V fits, one bitonic sort
+        # and done. Otherwise sort, keep the best K and stream the rest of the row in tiles of (slots - K) / 2
+        # tokens: a token joins the buffer (an atomic slot) only if it beats the K-th best so far; a full
+        # buffer is sorted back to its best K first.
         red = cuda.shared.array(threads, float32)
         red64 = cuda.shared.array(threads, float64)
         values = cuda.shared.array(slots, float32)

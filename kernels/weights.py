@@ -1,11 +1,10 @@
 """Random weights made on the device: the twin of ``ddtree.weights.init_weights`` for large presets.
 
-``ddtree.weights.init_weights`` draws from numpy's generator on the host: fine for tiny models,
-minutes for ``small`` (4.8 G floats, ~19 GB). This module draws the same kind of values (the
-same tensor names, shapes and scales: unit-variance embeddings, fan-in scaled projections, norms
-near 1, a small router bias) on the GPU, from a counter-based generator, in seconds. The values
-differ from numpy's (another generator); they are a function of (seed, tensor, index) alone, so
-they are the same on every run and every GPU.
+``ddtree.weights.init_weights`` draws from numpy's generator on the host: fine for tiny models, minutes for
+``small`` (4.8 G floats, ~19 GB). This module draws the same kind of values (the same tensor names, shapes and
+scales: unit-variance embeddings, fan-in scaled projections, norms near 1, a small router bias) on the GPU,
+from a counter-based generator, in seconds. The values differ from numpy's (another generator); they are a
+function of (seed, tensor, index) alone, so they are the same on every run and every GPU.
 
 Generator: splitmix64 of (seed, tensor number, element index) gives 64 random bits; two 24-bit
 uniforms from them feed a Box-Muller transform (float32). One thread per element.
