@@ -21,6 +21,7 @@ import json
 import chapter  # walkthrough/chapter.py: figures, the report file, the Agg backend
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import NullFormatter
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 from ddtree import decode as reference_decode
@@ -134,6 +135,8 @@ def plot_tokens(record) -> None:
         axis.barh(range(len(runs)), [r["tokens_per_second"] for r in runs], color="#5c6bc0")
         axis.set_yticks(range(len(runs)), labels, fontsize=9)
         axis.set_xscale("log")
+        # a panel spanning under two decades would label its minor ticks too, over each other
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel("tokens/s (log scale)")
         axis.set_title(f"{result['preset']}: AR and DDTree (block 8, budget 32), 256 new tokens")
     fig.tight_layout()
@@ -141,18 +144,23 @@ def plot_tokens(record) -> None:
 
 
 def plot_split(record) -> None:
+    """One panel per preset, each on its own scale: a small model's round is tens of tiny's."""
     results = [r for r in record["results"] if "split" in r]
-    rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
-    fig, axis = plt.subplots(figsize=(8, max(3.6, 0.3 * len(rows) + 1.8)))
-    left = np.zeros(len(rows))
-    phases = [p for p in ROUND_PHASES if any(p in s for _, s in rows)]   # as the record has them
-    for phase in phases:
-        values = np.array([s.get(phase, 0.0) for _, s in rows])
-        axis.barh(range(len(rows)), values, left=left, label=phase)
-        left += values
-    axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=9)
-    axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
-    axis.legend(fontsize=9, ncol=(len(phases) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    splits = [r["split"] for r in results]
+    phases = [p for p in ROUND_PHASES if any(p in s for split in splits for s in split.values())]
+    heights = [0.3 * len(split) + 1.0 for split in splits]
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for axis, result, split in zip(axes[:, 0], results, splits, strict=True):
+        left = np.zeros(len(split))
+        for phase in phases:
+            values = np.array([s.get(phase, 0.0) for s in split.values()])
+            axis.barh(range(len(split)), values, left=left, label=phase)
+            left += values
+        axis.set_yticks(range(len(split)), [f"{result['preset']} {d}" for d in split], fontsize=9)
+        axis.invert_yaxis()
+    axes[-1, 0].set_xlabel("µs per round (budget 32; device phases between CUDA events)")
+    axes[0, 0].legend(fontsize=9, ncol=(len(phases) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "split")
 
