@@ -184,6 +184,7 @@ def test_hardware_reads_the_figures_of_a_record_the_report_writes(quick_report, 
     for name, value in expected.items():
         assert figures[name].value == pytest.approx(value, rel=1e-2), name      # three digits written
     assert figures["fp32_flops"].note                                           # how it was obtained
+    assert hardware.gpu_name(record) == device.where()                          # the header's GPU line
     with pytest.raises(ValueError, match="name must be one of"):
         hardware.figure("copy_bandwidth", record)
 
@@ -194,6 +195,8 @@ def test_a_record_without_a_figure_names_the_missing_line(tmp_path):
     assert hardware.figure("launch_seconds", record).value == pytest.approx(20.5e-6)
     with pytest.raises(ValueError, match=r"bench.md has no line matching .*\(read_bandwidth\)"):
         hardware.figure("read_bandwidth", record)
+    with pytest.raises(ValueError, match="bench.md has no '- GPU: <name>' line"):
+        hardware.gpu_name(record)
 
 
 def test_the_report_says_where_its_fp32_rate_comes_from(quick_report):

@@ -1,7 +1,7 @@
 """The device-resident engine (kernels/model.py, kernels/decode.py) against the numpy reference.
 
 In the CUDA simulator (CI): the engine on ``micro``, a prompt, a few AR steps and a DDTree round,
-equal to numpy (logits within the whole-model bound, tokens and trees exactly). On the H200
+equal to numpy (logits within the whole-model bound, tokens and trees exactly). On a GPU
 (``gpu``): the golden bundles for every drafter, block and budget with graphs on and off, graphs
 on == off bit for bit, the cache after every round, and a 2,000-token n-gram generation.
 """
@@ -329,7 +329,7 @@ def test_engine_refuses_bad_input_before_running():
 
 
 # ------------------------------------------------------------------------------------------------
-# on the H200
+# on a GPU
 
 
 @pytest.mark.gpu

@@ -93,7 +93,15 @@ def test_save_figure_refuses_figures_too_wide_for_the_column(figures):
     assert not (figures / "t_wide.png").exists()
 
 
-def test_time_floor_uses_the_h200_record():
-    hw = chapter.h200()
+def test_time_floor_uses_the_benchmark_record_and_names_its_gpu():
+    hw = chapter.gpu()
     assert chapter.time_floor(hw.bandwidth) == pytest.approx(1.0)          # one second of bytes
     assert chapter.time_floor(0, hw.fp32 * 2) == pytest.approx(2.0)        # two seconds of FLOPs
+    record = (chapter.ROOT / "docs" / "results" / hw.record).read_text(encoding="utf-8")
+    assert f"- GPU: {hw.name}\n" in record
+
+
+def test_bench_cases_are_the_records_table_against_its_read_bandwidth():
+    cases = chapter.bench_cases()
+    assert {"rmsnorm", "rmsnorm_other_batch", "rope_q_pe", "rope_q_pe_v1"} <= set(cases)
+    assert all("% of read BW" in row for row in cases.values())

@@ -78,7 +78,7 @@ def batch_invariance(x, weight) -> None:
 def lm_head_report() -> None:
     kimi = preset("kimi-k2.6")
     vocab, hidden = kimi.vocab_size, kimi.hidden_size
-    hw = chapter.h200()
+    hw = chapter.gpu()
 
     def floor(rows):
         return chapter.time_floor(*lm_head_cost(rows, vocab, hidden))
@@ -89,7 +89,7 @@ def lm_head_report() -> None:
 
     crossover = next(t for t in range(1, 4096) if compute_bound(t))
     with chapter.section("lm_head"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"Kimi K2.6 lm_head ({vocab} x {hidden}, fp32):")
         print(f"  {'rows':>4} {'GB':>6} {'GFLOP':>7} {'FLOP/B':>7} {'floor ms':>9}")
         for rows in (1, 65):
@@ -101,7 +101,7 @@ def lm_head_report() -> None:
 
 
 def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
-    hw = chapter.h200()
+    hw = chapter.gpu()
     rows = np.unique(np.logspace(0, 9, 200, base=2).astype(int))
     memory = np.array([lm_head_cost(t, vocab, hidden)[0] / hw.bandwidth for t in rows]) * 1e3
     compute = np.array([lm_head_cost(t, vocab, hidden)[1] / hw.fp32 for t in rows]) * 1e3
@@ -115,7 +115,7 @@ def plot_roofline(vocab: int, hidden: int, crossover: int) -> None:
     ax.axvline(crossover, color="tab:red", ls="--", lw=1, label=f"crossover: {crossover} rows")
     ax.set_xlabel("rows T sharing one pass over W")
     ax.set_ylabel("ms per forward (lower bound)")
-    ax.set_title(f"Kimi K2.6 lm_head {vocab} x {hidden}, fp32, H200 figures")
+    ax.set_title(f"Kimi K2.6 lm_head {vocab} x {hidden}, fp32\n{hw.name} figures ({hw.record})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()

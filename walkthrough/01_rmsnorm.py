@@ -7,7 +7,7 @@ every thread accumulate a strided slice of the row in float32, then halves the n
 sums in shared memory (TPB/2, TPB/4, ..., 1) with a barrier after every step. This chapter replays
 that reduction order in numpy for one row of 8 "threads" (the figure), checks the kernel against
 the numpy reference on irregular shapes and block sizes, counts the bytes the layer moves at
-Kimi K2.6's hidden size, and prints the two batches' device times on the H200 from the committed
+Kimi K2.6's hidden size, and prints the two batches' device times on the GPU from the committed
 benchmark record.
 
     .venv/bin/python walkthrough/01_rmsnorm.py
@@ -29,7 +29,6 @@ from kernels import rmsnorm as knl
 from kernels.bench.cases import rmsnorm as cost
 
 STEM = "01_rmsnorm"
-BATCH_RECORD = "bench-bandwidth.md"            # both batches at Kimi's width, one run on the H200
 
 
 # --8<-- [start:tree_reduction]
@@ -99,27 +98,27 @@ def plot_reduction(rng) -> None:
 def bytes_report() -> None:
     hidden = preset("kimi-k2.6").hidden_size
     with chapter.section("bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print("Kimi K2.6 rmsnorm, fp32 (kernels.bench.cases.rmsnorm.bytes_moved):")
         for rows, what in ((1, "decode"), (65, "64-node tree + root"), (8192, "prefill chunk")):
             moved = cost.bytes_moved(T=rows, D=hidden)
             floor = chapter.time_floor(moved)
-            print(f"  {rows:>5} x {hidden}: {moved / 1e6:8.3f} MB -> {floor * 1e6:7.2f} us at the copy "
+            print(f"  {rows:>5} x {hidden}: {moved / 1e6:8.3f} MB -> {floor * 1e6:7.2f} us at the read "
                   f"bandwidth ({what})")
 
 
 def batch_report() -> None:
-    """The default batch against the other one at Kimi's width, from one run on the H200."""
-    cases, copy = chapter.bench_record(BATCH_RECORD)
+    """The default batch against the other one at Kimi's width, from one run of the benchmark."""
+    cases, hw = chapter.bench_cases(), chapter.gpu()
     with chapter.section("batch"):
-        print(f"H200, {BATCH_RECORD} (copy {copy}, read + write):")
-        # that run's defaults took 16 at every row count; its "_batch8" cases 8 (today's default for
-        # the 4096 rows: kernels.rmsnorm.row_batch)
-        for name in ("rmsnorm", "rmsnorm_batch8", "rmsnorm_large", "rmsnorm_large_batch8"):
+        print(f"{hw.name}, {hw.record} (read {hw.bandwidth / 1e9:.0f} GB/s):")
+        # the default batch follows the row count (kernels.rmsnorm.row_batch); the "_other_batch"
+        # cases run the other one at the same shapes
+        for name in ("rmsnorm", "rmsnorm_other_batch", "rmsnorm_large", "rmsnorm_large_other_batch"):
             row = cases[name]
             note = re.search(r"batch \d+", row["note"]).group(0)
-            print(f"  {row['shape']:<16} {note:<9} {row['device µs']:>6} us, {row['% of copy BW']:>5}% "
-                  f"of the copy bandwidth; torch {row['torch µs']} us")
+            print(f"  {row['shape']:<16} {note:<9} {row['device µs']:>6} us, {row['% of read BW']:>5}% "
+                  f"of the read bandwidth; torch {row['torch µs']} us")
 
 
 if __name__ == "__main__":

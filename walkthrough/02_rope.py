@@ -9,7 +9,7 @@ position, so q . k depends only on the distance between the two positions. This 
   and prints the mscale^2 factor that YaRN puts on the attention logits;
 * runs the numba.cuda kernel against the numpy reference on a draft tree's positions, where
   siblings share a position, and at Kimi's last position (262143);
-* prints the two kernel versions' device times on the H200 from the committed benchmark record.
+* prints the two kernel versions' device times on the GPU from the committed benchmark record.
 
     .venv/bin/python walkthrough/02_rope.py
 
@@ -33,7 +33,6 @@ from kernels import rope as knl
 from kernels.bench.cases import rope as rope_costs
 
 STEM = "02_rope"
-VERSIONS_RECORD = "bench-bandwidth.md"            # both kernel versions, one run on the H200
 
 
 # --8<-- [start:interleaved]
@@ -157,23 +156,23 @@ def bytes_report() -> None:
     heads, dim = kimi.num_attention_heads, kimi.qk_rope_head_dim
     moved = rope_costs.bytes_moved(T=1, H=heads, dr=dim) + rope_costs.bytes_moved(T=1, H=1, dr=dim)
     with chapter.section("bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"Kimi K2.6 decode row: q_pe (1, {heads}, {dim}) and k_pe (1, {dim}) rotated, "
               f"{moved / 1e3:.1f} KB read and written")
-        print(f"  {chapter.time_floor(moved) * 1e6:.3f} us at the copy bandwidth, against "
-              f"{2 * chapter.h200().launch * 1e6:.1f} us of host time for the two launches")
+        print(f"  {chapter.time_floor(moved) * 1e6:.3f} us at the read bandwidth, against "
+              f"{2 * chapter.gpu().launch * 1e6:.1f} us of host time for the two launches")
 
 
 def versions_report() -> None:
-    """Version 1 (a cos and sin per head) against version 2 (per group of heads) on the H200."""
-    cases, copy = chapter.bench_record(VERSIONS_RECORD)
+    """Version 1 (a cos and sin per head) against version 2 (per group of heads), in one run."""
+    cases, hw = chapter.bench_cases(), chapter.gpu()
     with chapter.section("versions"):
-        print(f"H200, {VERSIONS_RECORD} (copy {copy}, read + write):")
+        print(f"{hw.name}, {hw.record} (read {hw.bandwidth / 1e9:.0f} GB/s):")
         for name in ("rope_q_pe", "rope_q_pe_large"):
             for version, case in ((1, f"{name}_v1"), (2, name)):
                 row = cases[case]
                 print(f"  {row['shape']:<20} version {version}: {row['device µs']:>6} us, "
-                      f"{row['% of copy BW']:>5}% of the copy bandwidth")
+                      f"{row['% of read BW']:>5}% of the read bandwidth")
 
 
 if __name__ == "__main__":

@@ -89,9 +89,9 @@ def cost_report() -> None:
     kimi = preset("kimi-k2.6")
     H, R, dr = kimi.num_attention_heads, kimi.kv_lora_rank, kimi.qk_rope_head_dim
     with chapter.section("cost"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print("one layer's attention core at Kimi K2.6 dims, fp32; floor = the slower of the bytes")
-        print("at the copy bandwidth and the FLOPs at the fp32 rate")
+        print("at the read bandwidth and the FLOPs at the fp32 rate")
         print(f"  {'T':>3} {'S':>7}  {'form':<6} {'GFLOP':>8} {'MB':>8} {'floor ms':>9}  FLOP ratio")
         for rows in (1, TREE_ROWS):
             for keys in (4096, 131072):
@@ -104,7 +104,7 @@ def cost_report() -> None:
         per_key_flops, per_key_bytes = 2 * H * (2 * R + dr), FLOAT * (R + dr)
         print(f"absorbed, per cached key: 2H(2R + dr) = {per_key_flops} FLOPs over 4(R + dr) = "
               f"{per_key_bytes} bytes = {per_key_flops / per_key_bytes:.0f} FLOP/byte")
-        hw = chapter.h200()
+        hw = chapter.gpu()
         print(f"against the fp32 ridge point of the first line, {hw.fp32 / hw.bandwidth:.1f} FLOP/byte")
 
 
@@ -121,7 +121,7 @@ def plot_cost() -> None:
         axes[0].loglog(keys, cost[:, 1], color=color, ls=ls, label=label)
         axes[1].loglog(keys, cost[:, 0], color=color, ls=ls, label=label)
         axes[2].loglog(keys, floor * 1e3, color=color, ls=ls, label=label)
-    titles = ("FLOPs", "bytes (fp32)", "time floor on the H200: the slower of the two")
+    titles = ("FLOPs", "bytes (fp32)", f"time floor on the {chapter.gpu().name}: the slower of the two")
     for ax, title, unit in zip(axes, titles,
                                ("FLOP per layer", "bytes per layer", "ms per layer"), strict=True):
         ax.set_title(title, fontsize=11)

@@ -131,7 +131,7 @@ def kimi_bytes() -> None:
     Fs = kimi.n_shared_experts * F
     expert = 3 * D * F * 4                                               # gate, up, down; fp32
     with chapter.section("bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"Kimi K2.6 MoE layer, fp32: one expert = 3 x {D} x {F} weights = {expert / 1e6:.0f} MB; "
               f"router {E} x {D}")
         for rows, used, what in ((1, k, "1 decode token"), (65, E, "65 tree rows, every expert reached")):

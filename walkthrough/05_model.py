@@ -138,11 +138,11 @@ def kernels_demo() -> None:
     kimi_layers = preset("kimi-k2.6").num_hidden_layers
     kimi_calls = per_layer * kimi_layers + 3
     with chapter.section("calls"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"{len(calls)} operation calls per forward: {per_layer:g} per layer + 3 "
               f"(embed, final norm, lm_head)")
         print(f"Kimi K2.6, {kimi_layers} layers: {kimi_calls:g} calls per forward, at least one launch each:")
-        print(f"  >= {kimi_calls * chapter.h200().launch * 1e3:.1f} ms of host time per forward in launches")
+        print(f"  >= {kimi_calls * chapter.gpu().launch * 1e3:.1f} ms of host time per forward in launches")
     assert max(worst.values()) < 1e-4, "a numba twin disagrees with numpy"
 
 

@@ -81,7 +81,7 @@ def builder_cost(depths: int, budget: int, requests: int) -> None:
     threads = pow2_threads(budget + 1)                     # about one frontier entry per thread
     per_pop = 2 + int(np.log2(threads))                    # loop top, after the scan, one per level
     print(f"  L={depths}, K=B={budget}, {requests} requests: {moved / 1e3:.1f} KB in and out, "
-          f"{chapter.time_floor(moved) * 1e9:.0f} ns at the copy bandwidth")
+          f"{chapter.time_floor(moved) * 1e9:.0f} ns at the read bandwidth")
     print(f"    a block argmax per pop ({threads} threads): {budget} sequential pops x {per_pop} barriers "
           f"= {budget * per_pop}")
     print(f"    a sorted frontier (kernels.tree): one barrier per pop, {budget + 1} with the start")
@@ -202,7 +202,7 @@ def main() -> None:
     ties = all_ties()
     check_gpu_builder(setup, logits, trees, ties)
     with chapter.section("builder_cost"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print("what the GPU builder moves:")
         builder_cost(15, 64, 32)
         builder_cost(15, 256, 32)

@@ -187,7 +187,7 @@ def main() -> None:
     plot_tree_and_mask(tree, start, visible, positions)
     check_kernels(tree, visible, calls[0])                  # layer 0
     with chapter.section("mask_bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         mask_bytes(64, 1)
         mask_bytes(64, 32)
 

@@ -133,9 +133,9 @@ def accept_bytes(nodes: int) -> None:
     """What accept_batch moves for one request of ``nodes`` tree nodes (its cost model)."""
     moved = accept_costs.bytes_moved(Bq=1, W=nodes)
     with chapter.section("bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"accept_batch, one request of {nodes} nodes: {moved} bytes in and out, "
-              f"{chapter.time_floor(moved) * 1e9:.1f} ns at the copy bandwidth")
+              f"{chapter.time_floor(moved) * 1e9:.1f} ns at the read bandwidth")
 
 
 def main() -> None:

@@ -82,9 +82,9 @@ def kimi_compaction_bytes(kept: int) -> None:
     row = kimi.num_hidden_layers * kimi.latent_cache_width * 4         # one token, every layer, fp32
     fewest = kv_costs.bytes_moved(**dims, moved=kept - 1)                   # every accepted row but the root
     gathered = 2 * 2 * kept * row                                       # 2 launches x (read + write)
-    hw = chapter.h200()
+    hw = chapter.gpu()
     with chapter.section("kimi"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"Kimi K2.6: one token's cache row = {kimi.num_hidden_layers} layers x "
               f"{kimi.latent_cache_width} floats x 4 B = {row / 1e3:.0f} KB; m = {kept} accepted rows")
         print(f"  fewest bytes (the {kept - 1} rows after the root move): {fewest / 1e6:.2f} MB, "

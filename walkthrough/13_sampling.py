@@ -393,9 +393,9 @@ def sampler_bytes() -> None:
     rows, vocab = 65, 163840
     moved = cost.bytes_moved("sample", T=rows, V=vocab)
     with chapter.section("bytes"):
-        chapter.print_h200()
+        chapter.print_gpu()
         print(f"sample, {rows} tree rows of Kimi K2.6's vocabulary ({vocab}): {moved / 1e6:.1f} MB read,")
-        print(f"  {chapter.time_floor(moved) * 1e6:.1f} us at the copy bandwidth: a floor (Philox and two "
+        print(f"  {chapter.time_floor(moved) * 1e6:.1f} us at the read bandwidth: a floor (Philox and two "
               "logs per entry")
         print("  are arithmetic on top, not measured here)")
 

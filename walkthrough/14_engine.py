@@ -5,9 +5,10 @@ device, and runs a whole round (top-K, tree build, verify forward, argmax, accep
 launches that read every per-step value from device buffers, so that one CUDA graph per shape
 replays them. This chapter runs one round on ``micro`` (in the CUDA simulator without a GPU, where
 the same code launches directly) and prints every kernel launch in order with its grid, block and
-the shapes it reads and writes; then what crosses the bus per round, in bytes; then the measured
-H200 results (tokens/s of the engine with and without graphs, transformers; a round's cost in AR
-steps; the round's time split), read from the committed engine record docs/results/engine.json.
+the shapes it reads and writes; then what crosses the bus per round, in bytes; then the results
+measured on the GPU (tokens/s of the engine with and without graphs, PyTorch, transformers; a
+round's cost in AR steps; the round's time split), read from the committed engine record
+docs/results/engine.json (its header names the GPU).
 
 Run: .venv/bin/python walkthrough/14_engine.py
 
@@ -21,6 +22,7 @@ import chapter  # walkthrough/chapter.py: figures, the report file, the Agg back
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
+from matplotlib.ticker import NullFormatter
 
 import kernels  # noqa: F401  (picks GPU or simulator before numba loads)
 from ddtree import decode as reference_decode
@@ -119,23 +121,25 @@ def measured() -> dict | None:
         print(f"no committed engine record {RECORD.name} under docs/results (python -m kernels.bench engine)")
         return None
     record = json.loads(RECORD.read_text(encoding="utf-8"))
-    print(f"measured on the H200: docs/results/{RECORD.name}")
+    print(f"measured on the {dict(record['header'])['GPU']}: docs/results/{RECORD.name}")
     return record
 
 
 def plot_tokens(record) -> None:
     """One panel per preset, a bar per system and decoder (one label line each), fastest on top."""
     results = record["results"]
-    heights = [max(2.0, 0.3 * len(r["runs"]) + 1.0) for r in results]
+    shown = [sorted((r for r in result["runs"] if r["decoder"] == "AR" or r["budget"] == 32),
+                    key=lambda r: r["tokens_per_second"]) for result in results]
+    heights = [max(2.0, 0.3 * len(runs) + 1.0) for runs in shown]
     fig, axes = plt.subplots(len(results), 1, figsize=(8, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for axis, result in zip(axes[:, 0], results, strict=True):
-        runs = [r for r in result["runs"] if r["decoder"] == "AR" or r["budget"] == 32]
-        runs.sort(key=lambda r: r["tokens_per_second"])
+    for axis, result, runs in zip(axes[:, 0], results, shown, strict=True):
         labels = [f"{r['decoder'].replace('DDTree ', '')}: {r['system']}" for r in runs]
         axis.barh(range(len(runs)), [r["tokens_per_second"] for r in runs], color="#5c6bc0")
         axis.set_yticks(range(len(runs)), labels, fontsize=9)
         axis.set_xscale("log")
+        # a panel spanning under two decades would label its minor ticks too, over each other
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel("tokens/s (log scale)")
         axis.set_title(f"{result['preset']}: AR and DDTree (block 8, budget 32), 256 new tokens")
     fig.tight_layout()
@@ -143,18 +147,23 @@ def plot_tokens(record) -> None:
 
 
 def plot_split(record) -> None:
+    """One panel per preset, each on its own scale: a small model's round is tens of tiny's."""
     results = [r for r in record["results"] if "split" in r]
-    rows = [(f"{r['preset']} {d}", s) for r in results for d, s in r["split"].items()]
-    fig, axis = plt.subplots(figsize=(8, max(3.6, 0.3 * len(rows) + 1.8)))
-    left = np.zeros(len(rows))
-    phases = [p for p in ROUND_PHASES if any(p in s for _, s in rows)]   # as the record has them
-    for phase in phases:
-        values = np.array([s.get(phase, 0.0) for _, s in rows])
-        axis.barh(range(len(rows)), values, left=left, label=phase)
-        left += values
-    axis.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=9)
-    axis.set_xlabel("µs per round (budget 32; device phases between CUDA events)")
-    axis.legend(fontsize=9, ncol=(len(phases) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    splits = [r["split"] for r in results]
+    phases = [p for p in ROUND_PHASES if any(p in s for split in splits for s in split.values())]
+    heights = [0.3 * len(split) + 1.0 for split in splits]
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for axis, result, split in zip(axes[:, 0], results, splits, strict=True):
+        left = np.zeros(len(split))
+        for phase in phases:
+            values = np.array([s.get(phase, 0.0) for s in split.values()])
+            axis.barh(range(len(split)), values, left=left, label=phase)
+            left += values
+        axis.set_yticks(range(len(split)), [f"{result['preset']} {d}" for d in split], fontsize=9)
+        axis.invert_yaxis()
+    axes[-1, 0].set_xlabel("µs per round (budget 32; device phases between CUDA events)")
+    axes[0, 0].legend(fontsize=9, ncol=(len(phases) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "split")
 
@@ -165,7 +174,7 @@ def print_results(record) -> None:
             runs = {(r["system"], r["decoder"], r["budget"]): r for r in result["runs"]}
             ar = runs[("engine, graphs", "AR", None)]
             print(f"{result['preset']}: engine AR {ar['tokens_per_second']:.0f} tok/s with graphs")
-            for system in ("engine, no graphs", "numpy (CPU)", "transformers eager"):
+            for system in ("engine, no graphs", "numpy (CPU)", "PyTorch, CUDA graph", "transformers eager"):
                 if (system, "AR", None) in runs:
                     rate = runs[(system, "AR", None)]["tokens_per_second"]
                     speedup = ar["tokens_per_second"] / rate

@@ -1,15 +1,16 @@
 """Performance: every kernel against its floor, the engine's forward kernel by kernel, and the
-engine against tree size and context length. Everything here is read from the committed H200
-records under docs/results/, one per kind (nothing is measured on this machine):
+engine against tree size and context length. Everything here is read from the committed GPU
+records under docs/results/, one per kind, each naming the GPU it ran on (nothing is measured on
+this machine):
 
 * bench.md: each kernel at Kimi K2.6 shapes (``python -m kernels.bench``): its device time
   (outputs given, from a CUDA graph) and its public call's, against its floor
-  max(bytes / copy bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
+  max(bytes / read bandwidth, FLOPs / fp32 rate), and torch's device time for the same work; the
   kernel issue's targets that it measures;
 * profile.md: the engine's forward on tiny, tiny-b and small, each kernel's device time at one row
   (the AR step) and at 40 (a budget-32 tree) (``python -m kernels.bench profile``);
-* engine-small.json: ``small``'s AR step against its floor, and the verify time against the
-  tree's size (``python -m kernels.bench engine --floor-only --presets small``);
+* engine.json: ``small``'s AR step against its floor, and the verify time against the tree's size
+  (``python -m kernels.bench engine``, its result for ``small``);
 * sweep.json: ``small`` against context length (``python -m kernels.bench sweep``).
 
 Run: .venv/bin/python walkthrough/15_performance.py
@@ -30,7 +31,7 @@ STEM = "15_performance"
 RESULTS = chapter.ROOT / "docs" / "results"
 BENCH = RESULTS / "bench.md"
 PROFILE = RESULTS / "profile.md"
-SMALL = RESULTS / "engine-small.json"
+ENGINE = RESULTS / "engine.json"
 SWEEP = RESULTS / "sweep.json"
 PROFILE_PRESETS = ("tiny", "tiny-b", "small")
 PROFILE_ROWS = ("T=1", "T=40")          # the AR step and a budget-32 tree's rows
@@ -45,13 +46,13 @@ def number(cell: str) -> float:
 def kernel_floors() -> tuple[list[dict], dict[str, float]]:
     """Each benchmark case as the record states it: the kernels' device time (outputs given,
     replayed from a CUDA graph), the public call's time, the share of its floor reached (the run's
-    own copy bandwidth and fp32 rate) and torch's device time for the same work, where measured;
-    and the run's ceilings (copy bytes/s, fp32 FLOP/s, one empty kernel's device seconds)."""
+    own read bandwidth and fp32 rate) and torch's device time for the same work, where measured;
+    and the run's ceilings (read bytes/s and fp32 FLOP/s as kernels.bench.hardware reads them, one
+    empty kernel's device seconds)."""
     text = BENCH.read_text(encoding="utf-8")
+    hw = chapter.gpu()                                    # the same record: hardware.RESULTS
     ceilings = {
-        "copy": float(re.search(r"device-to-device copy of [^:]+: ([\d.]+) GB/s", text).group(1)) * 1e9,
-        "fp32": float(re.search(r"fp32 peak used for compute-bound cases: ([\d.]+) TFLOP/s", text).group(1))
-        * 1e12,
+        "read": hw.bandwidth, "fp32": hw.fp32,
         "empty": float(re.search(r"([\d.]+) µs of device time per launch replayed", text).group(1)) * 1e-6}
     cases = [case_row(row, ceilings["empty"]) for row in chapter.read_table(text, "case")]
     return cases, ceilings
@@ -61,18 +62,18 @@ def case_row(row: dict[str, str], empty: float) -> dict:
     """One case of the record as the chapter uses it (seconds and fractions)."""
     return {"case": row["case"], "device": number(row["device µs"]) * 1e-6,
             "call": number(row["call µs"]) * 1e-6, "of_floor": number(row["% of floor"]) / 100,
-            "torch": number(row["torch µs"]) * 1e-6, "copy": number(row["% of copy BW"]) / 100,
-            "bound": "FLOPs" if row["% of copy BW"] == "-" else "bytes", "empty": empty,
+            "torch": number(row["torch µs"]) * 1e-6, "read": number(row["% of read BW"]) / 100,
+            "bound": "FLOPs" if row["% of read BW"] == "-" else "bytes", "empty": empty,
             "note": row["note"]}
 # --8<-- [end:kernel_floors]
 
 
 def floors_report(cases, ceilings) -> None:
     with chapter.section("floors"):
-        copy, fp32 = ceilings["copy"], ceilings["fp32"]
-        print(f"{BENCH.name}: copy {copy / 1e9:.0f} GB/s, fp32 {fp32 / 1e12:.0f} TFLOP/s, "
-              f"ridge {fp32 / copy:.1f} FLOP/B, empty kernel "
-              f"{ceilings['empty'] * 1e6:.2f} us in a graph")
+        read, fp32 = ceilings["read"], ceilings["fp32"]
+        print(f"{BENCH.name}, measured on the {chapter.gpu().name}:")
+        print(f"  read {read / 1e9:.0f} GB/s, fp32 {fp32 / 1e12:.0f} TFLOP/s, "
+              f"ridge {fp32 / read:.1f} FLOP/B, empty kernel {ceilings['empty'] * 1e6:.2f} us in a graph")
         print(f"{'case':<28} {'device':>10} {'call':>10} {'of floor':>9} {'torch':>10} "
               f"{'vs torch':>8}  bound")
         for c in cases:
@@ -95,7 +96,8 @@ def plot_floors(cases) -> None:
     axis.set_xscale("log")
     axis.set_xlabel("share of the floor reached (%), log scale:\n100% = max(bytes/BW, FLOPs/fp32)")
     axis.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=1, fontsize=9)
-    axis.set_title(f"Each kernel at Kimi K2.6 shapes (H200, docs/results/{BENCH.name})", pad=48)
+    axis.set_title(f"Each kernel at Kimi K2.6 shapes\n({chapter.gpu().name}, docs/results/{BENCH.name})",
+                   pad=48)
     fig.tight_layout()
     chapter.save_figure(fig, STEM, "floors")
 
@@ -104,27 +106,27 @@ def plot_floors(cases) -> None:
 # (target, the cases that measure it, the engine's first: the first the record has is read)
 ATTENTION = ("paths_v5_", "paths_v4_")          # the engine's attention where R >= 512, newest first
 TARGETS = (
-    (">= 64 MB at >= 80% of copy BW", ("rmsnorm_large",)),
-    (">= 64 MB at >= 80% of copy BW", ("rope_q_pe_large",)),
-    (">= 64 MB at >= 80% of copy BW", ("linear_lanes_mlp_up", "linear_gemv_mlp_up")),
-    (">= 64 MB at >= 80% of copy BW", ("linear_lanes_lm_head", "linear_gemv_lm_head")),
+    (">= 64 MB at >= 80% of read BW", ("rmsnorm_large",)),
+    (">= 64 MB at >= 80% of read BW", ("rope_q_pe_large",)),
+    (">= 64 MB at >= 80% of read BW", ("linear_lanes_mlp_up", "linear_gemv_mlp_up")),
+    (">= 64 MB at >= 80% of read BW", ("linear_lanes_lm_head", "linear_gemv_lm_head")),
     ("device time <= 2x an empty kernel's", ("rmsnorm",)),
     ("device time <= 2x an empty kernel's", ("kv_compact",)),
-    ("GEMM >= 0.5x torch", ("linear_tiles_gemm_prefill",)),
-    ("GEMM >= 0.5x torch", ("linear_tiles_gemm_verify",)),
+    ("GEMM >= 0.5x torch", ("linear_lanes_prefill", "linear_tiles_gemm_prefill")),
+    ("GEMM >= 0.5x torch", ("linear_lanes_verify", "linear_tiles_gemm_verify")),
     ("tree build, 64 requests >= 100x the heap", ("tree_build_medium",)),
     ("tree build, one request < 20 us", ("tree_build_one",)),
     ("MoE router >= 50% of floor", ("moe_route",)),
-    ("MoE experts >= 60% of copy BW", ("moe_reduced_v3", "moe_reduced")),
+    ("MoE experts >= 60% of read BW", ("moe_reduced_v3", "moe_reduced")),
 )
 
 
 def measure(target: str, case: dict) -> tuple[float, float, bool]:
-    """(measured, needed, met) of one target on one case. Ratios: % of floor, % of copy bandwidth,
+    """(measured, needed, met) of one target on one case. Ratios: % of floor, % of read bandwidth,
     torch's time over ours, the heap's speed-up (from the case's note), device time over one empty
     kernel's in a graph, µs."""
     if target.startswith(">= 64 MB"):
-        return 100 * case["copy"], 80.0, 100 * case["copy"] >= 80
+        return 100 * case["read"], 80.0, 100 * case["read"] >= 80
     if target.startswith("device time"):
         ratio = case["device"] / case["empty"]
         return ratio, 2.0, ratio <= 2
@@ -136,7 +138,7 @@ def measure(target: str, case: dict) -> tuple[float, float, bool]:
     if target.startswith("tree build, one"):
         return case["device"] * 1e6, 20.0, case["device"] * 1e6 < 20
     needed = 50.0 if "router" in target else 60.0
-    share = 100 * (case["of_floor"] if "router" in target else case["copy"])
+    share = 100 * (case["of_floor"] if "router" in target else case["read"])
     return share, needed, share >= needed
 
 
@@ -173,18 +175,18 @@ def targets_report(rows, missing) -> None:
 
 def empty_kernel_report(cases) -> None:
     """For the "2x an empty kernel" targets: the measured ratio beside what the bytes alone take at
-    the run's copy bandwidth (device time x its share of the copy), both in empty kernels."""
+    the run's read bandwidth (device time x its share of it), both in empty kernels."""
     by_name = {c["case"]: c for c in cases}
     with chapter.section("empty_kernels"):
-        print(f"{'case':<12} {'device':>9} {'empty':>8} {'bytes at copy':>14} {'device / empty':>15} "
+        print(f"{'case':<12} {'device':>9} {'empty':>8} {'bytes at read':>14} {'device / empty':>15} "
               f"{'bytes / empty':>14}")
         for name in ("rmsnorm", "kv_compact"):
             if name not in by_name:
                 continue
             c = by_name[name]
-            at_copy = c["device"] * c["copy"]                   # bytes / the run's copy bandwidth
+            at_read = c["device"] * c["read"]                   # bytes / the run's read bandwidth
             print(f"{name:<12} {c['device'] * 1e6:>7.2f}us {c['empty'] * 1e6:>6.2f}us "
-                  f"{at_copy * 1e6:>12.2f}us {c['device'] / c['empty']:>15.2f} {at_copy / c['empty']:>14.2f}")
+                  f"{at_read * 1e6:>12.2f}us {c['device'] / c['empty']:>15.2f} {at_read / c['empty']:>14.2f}")
 
 
 # --8<-- [start:profile]
@@ -239,12 +241,19 @@ def plot_profile(tables, shown: int = 8) -> None:
 
 
 def small_report(record) -> dict:
-    result = record["results"][0]
+    """small's AR step against its floor and the verify against tree size, from the engine
+    record's result for small (the GPU its header names)."""
+    result = next((r for r in record["results"] if r["preset"] == "small" and "floor" in r), None)
+    if result is None:
+        raise ValueError(f"{ENGINE.name} has no floor for small (python -m kernels.bench engine "
+                         "--presets small)")
     floor, sizes = result["floor"], result["tree_sizes"]
     with chapter.section("small"):
-        weights, bandwidth = floor["weight_bytes_per_token"] / 1e9, floor["copy_bandwidth"] / 1e9
+        weights, bandwidth = floor["weight_bytes_per_token"] / 1e9, floor["read_bandwidth"] / 1e9
+        print(f"{ENGINE.name}, measured on the {dict(record['header'])['GPU']}:")
         print(f"small: AR step {floor['ar_step_us'] / 1e3:.2f} ms, floor {floor['floor_us'] / 1e3:.2f} ms "
-              f"({weights:.2f} GB at {bandwidth:.0f} GB/s): {floor['ar_step_us'] / floor['floor_us']:.1f}x")
+              f"({weights:.2f} GB at {bandwidth:.0f} GB/s read): "
+              f"{floor['ar_step_us'] / floor['floor_us']:.1f}x")
         print(f"{'tree nodes':>10} {'verify ms':>10} {'per node':>9} {'in AR steps':>12} "
               f"{'experts/layer':>14}")
         for row in sizes:
@@ -301,7 +310,7 @@ def main() -> None:
     tables = profile()
     profile_report(tables)
     plot_profile(tables)
-    result = small_report(json.loads(SMALL.read_text(encoding="utf-8")))
+    result = small_report(json.loads(ENGINE.read_text(encoding="utf-8")))
     rows = sweep_report(json.loads(SWEEP.read_text(encoding="utf-8")))
     plot_small(result, rows)
 

@@ -24,10 +24,11 @@ Two more things every chapter shares:
   result); ``replace=`` swaps operations for others (the numba twins). The model's own operations
   come back when the block ends, also on an exception.
 
-Cost models live beside their kernels (``kernels.<stem>.bytes_moved`` and ``flops``); the H200's
-figures come from the committed benchmark record through ``kernels.bench.hardware``: ``h200()``
-gives the ones the chapters use, ``time_floor`` turns bytes and FLOPs into seconds, and
-``print_h200`` prints them, with their source, into a chapter's report.
+Cost models live beside their kernels (``kernels.<stem>.bytes_moved`` and ``flops``); the GPU's
+figures come from the committed benchmark record through ``kernels.bench.hardware``: ``gpu()``
+gives the ones the chapters use and the GPU's name, ``time_floor`` turns bytes and FLOPs into
+seconds, ``print_gpu`` prints them, with their source, into a chapter's report, and
+``bench_cases`` gives the record's table of cases.
 """
 
 from __future__ import annotations
@@ -290,29 +291,31 @@ def record_ops(model, *names: str, replace: dict | None = None):
 # --8<-- [end:record_ops]
 
 
-# --8<-- [start:h200]
-def h200() -> types.SimpleNamespace:
-    """The H200 figures the chapters' cost models use, from the benchmark record on the GPU page:
+# --8<-- [start:gpu]
+def gpu() -> types.SimpleNamespace:
+    """The GPU figures the chapters' cost models use, from the benchmark record on the GPU page:
     bandwidth (bytes/s, a measured read-only kernel), fp32 (FLOP/s, torch SGEMM with TF32
-    off, as the record states) and launch (seconds of host time per numba launch from Python)."""
+    off, as the record states) and launch (seconds of host time per numba launch from Python);
+    name is the GPU the record was measured on."""
     from kernels.bench import hardware  # imports numba: only chapters that cost something pay it
 
     return types.SimpleNamespace(bandwidth=hardware.read_bandwidth(), fp32=hardware.fp32_flops(),
-                                 launch=hardware.host_launch_seconds(), record=hardware.RESULTS.name)
+                                 launch=hardware.host_launch_seconds(), name=hardware.gpu_name(),
+                                 record=hardware.RESULTS.name)
 
 
 def time_floor(bytes_moved: float, flops: float = 0.0) -> float:
-    """Seconds at best on the H200: the slower of moving the bytes and doing the FLOPs."""
-    hw = h200()
+    """Seconds at best on the recorded GPU: the slower of reading the bytes and doing the FLOPs."""
+    hw = gpu()
     return max(bytes_moved / hw.bandwidth, flops / hw.fp32)
-# --8<-- [end:h200]
+# --8<-- [end:gpu]
 
 
-def print_h200() -> None:
-    """One report line with the H200 figures the chapter's numbers use, and their source."""
-    hw = h200()
-    print(f"H200 ({hw.record}): read {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} TFLOP/s "
-          f"(ridge {hw.fp32 / hw.bandwidth:.1f} FLOP/B),")
+def print_gpu() -> None:
+    """One report line with the GPU figures the chapter's numbers use, and their source."""
+    hw = gpu()
+    print(f"{hw.name} ({hw.record}): read {hw.bandwidth / 1e9:.0f} GB/s, fp32 {hw.fp32 / 1e12:.0f} "
+          f"TFLOP/s (ridge {hw.fp32 / hw.bandwidth:.1f} FLOP/B),")
     print(f"  {hw.launch * 1e6:.1f} us of host time per kernel launch from Python")
 
 
@@ -344,9 +347,9 @@ def snippet(text: str, name: str) -> str:
 # --8<-- [end:read_table]
 
 
-def bench_record(name: str) -> tuple[dict[str, dict[str, str]], str]:
-    """The cases table of the benchmark record docs/results/``name``, by case, and the run's copy
-    bandwidth as the record states it (every "% of copy BW" of the table is against it)."""
-    text = (ROOT / "docs" / "results" / name).read_text(encoding="utf-8")
-    copy = re.search(r"- device-to-device copy of [^:]+: ([\d.]+ GB/s)", text).group(1)
-    return {row["case"]: row for row in read_table(text, "case")}, copy
+def bench_cases() -> dict[str, dict[str, str]]:
+    """The cases table of the benchmark record ``gpu()`` reads, by case: each "% of read BW" of the
+    table is against that record's read bandwidth (``gpu().bandwidth``)."""
+    from kernels.bench import hardware
+
+    return {row["case"]: row for row in read_table(hardware.RESULTS.read_text(encoding="utf-8"), "case")}

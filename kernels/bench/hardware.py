@@ -1,16 +1,17 @@
-"""The H200's figures, read from the committed benchmark record (never retyped).
+"""The GPU's figures, read from the committed benchmark record (never retyped).
 
 Every number here comes from ``RESULTS`` (docs/results/bench.md), the report
-``python -m kernels.bench`` wrote on the project's H200 (its date, GPU and command are inside); a
-new run replaces the file, and the figures follow. ``figure(name)`` gives each one with where it
+``python -m kernels.bench`` wrote on the project's GPU (its date, GPU and command are inside); a
+new run replaces the file, and the figures follow, on whichever GPU it ran. ``gpu_name()`` says
+which one, from the record's ``- GPU:`` line. ``figure(name)`` gives each figure with where it
 comes from, ``figures()`` all of them:
 
 - ``read_bandwidth()``: bytes/s a read-only kernel reads from a 1 GiB buffer: the ceiling of a
-  kernel that streams its weights, measured in that run (below the 4.8 TB/s on the datasheet);
+  kernel that streams its weights, measured in that run (below the datasheet's bandwidth);
 - ``launch_seconds()``: an empty kernel launch between two CUDA events, and
   ``host_launch_seconds()``: host time per launch, back to back, from Python;
 - ``fp32_flops()``: the fp32 rate the report used for compute-bound cases: torch SGEMM with TF32
-  off on the same H200, as the record states it.
+  off on the same GPU, as the record states it.
 
 Each figure is read from its own line, when asked for. The record lives in the source tree
 (docs/), so these work from a checkout, not an installed wheel.
@@ -47,15 +48,29 @@ class Figure(typing.NamedTuple):
     note: str = ""      # how the record says it was obtained, when it says so
 
 
+def _read(record: Path) -> str:
+    """The record's text, or an error that says why it is needed."""
+    if not record.exists():
+        raise FileNotFoundError(f"the benchmark record {record} is missing: the hardware figures "
+                                "are read from it (run from a source checkout)")
+    return record.read_text(encoding="utf-8")
+
+
+@functools.cache
+def gpu_name(record: Path = RESULTS) -> str:
+    """The GPU ``record`` was measured on, as its ``- GPU:`` line names it."""
+    match = re.search(r"^- GPU: (.+)$", _read(record), re.M)
+    if match is None:
+        raise ValueError(f"{record.name} has no '- GPU: <name>' line")
+    return match.group(1).strip()
+
+
 @functools.cache
 def figure(name: str, record: Path = RESULTS) -> Figure:
     """One figure of ``record`` by name (see the module docstring), from the line that states it."""
     if name not in _PATTERNS:
         raise ValueError(f"name must be one of {sorted(_PATTERNS)}, got {name!r}")
-    if not record.exists():
-        raise FileNotFoundError(f"the H200 benchmark record {record} is missing: the hardware figures "
-                                "are read from it (run from a source checkout)")
-    text = record.read_text(encoding="utf-8")
+    text = _read(record)
     pattern, what = _PATTERNS[name]
     match = re.search(pattern, text)
     if match is None:
@@ -73,20 +88,20 @@ def figures(record: Path = RESULTS) -> dict[str, Figure]:
 
 
 def read_bandwidth() -> float:
-    """Bytes per second a read-only kernel reads on the H200, as recorded."""
+    """Bytes per second a read-only kernel reads on the recorded GPU."""
     return figure("read_bandwidth").value
 
 
 def launch_seconds() -> float:
-    """Seconds of an empty numba kernel launch between two CUDA events on the H200, as recorded."""
+    """Seconds of an empty numba kernel launch between two CUDA events on the recorded GPU."""
     return figure("launch_seconds").value
 
 
 def host_launch_seconds() -> float:
-    """Host seconds per numba kernel launch from Python, back to back, on the H200, as recorded."""
+    """Host seconds per numba kernel launch from Python, back to back, on the recorded GPU."""
     return figure("host_launch_seconds").value
 
 
 def fp32_flops() -> float:
-    """FLOP/s of fp32 on the H200 (torch SGEMM with TF32 off), as recorded."""
+    """FLOP/s of fp32 on the recorded GPU (torch SGEMM with TF32 off)."""
     return figure("fp32_flops").value
