@@ -228,6 +228,12 @@ def fitted(fit: np.ndarray, row: dict) -> float:
     return float(fit @ [1.0, row["experts_per_layer"], row["nodes"]])
 
 
+def expert_bytes(config) -> int:
+    """Bytes of one routed expert's three matrices in every MoE layer (float32)."""
+    layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return layers * 3 * config.hidden_size * config.moe_intermediate_size * 4
+
+
 def uniform_experts(nodes: np.ndarray, experts: int, chosen: int) -> np.ndarray:
     """Distinct experts per layer that ``nodes`` tokens wake if each picked its ``chosen`` of
     ``experts`` uniformly and independently: E (1 - (1 - k/E)^n)."""
@@ -248,6 +254,9 @@ def moe_verify(record):
         print(f"{result['preset']}: E = {experts} routed experts, k = {chosen} per token")
         print(f"  verify us ~ {fit[0]:.0f} + {fit[1]:.1f} x experts + {fit[2]:.1f} x rows "
               f"(least squares over >= 2 nodes)")
+        expert = expert_bytes(config)
+        print(f"  one more expert in each of its MoE layers: {expert / 1e6:.0f} MB, "
+              f"{1e6 * expert / result['floor']['read_bandwidth']:.1f} us at the run's read bandwidth")
         print(f"  {'nodes':>5} {'verify us':>9} {'fit us':>7} {'experts':>7} {'uniform':>7}")
         for row in rows:
             predicted = fitted(fit, row)
