@@ -53,7 +53,7 @@ from kernels.device import (
     output,
     to_device,
 )
-from kernels.tuning import LANES_FEW_ROWS, LANES_SOME_ROWS, LANES_WIDE_OUTPUTS
+from kernels.tuning import LANES_FEW_ROWS, LANES_ONE_ROW_SHAPE, LANES_SOME_ROWS, LANES_WIDE_OUTPUTS
 
 VERSIONS = ("lanes", "warps", "gemv", "gemm")
 TILE = 16           # GEMM: a block computes a TILE x TILE tile of y with TILE x TILE threads
@@ -81,10 +81,12 @@ def row_passes(rows: int, per_pass: int = ROWS_PER_PASS) -> int:
 
 
 def pass_rows(rows: int) -> int:
-    """The rows of a pass ("lanes", the MoE's experts) for a launch over T = ``rows`` rows: one for
-    a decode row, whose kernel then keeps one row's sums in registers instead of ROWS_PER_PASS'
-    (fewer registers, more warps per SM), else ROWS_PER_PASS. Each row's sums are the same."""
-    return 1 if rows == 1 else ROWS_PER_PASS
+    """The rows of a pass ("lanes", MLA's absorb_query, the MoE's expert lists) for a launch over
+    T = ``rows`` rows: the smallest power of two >= T, at most ROWS_PER_PASS. A pass computes all
+    its rows (those past T repeat the last one), so a pass no larger than the launch never computes
+    a row for nothing, and holds fewer sums in registers (more warps per SM). Each row's sums are
+    the same whatever the pass."""
+    return min(ROWS_PER_PASS, 1 << max(rows - 1, 0).bit_length())
 
 
 @cuda.jit(device=True)
@@ -355,14 +357,14 @@ def lanes_launch(x, weight, out, *, groups: int = 1, shape: tuple[int, int, int]
 # --8<-- [start:lanes_shape]
 def lanes_shape(rows: int, outputs: int) -> tuple[int, int, int]:
     """"lanes"' launch shape (warps per block, C columns per warp, U loads in flight per column and
-    lane) for T = ``rows`` rows and Dout = ``outputs``; the same bits whatever the shape. Few
-    columns per warp and many loads while the rows are few (more warps, each with a long run of W
-    in flight), more columns as the rows grow (each x value loaded feeds C multiply-adds), and
-    C = 8 for a wide output (an lm_head) from two rows on. The thresholds: ``kernels.tuning``."""
+    lane) for T = ``rows`` rows and Dout = ``outputs``; the same bits whatever the shape. A decode
+    row's shape up to a few rows (a small tree's verify streams its weights like a decode step),
+    then more columns and fewer loads as the rows grow (each x value loaded feeds C multiply-adds),
+    and C = 8 for a wide output (an lm_head). The thresholds: ``kernels.tuning``."""
     if SIMULATOR:
         return LANES_SIMULATED
     wide = outputs >= LANES_WIDE_OUTPUTS
-    if rows == 1:
+    if rows <= LANES_ONE_ROW_SHAPE:
         return (4, 4, 4) if wide else (4, 2, 16)
     if rows < LANES_FEW_ROWS:
         return (4, 8, 2) if wide else (4, 2, 8)

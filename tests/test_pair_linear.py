@@ -72,6 +72,8 @@ def test_invariant_versions_are_batch_invariant(version, rows, depth, outputs):
         alone = kernel.linear(x[t:t + 1], weight, version=version)
         assert np.array_equal(alone[0], together[t]), f"row {t} depends on its neighbours"
     assert np.array_equal(kernel.linear(x[5:rows], weight, version=version), together[5:])
+    for first, last in ((1, 3), (2, 5)):                          # passes of two and of four rows
+        assert np.array_equal(kernel.linear(x[first:last], weight, version=version), together[first:last])
 
 
 def _bits(values):
@@ -424,14 +426,18 @@ def test_lanes_groups_are_one_linear_each():
 
 def test_lanes_shape_by_rows_and_outputs():
     """The launch shape follows the rows and Dout on a GPU; the simulator always runs its own. A
-    decode row's kernel keeps one row's sums (``pass_rows``), any other launch ROWS_PER_PASS'."""
-    assert kernel.pass_rows(1) == 1 and {kernel.pass_rows(r) for r in (2, 8, 9, 72)} == {kernel.ROWS_PER_PASS}
+    pass holds the launch's rows rounded up to a power of two, at most ROWS_PER_PASS
+    (``pass_rows``: a decode row's kernel keeps one row's sums, a tree of two or four computes no
+    repeated row); up to four rows keep a decode row's shape."""
+    assert [kernel.pass_rows(r) for r in (1, 2, 3, 4, 5, 8, 9, 72)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert kernel.ROWS_PER_PASS == 8
     if device.SIMULATOR:
         assert {kernel.lanes_shape(r, n) for r in (1, 8, 72) for n in (64, 32000)} == {kernel.LANES_SIMULATED}
         return
-    assert kernel.lanes_shape(1, 2048) == (4, 2, 16) and kernel.lanes_shape(1, 32000) == (4, 4, 4)
+    assert {kernel.lanes_shape(r, 2048) for r in (1, 2, 4)} == {(4, 2, 16)}
+    assert {kernel.lanes_shape(r, 32000) for r in (1, 2, 4)} == {(4, 4, 4)}
     assert kernel.lanes_shape(8, 2048) == (4, 2, 8) and kernel.lanes_shape(24, 2048) == (4, 4, 4)
-    assert {kernel.lanes_shape(r, 32000) for r in (2, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
+    assert {kernel.lanes_shape(r, 32000) for r in (5, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
 
 
 def test_lanes_passes_of_one_row_equal_warps():

@@ -258,6 +258,9 @@ def test_absorb_rows_are_batch_invariant_and_all_written(projection):
     for t in (0, 7, 8, rows - 1):
         assert_exact(call(x[t:t + 1], weight)[0].view(np.uint32), together[t].view(np.uint32),
                      name=f"row {t} alone")
+    for first, last in ((1, 3), (2, 5)):                          # passes of two and of four rows
+        assert_exact(call(x[first:last], weight).view(np.uint32), together[first:last].view(np.uint32),
+                     name=f"rows {first}..{last - 1}")
     assert_exact(call(x[3:], weight).view(np.uint32), together[3:].view(np.uint32), name="rows 3..")
 
 
