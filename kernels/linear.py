@@ -248,16 +248,23 @@ def lane_dots(rows: int, columns: int, unroll: int):
 
 @functools.cache
 def pass_dots(columns: int, unroll: int, per_pass: int = ROWS_PER_PASS):
-    """``lane_dots`` for a pass of ``count`` of ``per_pass`` rows: one row alone skips the other
-    rows' work (each row's sums are the same either way)."""
-    dots_one, dots_pass = lane_dots(1, columns, unroll), lane_dots(per_pass, columns, unroll)
+    """``lane_dots`` for a pass of ``count`` of ``per_pass`` rows, sized to its count: 1, 2, 4 or
+    ``per_pass`` rows, the fewest that hold it, so a pass of few rows (an expert two tokens chose,
+    a launch's last pass) skips the other rows' work. Each row's sums are the same either way;
+    the sums past the size are left as they were, and never written."""
+    one, two, four = (lane_dots(min(size, per_pass), columns, unroll) for size in (1, 2, 4))
+    full = lane_dots(per_pass, columns, unroll)
 
     @cuda.jit(device=True)
     def dots(x, row_ids, count, weight, n0, acc, w):
         if count == 1:
-            dots_one(x, row_ids, weight, n0, acc, w)
+            one(x, row_ids, weight, n0, acc, w)
+        elif count <= 2:
+            two(x, row_ids, weight, n0, acc, w)
+        elif count <= 4:
+            four(x, row_ids, weight, n0, acc, w)
         else:
-            dots_pass(x, row_ids, weight, n0, acc, w)
+            full(x, row_ids, weight, n0, acc, w)
 
     return dots
 
