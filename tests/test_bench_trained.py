@@ -78,7 +78,14 @@ def test_smoke_runs_every_configuration_and_prints_the_record(smoke):
     assert code == 0
     [prompt] = result["prompts"]
     assert [(r["decoder"], r["drafter"], r["budget"]) for r in prompt["runs"]] == [
-        ("AR", None, None), ("DDTree", "block", 4), ("DDTree", "ngram", 4)]
+        ("AR", None, None), ("DDTree", "block", 4), ("DDTree", "block", "auto"), ("DDTree", "ngram", 4),
+        ("DDTree", "ngram", "auto")]
+    for run in prompt["runs"][1:]:
+        chosen = run.get("budgets_chosen")
+        assert (chosen is None) == (run["budget"] != "auto")
+        assert chosen is None or (len(chosen) == run["verify_forwards"] and set(chosen) <= {0, 1})
+    assert {name: len(table["verify"]) for name, table in result["cost_tables"].items()} == {"block": 1,
+                                                                                             "ngram": 1}
     for run in prompt["runs"][1:]:
         assert 1 <= run["verify_forwards"] <= trained.SMOKE.tokens
         assert run["tokens_per_verify"] == trained.SMOKE.tokens / run["verify_forwards"]
@@ -330,4 +337,4 @@ def test_the_trained_checkpoint_runs_on_the_engine():
     assert code == 0, out
     [prompt] = result["prompts"]
     assert prompt["engine"] == prompt["numpy"]
-    assert len(prompt["runs"]) == 1 + len(trained.DRAFTERS) * len(trained.SMOKE.budgets)
+    assert len(prompt["runs"]) == 1 + len(trained.DRAFTERS) * (len(trained.SMOKE.budgets) + 1)   # + auto

@@ -5,7 +5,9 @@ For the first ``--prompts`` held-out prompts (``corpus/prompts.json``, encoded w
 checkpoint's tokenizer), ``--tokens`` greedy new tokens each, block BLOCK:
 
 - the engine (CUDA graphs) AR, and DDTree with the checkpoint's block drafter and with the n-gram
-  drafter at each budget of ``--budgets``, both drafters' kernels inside the round: tokens/s (the
+  drafter at each budget of ``--budgets`` and at budget auto (each drafter's cost table timed from
+  the first prompt, budgets 0 to the largest of ``--budgets``), both drafters' kernels inside the
+  round: tokens/s (the
   median of ``--repeats`` runs after a warm-up run), verify forwards (DDTree's target forwards
   after the prefill), tokens per verify forward, and the ratio to the same prompt's AR. Every
   DDTree run's tokens must equal AR's: the record is not written otherwise;
@@ -37,7 +39,7 @@ from ddtree.text import TRAINED, encode, heldout_prompts, load_tokenizer
 from ddtree.weights import load_pretrained
 from kernels import decode as engine_decode
 from kernels import device
-from kernels.bench.engine import load_deepseek, median_rate, section
+from kernels.bench.engine import AUTO, load_deepseek, median_rate, section
 from kernels.bench.environment import versions
 
 BLOCK = 8
@@ -58,11 +60,13 @@ class Settings:
     repeats: int
     warm_up: bool
     prompt_tokens: int | None = None     # keep only each prompt's last tokens (the smoke run)
+    table_budget: int | None = None      # budget auto's table up to this budget (None: the largest one)
 
 
 # --smoke: one prompt cut to its last few tokens, a few new tokens, one budget, each DDTree
-# configuration run once without a warm-up: every code path of the full run, in seconds in the simulator
-SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=6)
+# configuration run once without a warm-up, budget auto's tables over budgets 0 and 1: every code
+# path of the full run, in seconds in the simulator
+SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=6, table_budget=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,9 +210,10 @@ def check_equal(name: str, tokens: np.ndarray, ar: np.ndarray) -> None:
                          "not written (DDTree must equal AR token for token)")
 
 
-def engine_prompt(model, drafters: dict, prompt: np.ndarray, settings: Settings) -> dict:
-    """One prompt on the engine: AR, then DDTree with each drafter at each budget, timed; every
-    run's tokens checked equal to the first AR run's."""
+def engine_prompt(model, drafters: dict, prompt: np.ndarray, settings: Settings, tables=None) -> dict:
+    """One prompt on the engine: AR, then DDTree with each drafter at each budget, and at budget
+    auto with the drafter's cost table where ``tables`` (drafter name -> CostTable) has one, timed;
+    every run's tokens checked equal to the first AR run's."""
     tokens = settings.tokens
     # the tokens every run must equal; also AR's warm-up (compiled, graphs captured), run even
     # when settings.warm_up is off, since the timed runs are checked against it
@@ -225,10 +230,12 @@ def engine_prompt(model, drafters: dict, prompt: np.ndarray, settings: Settings)
     for name, drafter in drafters.items():
         if not model.drafts_on_device(drafter):
             raise SystemExit(f"error: the {name} drafter does not run on the device inside the round")
-        for budget in settings.budgets:
+        auto = (AUTO,) if tables and name in tables else ()
+        for budget in (*settings.budgets, *auto):
             def run(drafter=drafter, name=name, budget=budget):
+                table = {"cost_table": tables[name]} if budget == AUTO else {}
                 new, trace = engine_decode.generate_ddtree(model, prompt, tokens, drafter, block_size=BLOCK,
-                                                           budget=budget)
+                                                           budget=budget, **table)
                 check_equal(f"DDTree ({name} drafter, budget {budget})", new, ar)
                 return trace
             if settings.warm_up:
@@ -237,6 +244,8 @@ def engine_prompt(model, drafters: dict, prompt: np.ndarray, settings: Settings)
             runs.append({"decoder": "DDTree", "drafter": name, "budget": budget, "tokens_per_second": rate,
                          "verify_forwards": trace.verify_forwards,
                          "tokens_per_verify": tokens / trace.verify_forwards, "ratio": rate / ar_rate})
+            if budget == AUTO:
+                runs[-1]["budgets_chosen"] = [int(b) for b in trace.budgets]
     return {"prompt_tokens": int(prompt.size), "engine": [int(t) for t in ar], "runs": runs}
 
 
@@ -298,9 +307,14 @@ def measure(args, settings: Settings, log) -> dict:
     log(f"transformers: {where}")
     model = Transformer(config, weights)
     drafters = {"block": block_drafter, "ngram": make_drafter("ngram", model, None, settings.tokens)}
+    # budget auto's tables: each drafter's rounds timed from the first prompt, budgets 0 to the largest
+    largest = settings.table_budget or settings.budgets[-1]
+    tables = {name: engine_decode.measure_cost_table(model, prompts[0], drafter, BLOCK, max_budget=largest,
+                                                     repeats=settings.repeats)
+              for name, drafter in drafters.items()}
     results = []
     for index, prompt in enumerate(prompts):
-        result = engine_prompt(model, drafters, prompt, settings)
+        result = engine_prompt(model, drafters, prompt, settings, tables)
         result["numpy"] = [int(t) for t in truth[index]]
         result["engine_first_difference"] = first_difference(np.array(result["engine"]), truth[index])
         if peer is not None:
@@ -315,6 +329,8 @@ def measure(args, settings: Settings, log) -> dict:
               "window": block_drafter.window, "max_depths": block_drafter.max_depths,
               "settings": dataclasses.asdict(settings), "block": BLOCK,
               "transformers": {"ran": peer is not None, "where": where},
+              "cost_tables": {name: {"ar_step": table.ar_step, "verify": list(table.verify)}
+                              for name, table in tables.items()},
               "prompts": results, "totals": totals(results, settings.tokens)}
 
 
@@ -331,7 +347,7 @@ def dash(value, form: str) -> str:
 
 
 def run_cells(row: dict) -> str:
-    return (f"{decoder_name(row)} | {dash(row['budget'], 'd')} | {row['tokens_per_second']:.0f} | "
+    return (f"{decoder_name(row)} | {dash(row['budget'], '')} | {row['tokens_per_second']:.0f} | "
             f"{dash(row['verify_forwards'], 'd')} | {dash(row['tokens_per_verify'], '.2f')} | "
             f"{row['ratio']:.2f} |")
 
@@ -363,8 +379,9 @@ def format_record(result: dict, header: list, command: str) -> str:
               f"encoded with the checkpoint's tokenizer{cut}), block {result['block']}; the engine with CUDA "
               f"graphs, each drafter's kernels inside the round; tok/s: {timing}. Verify forwards: DDTree's "
               "target forwards after the prefill; tokens per verify forward = new tokens / verify forwards; "
-              "x AR: tok/s over the same prompts' AR tok/s in this run. Every DDTree run's tokens equal "
-              "AR's.",
+              "x AR: tok/s over the same prompts' AR tok/s in this run. Budget auto: each drafter's cost "
+              "table timed from the first prompt (budgets 0 to the largest above; 0 is an AR step). Every "
+              "DDTree run's tokens equal AR's.",
               "", verdict(result), "", agreement(result), "", "## Total", "",
               f"All {count} prompt{plural(count)}: tok/s = {count} x {tokens} new tokens / the sum of the "
               "prompts' median seconds.", ""]
