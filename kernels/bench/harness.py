@@ -53,6 +53,7 @@ from numba import cuda, float32
 from kernels.bench import hardware, peers
 from kernels.bench.case import Case, Sizes, uniform
 from kernels.bench.environment import l2_bytes, versions
+from kernels.blocks import block_sum
 from kernels.device import SIMULATOR, core_device
 
 F32 = 4                         # bytes per float32
@@ -95,13 +96,7 @@ def read_kernel(values, partials):
         i += stride
     sums = cuda.shared.array(READ_THREADS, float32)
     sums[thread] = (s0 + s1) + (s2 + s3)
-    cuda.syncthreads()
-    width = READ_THREADS // 2
-    while width > 0:
-        if thread < width:
-            sums[thread] += sums[thread + width]
-        cuda.syncthreads()
-        width //= 2
+    block_sum(sums)
     if thread == 0:
         partials[block] = sums[0]
 
