@@ -16,7 +16,7 @@ checkpoint's tokenizer), ``--tokens`` greedy new tokens each, block BLOCK:
   fp32, TF32 off) loaded from the same checkpoint: do all three agree token for token?
 
 The record (``--out``): markdown with the environment header, the command, the totals (a snippet
-section ``trained``), the per-prompt table, the agreement table and issue 42's verdict line
+section ``trained``), the per-prompt table, the agreement table and the target's verdict line
 "target: DDTree (block) >= 1.5x AR: met/not met at budget B"; the measurements as JSON beside it.
 """
 
@@ -48,7 +48,7 @@ PROMPTS = 4
 NEW_TOKENS = 128
 REPEATS = 5
 DRAFTERS = ("block", "ngram")
-TARGET_DRAFTER, TARGET_RATIO = "block", 1.5     # issue 42: DDTree (block) >= 1.5x AR tok/s on the engine
+TARGET_DRAFTER, TARGET_RATIO = "block", 1.5     # the target: DDTree (block) >= 1.5x AR tok/s on the engine
 PROG = "python -m kernels.bench trained"
 
 
@@ -270,7 +270,7 @@ def totals(prompts: list[dict], tokens: int) -> list[dict]:
 
 
 def verdict(result: dict) -> str:
-    """Issue 42's line: met at the budget of the best total ratio when it reaches TARGET_RATIO."""
+    """The target's line: met at the budget of the best total ratio when it reaches TARGET_RATIO."""
     rows = [r for r in result["totals"] if r["drafter"] == TARGET_DRAFTER]
     best = max(rows, key=lambda r: r["ratio"])
     met = "met" if best["ratio"] >= TARGET_RATIO else "not met"
