@@ -243,6 +243,22 @@ def test_device_timings_are_refused_in_the_simulator(command, capsys):
     assert "needs a GPU" in capsys.readouterr().err
 
 
+def test_profile_record_is_the_sections_under_the_command_and_environment():
+    """``profile --out``: a title, the command, the environment header, then each preset's
+    section as printed, in order (the chapter reads the sections by their headings)."""
+    from kernels.bench.profile import format_record
+
+    sections = ["## tiny: device µs per kernel in one forward\n\n| kernel | launches | T=1 |",
+                "## small: device µs per kernel in one forward\n\n| kernel | launches | T=1 |"]
+    command = "python -m kernels.bench profile --presets tiny,small"
+    text = format_record(sections, [("GPU", "test GPU")], command)
+    lines = text.splitlines()
+    assert lines[:4] == ["# Each kernel inside one engine forward", "",
+                         "Command: `python -m kernels.bench profile --presets tiny,small`", ""]
+    assert "- GPU: test GPU" in lines
+    assert text.index("## tiny:") < text.index("## small:") and text.endswith("| T=1 |\n")
+
+
 def test_profile_table_lists_every_kernel_of_any_row_count():
     """A kernel that runs at one T only (a decode row's "stream" projections) gets its row; launch
     shapes of one kernel merge; launches are the most of any T; the costliest at the largest T

@@ -14,7 +14,8 @@ stream busy (it sleeps) while the host queues the whole forward behind it: every
 starts the moment the one before it ends, and each event pair brackets device work only.
 
 The launch hook is ``kernels.bench.harness.patched_launches`` (a private numba entry point,
-restored afterwards). GPU only: the simulator has no events.
+restored afterwards). GPU only: the simulator has no events. ``--out`` writes the sections as a
+record, under a header that says where, when and with what they ran.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import pathlib
+import shlex
 import statistics
 import sys
 
@@ -198,6 +201,16 @@ def profile(name: str, rows_list, context: int, **options) -> str:
     return "\n".join(lines)
 
 
+def format_record(sections: list[str], header: list, command: str) -> str:
+    """The profile record: its title, the command, the environment header, then each preset's
+    section (``profile``'s text) as it was printed."""
+    lines = ["# Each kernel inside one engine forward", "", f"Command: `{command}`", ""]
+    lines += [f"- {key}: {value}" for key, value in header]
+    for text in sections:
+        lines += ["", text]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench profile",
                                      description=__doc__.splitlines()[0])
@@ -206,13 +219,21 @@ def main(argv=None) -> int:
                         help="comma-separated forward sizes in rows (buckets)")
     parser.add_argument("--context", type=int, default=136, help="cached tokens before the forward "
                         "(default 136: the middle of the engine benchmark's 8 + 256)")
+    parser.add_argument("--out", type=pathlib.Path, help="also write the record (markdown) here")
     args = parser.parse_args(argv)
     if SIMULATOR:
         parser.error("the profile needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no events")
+    from kernels.bench.environment import versions
+
     rows_list = [int(r) for r in args.rows.split(",")]
+    command = "python -m kernels.bench profile " + shlex.join(argv if argv is not None else sys.argv[1:])
+    header, sections = versions(), []
     for name in args.presets.split(","):
         options = {key: getattr(args, key) for key in ENGINE_OPTIONS}
-        print(profile(name, rows_list, args.context, **options), flush=True)
+        sections.append(profile(name, rows_list, args.context, **options))
+        print(sections[-1], flush=True)
+        if args.out:                                    # rewritten after every preset
+            args.out.write_text(format_record(sections, header, command), encoding="utf-8")
     return 0
 
 
