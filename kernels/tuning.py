@@ -36,13 +36,13 @@ RMSNORM_MANY_ROWS_BATCH = 8
 
 # ---------------------------------------------------------------------------------- linear
 
-# "lanes" (``kernels.linear.lanes_shape``): up to LANES_ONE_ROW_SHAPE rows a decode row's shape (its
-# passes hold that few rows' sums, so the long runs of loads in flight still fit in registers); then
+# "lanes" (``kernels.linear.lanes_shape``): up to LANES_ONE_ROW_SHAPE rows a decode row's shape (a
+# pass of two rows keeps its x values of 16 loads beside its W values in registers); then
 # the more rows a launch has, the more output columns a warp takes (each x value loaded feeds that
 # many multiply-adds) and the fewer loads of each it keeps in flight: 2 columns below LANES_FEW_ROWS
 # rows, 4 below LANES_SOME_ROWS, 8 from there on; from LANES_WIDE_OUTPUTS outputs (an lm_head) 8.
 # No shape changes a bit.
-LANES_ONE_ROW_SHAPE = 4
+LANES_ONE_ROW_SHAPE = 2
 LANES_FEW_ROWS = 16
 LANES_SOME_ROWS = 48
 LANES_WIDE_OUTPUTS = 8192

@@ -428,14 +428,15 @@ def test_lanes_shape_by_rows_and_outputs():
     """The launch shape follows the rows and Dout on a GPU; the simulator always runs its own. A
     pass holds the launch's rows rounded up to a power of two, at most ROWS_PER_PASS
     (``pass_rows``: a decode row's kernel keeps one row's sums, a tree of two or four computes no
-    repeated row); up to four rows keep a decode row's shape."""
+    repeated row); up to two rows keep a decode row's shape."""
     assert [kernel.pass_rows(r) for r in (1, 2, 3, 4, 5, 8, 9, 72)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert kernel.ROWS_PER_PASS == 8
     if device.SIMULATOR:
         assert {kernel.lanes_shape(r, n) for r in (1, 8, 72) for n in (64, 32000)} == {kernel.LANES_SIMULATED}
         return
-    assert {kernel.lanes_shape(r, 2048) for r in (1, 2, 4)} == {(4, 2, 16)}
-    assert {kernel.lanes_shape(r, 32000) for r in (1, 2, 4)} == {(4, 4, 4)}
+    assert {kernel.lanes_shape(r, 2048) for r in (1, 2)} == {(4, 2, 16)}
+    assert {kernel.lanes_shape(r, 32000) for r in (1, 2)} == {(4, 4, 4)}
+    assert kernel.lanes_shape(3, 2048) == (4, 2, 8) and kernel.lanes_shape(3, 32000) == (4, 8, 2)
     assert kernel.lanes_shape(8, 2048) == (4, 2, 8) and kernel.lanes_shape(24, 2048) == (4, 4, 4)
     assert {kernel.lanes_shape(r, 32000) for r in (5, 24, 72)} == {kernel.lanes_shape(72, 64)} == {(4, 8, 2)}
 
