@@ -11,6 +11,7 @@ against a record the report code writes here.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -348,7 +349,7 @@ def test_engine_record_gives_each_rows_runs_and_the_floor_at_the_read_bandwidth(
     assert "(the median of 7 generations)" in floor_line
     assert "at 4000 GB/s read bandwidth" in floor_line and "the median of 3 batches" in floor_line
     assert "batches 3900 to 4400 GB/s" in floor_line and "copy" not in text
-    assert "| 1 | 900 | 7 | 8.0 |" in text
+    assert "| 1 | 900 | 862 | 1.04 | 7 | 8.0 |" in text                       # its floor: 8 experts a layer
 
 
 def test_engine_bench_refuses_fewer_than_one_repeat(capsys):
@@ -383,3 +384,25 @@ def test_engine_bench_auto_rows_time_a_table_per_drafter_and_stay_lossless(monke
     text = bench.format_report([result], [("GPU", "test")], "python -m kernels.bench engine")
     assert "DDTree oracle, budget auto: DDTree/AR 1.00 (target >= 0.98: met)" in text
     assert "<!-- --8<-- [start:auto-micro] -->" in text and "| oracle | " in text
+
+
+def test_a_verify_floor_reads_each_distinct_expert_once_and_the_targets_say_so():
+    """A verify's floor: a decode token's bytes with its k experts per MoE layer replaced by the
+    tree's distinct ones; an expert is its three matrices in every MoE layer."""
+    from ddtree.config import preset
+    from ddtree.weights import weight_shapes
+    from kernels.bench.engine import expert_bytes, floor_targets, verify_floor_bytes, weight_bytes_per_token
+
+    config = preset("small")
+    expert = [shape for name, shape in weight_shapes(config).items() if ".mlp.experts.0." in name]
+    assert expert_bytes(config) == 4 * sum(math.prod(shape) for shape in expert)
+    k = config.num_experts_per_tok
+    assert verify_floor_bytes(config, k) == weight_bytes_per_token(config)
+    assert verify_floor_bytes(config, k + 2.5) == pytest.approx(weight_bytes_per_token(config)
+                                                                + 2.5 * expert_bytes(config))
+    floor = {"ar_step_us": 1500.0, "floor_us": 1000.0, "read_bandwidth": 1e12}
+    two = 1e6 * verify_floor_bytes(config, 10.0) / 1e12
+    rows = [{"nodes": 2, "verify_us": 1.4 * two, "experts_per_layer": 10.0},
+            {"nodes": 16, "verify_us": 1.0, "experts_per_layer": 30.0}]
+    assert floor_targets(config, floor, rows) == ["AR step / its floor: 1.50 (target <= 1.5: met)",
+                                                  "verify of 2 nodes / its floor: 1.40 (target <= 1.4: met)"]

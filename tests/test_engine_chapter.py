@@ -70,11 +70,3 @@ def test_the_budget_figure_draws_auto_stars_including_an_ar_choice(tmp_path, mon
     engine_chapter.plot_budgets({"results": [result, {**result, "preset": "tiny"}]})
     assert (tmp_path / "14_engine_budgets.png").exists()
 
-
-def test_expert_bytes_are_one_experts_weights_in_every_moe_layer():
-    from ddtree.config import preset
-    from ddtree.weights import weight_shapes
-
-    config = preset("small")
-    expert = [shape for name, shape in weight_shapes(config).items() if ".mlp.experts.0." in name]
-    assert engine_chapter.expert_bytes(config) == 4 * sum(int(np.prod(shape)) for shape in expert)

@@ -30,6 +30,7 @@ from ddtree.config import preset
 from ddtree.drafters import make_drafter
 from ddtree.tree import tree_size
 from kernels import decode as engine_decode
+from kernels.bench.engine import expert_bytes
 from kernels.device import SIMULATOR
 from kernels.model import Transformer
 
@@ -226,12 +227,6 @@ def verify_fit(rows) -> np.ndarray:
 def fitted(fit: np.ndarray, row: dict) -> float:
     """The fit's verify µs for one row of the record's tree sizes."""
     return float(fit @ [1.0, row["experts_per_layer"], row["nodes"]])
-
-
-def expert_bytes(config) -> int:
-    """Bytes of one routed expert's three matrices in every MoE layer (float32)."""
-    layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-    return layers * 3 * config.hidden_size * config.moe_intermediate_size * 4
 
 
 def uniform_experts(nodes: np.ndarray, experts: int, chosen: int) -> np.ndarray:

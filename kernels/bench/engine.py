@@ -71,7 +71,9 @@ PROMPT_TOKENS = 8
 REPEATS = 5
 READ_BYTES = 1 << 30                   # the read bandwidth's buffer (the AR step's floor)
 SPLIT_BUDGET = 32                      # the round split is measured at this budget
-TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
+TREE_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)  # small: verify time against tree nodes
+VERIFY_TARGET_NODES = (2, 3, 4, 8)     # small: the trees whose verify the target holds to its floor
+VERIFY_TARGET, AR_TARGET = 1.4, 1.5    # ... at most this many times it, and the AR step its own
 DRAFTER_SHARPNESS = 4.0                # random drafter logits ~ N(0, 4^2) for the tree-size sweep
 PHASES = ("draft", "top-k", "build", "verify", "accept+compact", "host")
 GC = "gc"                              # the garbage collector's pauses inside the round (in draft or host)
@@ -316,6 +318,37 @@ def weight_bytes_per_token(config: ModelConfig) -> int:
             size = shape[1]
         total += size
     return 4 * total
+
+
+def expert_bytes(config: ModelConfig) -> int:
+    """Bytes of one routed expert's three matrices in every MoE layer (float32)."""
+    layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return 4 * layers * 3 * config.hidden_size * config.moe_intermediate_size
+
+
+def verify_floor_bytes(config: ModelConfig, experts_per_layer: float) -> float:
+    """Bytes of weights a verify reads at the least: a decode token's, with its k routed experts per
+    MoE layer replaced by the tree's distinct experts (each read at least once)."""
+    extra = experts_per_layer - config.num_experts_per_tok
+    return weight_bytes_per_token(config) + extra * expert_bytes(config)
+
+
+def verify_floor_us(config: ModelConfig, row: dict, floor: dict) -> float:
+    """The floor of a tree-size row's verify: its bytes at the run's read bandwidth, in µs."""
+    return 1e6 * verify_floor_bytes(config, row["experts_per_layer"]) / floor["read_bandwidth"]
+
+
+def floor_targets(config: ModelConfig, floor: dict, tree_sizes: list[dict]) -> list[str]:
+    """The AR step against its floor (at most AR_TARGET times it) and the verify of each tree of
+    VERIFY_TARGET_NODES nodes the sweep measured against its own (at most VERIFY_TARGET times)."""
+    def line(what: str, ratio: float, target: float) -> str:
+        verdict = "met" if ratio <= target else "missed"
+        return f"{what} / its floor: {ratio:.2f} (target <= {target}: {verdict})"
+
+    lines = [line("AR step", floor["ar_step_us"] / floor["floor_us"], AR_TARGET)]
+    lines += [line(f"verify of {row['nodes']} nodes", row["verify_us"] / verify_floor_us(config, row, floor),
+                   VERIFY_TARGET) for row in tree_sizes if row["nodes"] in VERIFY_TARGET_NODES]
+    return lines
 
 
 def tree_size_sweep(model, prompt, repeats: int) -> list[dict]:
@@ -611,10 +644,16 @@ def format_report(results: list[dict], header: list, command: str) -> str:
                      f"run: `read_kernel` over {READ_BYTES >> 30} GiB, the median of {f['read_batches']} "
                      f"batches of {READ_BATCH} passes back to back; batches {low / 1e9:.0f} to "
                      f"{high / 1e9:.0f} GB/s): {f['ar_step_us'] / f['floor_us']:.1f}x the floor", "",
-                     "| tree nodes | verify µs | rounds | distinct experts per MoE layer |",
-                     "|---|---|---|---|"]
-            floor += [f"| {row['nodes']} | {row['verify_us']:.0f} | {row['rounds']} | "
-                      f"{row['experts_per_layer']:.1f} |" for row in result["tree_sizes"]]
+                     "| tree nodes | verify µs | its floor µs | x floor | rounds | distinct experts per MoE "
+                     "layer |", "|---|---|---|---|---|---|"]
+            config = preset(name)
+            for row in result["tree_sizes"]:
+                low_us = verify_floor_us(config, row, f)
+                floor.append(f"| {row['nodes']} | {row['verify_us']:.0f} | {low_us:.0f} | "
+                             f"{row['verify_us'] / low_us:.2f} | {row['rounds']} | "
+                             f"{row['experts_per_layer']:.1f} |")
+            verdicts = floor_targets(config, f, result["tree_sizes"])
+            floor += ["", "Targets:", ""] + [f"- {line}" for line in verdicts]
             lines += [""] + section(f"floor-{name}", floor)
         lines.append("")
     return "\n".join(lines)
