@@ -406,3 +406,26 @@ def test_a_verify_floor_reads_each_distinct_expert_once_and_the_targets_say_so()
             {"nodes": 16, "verify_us": 1.0, "experts_per_layer": 30.0}]
     assert floor_targets(config, floor, rows) == ["AR step / its floor: 1.50 (target <= 1.5: met)",
                                                   "verify of 2 nodes / its floor: 1.40 (target <= 1.4: met)"]
+
+
+def test_budget_auto_targets_by_preset():
+    """small: AR and budget auto's tok/s against their floors of AUTO_RATE_TARGETS; tiny: the noisy
+    drafter's auto run at least 3x AR, every other auto run at least AUTO_AR_FLOOR x."""
+    from kernels.bench.engine import Run, targets
+
+    def result(name, runs):
+        return {"preset": name, "runs": [dataclasses.asdict(r) for r in runs]}
+
+    def graphs(decoder, budget, rate, forwards):
+        return Run("engine, graphs", decoder, budget, rate, forwards, 3)
+
+    small = [graphs("AR", None, 710.0, 256), graphs("DDTree noisy", "auto", 790.0, 90),
+             graphs("DDTree oracle", "auto", 1900.0, 40), graphs("DDTree ngram", "auto", 690.0, 257)]
+    lines = targets(result("small", small))
+    assert "AR: 710 tok/s (target >= 700: met)" in lines
+    assert "DDTree noisy, budget auto: 790 tok/s (target >= 800: missed)" in lines
+    assert "DDTree oracle, budget auto: 1900 tok/s (target >= 1800: met)" in lines
+    assert "DDTree ngram, budget auto: DDTree/AR 0.97 (target >= 0.98: missed)" in lines
+    tiny = [graphs("AR", None, 1000.0, 256), graphs("DDTree noisy", "auto", 2900.0, 70)]
+    tiny_lines = targets(result("tiny", tiny))
+    assert "DDTree noisy, budget auto: DDTree/AR 2.90 (target >= 3.0: missed)" in tiny_lines
