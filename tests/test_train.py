@@ -198,3 +198,27 @@ def test_drafter_trains_and_exports_the_contract(trained, corpus, tmp_path, labe
     assert "embed_tokens.weight" in record["initialised_from_target"]
     embed = "model.embed_tokens.weight"
     assert not np.array_equal(weights[embed], target_weights[embed])      # copied, then trained
+
+
+def test_both_scripts_train_under_bf16_autocast(corpus, tmp_path, monkeypatch):
+    """The CUDA path's precision, bf16 autocast over fp32 weights, through the CPU's autocast: a
+    few steps of each script give finite losses and exports that load (the GPU runs the rest)."""
+    import train.drafter as drafter_module
+    import train.target as target_module
+
+    def bf16(device):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    monkeypatch.setattr(target_module, "autocast", bf16)
+    monkeypatch.setattr(drafter_module, "autocast", bf16)
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    options = TargetOptions(corpus=str(corpus), out=str(target), minutes=2.0, device="cpu", steps=4,
+                            config="micro", seq_len=48, batch=8, lr=1e-2, warmup=2, log_every=2)
+    record = train_target(options)
+    assert record["steps"] == 4 and all(np.isfinite(entry["loss"]) for entry in record["history"])
+    options = DrafterOptions(target=str(target), corpus=str(corpus), out=str(drafter), device="cpu", steps=2,
+                             labels="target", window=16, max_depths=5, teacher_len=64, min_context=24,
+                             roots=4, batch=2, eval_roots=64, warmup=1, log_every=1)
+    assert train_drafter(options)["steps"] == 2
+    assert load_pretrained(target)[0] == preset("micro")
+    assert load_pretrained(drafter)[0].num_hidden_layers == 2
