@@ -68,7 +68,7 @@ def test_the_targets_state_the_graph_peer_ratio_and_its_tokens():
     def run(system, rate):
         return {"system": system, "decoder": "AR", "budget": None, "tokens_per_second": rate, "forwards": 9}
 
-    result = {"runs": [run("engine, graphs", 300.0), run("PyTorch, CUDA graph", 400.0),
+    result = {"preset": "tiny", "runs": [run("engine, graphs", 300.0), run("PyTorch, CUDA graph", 400.0),
                        run("transformers eager", 50.0)], "torch_peer_same_tokens": True}
     lines = targets(result)
     assert "engine AR / transformers eager: 6.0x (target >= 5x: met)" in lines
