@@ -756,3 +756,24 @@ def test_attention_unfused_names_a_wrong_scores_buffer():
     with pytest.raises(ValueError, match=r"scores must be float32 of shape \(2, 4\)"):
         gpu.attention_paths(*_tiny_paths_arrays(), 1.0, plan=V5,
                             scores=to_device(np.zeros((2, 5), np.float32)))
+
+
+@pytest.mark.parametrize("rows, prefix, rank, rope, heads", [(5, 37, 9, 2, 3), (3, 0, 13, 4, 2)])
+def test_attention_unfused_partials_match_numpy(rows, prefix, rank, rope, heads):
+    """Version 5's partials (each row's chunks: sum exp(s - M) latent, M, sum exp(s - M)) against
+    the numpy twin's, the same chunks used (the rest NaN on both sides), and the twin's merge equal
+    to the numpy attention_paths."""
+    from ddtree import mla_unfused as ref_unfused
+
+    inputs, _ = random_tree_inputs(rows, prefix, rank, rope, heads)
+    q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale = inputs
+    partials = []
+    run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5, partials_out=partials)
+    expected = ref_unfused.unfused_partials(*inputs, chunk_keys=unfused.UNFUSED_CHUNK)
+    assert expected.shape == partials[0].shape
+    assert_exact(np.isnan(partials[0]), np.isnan(expected), name="the chunks used")
+    used = ~np.isnan(expected)
+    assert_close(partials[0][used], expected[used], rtol=RTOL, atol=ATOL * 10)
+    assert_close(ref_unfused.merge_partials(expected),
+                 ref.attention_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale),
+                 rtol=RTOL, atol=ATOL)
