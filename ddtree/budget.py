@@ -16,14 +16,23 @@ log-probs, which are miscalibrated). ``choose_budget`` returns the budget of the
 (ties: the smaller), or 0 when none is above one: budget 0 is a root-only tree, one forward of
 one row that commits the target's own next token, an AR step.
 
-Estimates. A budget that has run has the mean of what its rounds committed. One that has not
-borrows from the nearest budgets that have: between two, the straight line; past the largest, the
-largest's (a bigger tree commits at least as much, but how much more is unknown, and it costs
-more, so it is not tried on a guess); below the smallest, the smallest's (an upper bound: a
-smaller tree commits no more). Nothing run yet: the most a round can commit. Every estimate is at
-most B + 1 (B accepted drafts and the bonus) and at most block_size. So the first round tries the
-size that would pay best if every draft were accepted, and the next rounds walk down from there to
-the size that pays for this drafter.
+Estimates. A round of budget B also says what every smaller budget would have committed: the
+tree of B' < B drafted nodes is the first B' nodes of B's tree (the builder pops best-first, and a
+node comes after its parent), so B''s accepted path is the part of B's with node indices <= B'
+(``AcceptanceStats.observe_round``). A round therefore adds one observation to every budget up to
+its own. A budget's estimate is the mean of its observations with the guess "every draft accepted"
+counted as ``PRIOR_ROUNDS`` of a round: one unlucky round does not condemn a size, and a size
+observed less often than its neighbours stays worth a try. The guess has a bounded price: with a
+drafter that never hits, a tree of r AR steps' time keeps paying on paper for about
+``PRIOR_ROUNDS`` (block_size - r) / (r - 1) rounds, so a generation loses about ``PRIOR_ROUNDS``
+block_size AR steps to it, whatever the table. One never observed borrows from the
+nearest budgets that have been: between two, the straight line; past the largest, the largest's (a
+bigger tree commits at least as much, but how much more is unknown, and it costs more, so it is not
+tried on a guess); below the smallest, the smallest's (an upper bound: a smaller tree commits no
+more). Nothing observed yet: the most a round can commit. Every estimate is at most B + 1 (B
+accepted drafts and the bonus) and at most block_size. So the first round tries the size that
+would pay best if every draft were accepted, and the next rounds walk down from there to the size
+that pays for this drafter.
 
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
@@ -49,6 +58,7 @@ import numpy as np
 from ddtree.tree import check_budget
 
 EXPLORE_SHARE = 0.01        # a re-test costs at most 1% of the AR steps' time before it
+PRIOR_ROUNDS = 0.5          # the guess "every draft accepted" weighs half a round in each estimate
 
 
 # --8<-- [start:CostTable]
@@ -155,10 +165,23 @@ class AcceptanceStats:
         return cls(block_size, (0,) * (max_budget + 1), (0,) * (max_budget + 1))
 
     def observe(self, budget: int, committed: int) -> AcceptanceStats:
-        """The statistics after a round of ``budget`` that committed ``committed`` tokens."""
+        """The statistics after one observation: a round of ``budget`` committed ``committed``
+        tokens (an AR step: budget 0, one token)."""
         counts, sums = list(self.counts), list(self.sums)
         counts[budget] += 1
         sums[budget] += committed
+        return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
+                               self.ar_run + 1 if budget == 0 else 0)
+
+    def observe_round(self, budget: int, accepted) -> AcceptanceStats:
+        """The statistics after a round of ``budget`` whose accepted path is the node indices
+        ``accepted`` (root first, ascending): an observation for every budget b <= ``budget``, which
+        would have committed the path's nodes <= b and the bonus."""
+        path = np.asarray(accepted)[1:]                              # drafted nodes, ascending
+        counts, sums = list(self.counts), list(self.sums)
+        for b in range(budget + 1):
+            counts[b] += 1
+            sums[b] += 1 + int(np.count_nonzero(path <= b))
         return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
                                self.ar_run + 1 if budget == 0 else 0)
 # --8<-- [end:AcceptanceStats]
@@ -166,13 +189,15 @@ class AcceptanceStats:
 
 # --8<-- [start:estimate]
 def estimate(stats: AcceptanceStats, budget: int) -> float:
-    """Tokens a round of ``budget`` is expected to commit: its measured mean, or borrowed from the
-    nearest measured budgets (module docstring); at most min(budget + 1, block_size)."""
+    """Tokens a round of ``budget`` is expected to commit: its observations' mean with the guess
+    ``cap`` as ``PRIOR_ROUNDS`` of a round, or borrowed from the nearest observed budgets (module
+    docstring); at most cap = min(budget + 1, block_size)."""
     cap = min(budget + 1, stats.block_size)
     if budget == 0:
         return 1.0
     tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
-    mean = {b: stats.sums[b] / stats.counts[b] for b in tried}
+    mean = {b: (stats.sums[b] + PRIOR_ROUNDS * min(b + 1, stats.block_size))
+            / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
     if budget in mean:
         return min(mean[budget], cap)
     below = [b for b in tried if b < budget]
@@ -204,7 +229,9 @@ def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
                  explore_share: float = EXPLORE_SHARE) -> int:
     """AR steps in a row before the tree of ``budget`` is tried again: enough that the re-test's
     extra seconds are at most ``explore_share`` of theirs."""
-    extra = table.seconds(budget) - estimate(stats, budget) * table.ar_step
+    rounds = stats.counts[budget]
+    measured = stats.sums[budget] / rounds if rounds else estimate(stats, budget)
+    extra = table.seconds(budget) - measured * table.ar_step
     return max(1, math.ceil(extra / (explore_share * table.ar_step)))
 
 

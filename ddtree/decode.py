@@ -274,10 +274,11 @@ def auto_budget(budget, cost_table, block_size: int):
 
 
 def observe(stats: AcceptanceStats, budget: int, record: RoundTrace, full_block: bool) -> AcceptanceStats:
-    """The statistics after ``record``, a round of ``budget``; one cut short by the request's end
+    """The statistics after ``record``, a round of ``budget`` (an observation for every budget up to
+    it: ``AcceptanceStats.observe_round``); one cut short by the request's end
     (not ``full_block``) is left out: its count says where the request ends, not what the drafter
     earns."""
-    return stats.observe(budget, record.committed) if full_block else stats
+    return stats.observe_round(budget, record.accepted) if full_block else stats
 
 
 # --8<-- [start:ddtree_round]

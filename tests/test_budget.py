@@ -1,11 +1,13 @@
 """The cost-aware tree size (``ddtree/budget.py``, ``budget="auto"``).
 
-The policy on hand-made tables and statistics: it picks the budget of the most tokens per second,
-falls back to AR steps (budget 0) when no tree pays, re-tests the best tree every bounded number
-of AR steps, is a pure function, and refuses bad tables by name. Then the decoders: with tables
-that make trees always pay, never pay, or pay for some drafters only, ``budget="auto"`` emits AR's
-tokens bit for bit for every drafter, in the reference and (simulator, ``micro``) in the engine,
-with the same budgets round by round. The table's timing on a GPU is marked ``gpu``.
+The policy on hand-made tables and statistics: a round observes every budget up to its own (the
+smaller trees are its tree's first nodes), each estimate weighs the guess "every draft accepted"
+as ``PRIOR_ROUNDS`` of a round, it picks the budget of the most tokens per second, falls back to
+AR steps (budget 0) when no tree pays, re-tests the best tree every bounded number of AR steps, is
+a pure function, and refuses bad tables by name. Then the decoders: with tables that make trees
+always pay, never pay, or pay for some drafters only, ``budget="auto"`` emits AR's tokens bit for
+bit for every drafter, in the reference and (simulator, ``micro``) in the engine, with the same
+budgets round by round. The table's timing on a GPU is marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import pytest
 
 from ddtree import decode as reference_decode
 from ddtree import golden
+from ddtree.accept import accept
 from ddtree.budget import (
+    PRIOR_ROUNDS,
     AcceptanceStats,
     CostTable,
     best_tree,
@@ -31,6 +35,7 @@ from ddtree.budget import (
     utility,
 )
 from ddtree.drafters import DRAFTERS, make_drafter
+from ddtree.tree import build_tree, top_candidates
 from tests.helpers import assert_exact
 
 # a verify that grows with the tree, in AR steps: budget B costs 1 + 0.25 B
@@ -41,11 +46,12 @@ CHEAP = CostTable(1.0, (1.0,) * 15)
 DEAR = CostTable(1.0, (3.0,) * 15)
 
 
-def stats_with(block_size=8, max_budget=15, ar_run=0, **means):
-    """Statistics of one round per budget ``b<B>=tokens``."""
+def stats_with(block_size=8, max_budget=15, ar_run=0, rounds=1, **means):
+    """Statistics of ``rounds`` observations per budget ``b<B>=tokens``."""
     stats = AcceptanceStats.empty(max_budget, block_size)
     for name, committed in means.items():
-        stats = stats.observe(int(name[1:]), committed)
+        for _ in range(rounds):
+            stats = stats.observe(int(name[1:]), committed)
     return AcceptanceStats(stats.block_size, stats.counts, stats.sums, ar_run)
 
 
@@ -59,35 +65,89 @@ def test_nothing_measured_tries_the_size_that_pays_best_if_every_draft_is_accept
     assert choose_budget(GROWING, stats) == 7
 
 
+def test_an_estimate_is_the_mean_with_the_guess_as_part_of_a_round():
+    stats = stats_with(b7=1)                                      # one unlucky round at 7
+    assert estimate(stats, 7) == pytest.approx((1 + PRIOR_ROUNDS * 8) / (1 + PRIOR_ROUNDS))
+    for _ in range(200):                                          # many rounds: the mean itself
+        stats = stats.observe(7, 3)
+    assert estimate(stats, 7) == pytest.approx(3, abs=0.03)
+    assert estimate(stats_with(b2=9), 2) == 3                     # never above B + 1
+
+
 def test_the_choice_is_the_argmax_of_tokens_per_second():
     stats = stats_with(b2=3, b4=4, b8=5)
     rates = {b: estimate(stats, b) / GROWING.seconds(b) for b in range(1, 16)}
-    assert choose_budget(GROWING, stats) == max(rates, key=rates.get) == 2
-    assert utility(GROWING, stats, 2) == pytest.approx(3 / 1.5)
+    # the means with the guess: 3, 13/3, 6 at budgets 2, 4, 8 (the guess lifts the larger more)
+    assert choose_budget(GROWING, stats) == max(rates, key=rates.get) == 4
+    assert utility(GROWING, stats, 4) == pytest.approx((13 / 3) / 2)
+    assert choose_budget(GROWING, stats_with(rounds=50, b2=3, b4=3, b8=5)) == 2   # the means decide
 
 
 def test_untried_sizes_borrow_from_their_nearest_measured_neighbours():
-    stats = stats_with(b2=3, b6=5)
-    assert estimate(stats, 4) == pytest.approx(4.0)             # on the line between 2 and 6
-    assert estimate(stats, 1) == 2                                # 3 borrowed, capped at B + 1
-    assert estimate(stats, 12) == 5                               # flat past the largest measured
-    stats = stats.observe(2, 1)                                   # a second round at 2: the mean
-    assert estimate(stats, 2) == 2.0
+    stats = stats_with(rounds=3, b2=2, b6=4)                      # estimates 15/7 and 31/7
+    assert estimate(stats, 4) == pytest.approx((15 / 7 + 31 / 7) / 2)   # the line between 2 and 6
+    assert estimate(stats, 1) == 2                                # 15/7 borrowed, capped at B + 1
+    assert estimate(stats, 12) == pytest.approx(31 / 7)           # flat past the largest measured
+
+
+def test_a_round_observes_every_budget_up_to_its_own():
+    stats = AcceptanceStats.empty(10, 8).observe_round(8, [0, 1, 3, 6])
+    # budget b's tree is the round's first b nodes: its path is the nodes <= b, then the bonus
+    assert stats.sums == (1, 2, 2, 3, 3, 3, 4, 4, 4, 0, 0)
+    assert stats.counts == (1,) * 9 + (0, 0)
+    assert stats.observe_round(0, [0]).ar_run == 1 and stats.ar_run == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_smaller_budgets_tree_is_the_first_nodes_and_its_path_the_first_accepted(seed):
+    """What ``observe_round`` rests on: build the tree at B and at every B' < B from one draft
+    (ties included, K = min(V, B) as the decoders take it) and accept against one target: the
+    tree of B' is the first B' + 1 nodes of B's, and its commit count is what observe_round gives."""
+    rng = np.random.default_rng(seed)
+    depths, vocab, budget = 5, 6, 14
+    draft = rng.integers(-3, 1, (depths, vocab)).astype(np.float32)   # coarse: many ties
+    target = {}                                                   # the target's token after a path
+
+    def posterior(tree):
+        out = []
+        for node in range(tree.tokens.size):
+            path, n = [], node
+            while n >= 0:
+                path.append(int(tree.tokens[n]))
+                n = int(tree.parents[n])
+            out.append(target.setdefault(tuple(path), int(rng.integers(vocab))))
+        return np.array(out, np.int64)
+
+    def tree_of(b):
+        return build_tree(7, *top_candidates(draft, reference_decode.candidates_per_depth(b, None, vocab)), b)
+
+    big = tree_of(budget)
+    accepted, _ = accept(big, posterior(big))
+    stats = AcceptanceStats.empty(budget, depths + 1).observe_round(budget, accepted)
+    for b in range(1, budget):
+        small = tree_of(b)
+        np.testing.assert_array_equal(small.tokens, big.tokens[:small.tokens.size])
+        np.testing.assert_array_equal(small.parents, big.parents[:small.tokens.size])
+        small_accepted, _ = accept(small, posterior(small))
+        assert stats.sums[b] == len(small_accepted)               # its drafts and the bonus
 
 
 def test_no_tree_that_pays_means_ar_steps():
-    stats = stats_with(b7=2, b3=1)                                # ~1 token a round: nothing pays
+    stats = stats_with(rounds=4, b7=2, b3=1)                      # ~1 token a round: nothing pays
     assert utility(DEAR, stats, best_tree(DEAR, stats)) < 1
     assert choose_budget(DEAR, stats) == 0
     assert choose_budget(CHEAP, stats_with(b7=2)) > 0            # the same tree at AR's price pays
 
 
 def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
-    stats = stats_with(b7=2, b3=1)
+    stats = stats_with(rounds=4, b7=2, b3=1)
     best = best_tree(DEAR, stats)
     every = retest_after(DEAR, stats, best)
-    # its extra time over the AR steps of its tokens is at most 1% of the AR steps' time
-    assert (DEAR.seconds(best) - estimate(stats, best) * DEAR.ar_step) <= 0.01 * every * DEAR.ar_step + 1e-12
+    # its extra time over the AR steps of the tokens its rounds committed (the mean, no guess in
+    # it) is at most 1% of the AR steps' time
+    measured = stats.sums[best] / stats.counts[best]
+    assert (DEAR.seconds(best) - measured * DEAR.ar_step) <= 0.01 * every * DEAR.ar_step + 1e-12
+    assert (DEAR.seconds(best) - measured * DEAR.ar_step) > 0.01 * (every - 1) * DEAR.ar_step
     choices = []
     for _ in range(3 * every + 1):
         choice = choose_budget(DEAR, stats)
@@ -97,7 +157,7 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
     retests = [i for i, c in enumerate(choices) if c]
     assert retests == [every, 2 * every, 3 * every] and set(choices[i] for i in retests) == {best}
     # a drafter that starts paying: the re-test's round raises the estimate, and trees come back
-    paying = stats_with(b7=2, b3=1).observe(best, 8).observe(best, 8).observe(best, 8)
+    paying = stats_with(rounds=4, b7=2, b3=1).observe(best, 8).observe(best, 8).observe(best, 8)
     assert choose_budget(DEAR, paying) == best
 
 
@@ -199,7 +259,7 @@ def test_auto_budgets_replay_the_policy_with_a_one_round_lag():
     stats = AcceptanceStats.empty(GROWING.max_budget, 8)
     wanted = [choose_budget(GROWING, stats)] * 2                  # rounds 0 and 1: nothing read yet
     for round_, budget in zip(trace.rounds[:-2], trace.budgets, strict=False):
-        stats = stats.observe(budget, round_.committed)
+        stats = stats.observe_round(budget, round_.accepted)
         wanted.append(choose_budget(GROWING, stats))
     # the last rounds may be cut short by the request's end, and are not counted
     assert trace.budgets[:len(wanted) - 2] == wanted[:len(trace.budgets) - 2]
