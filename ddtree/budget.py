@@ -246,6 +246,22 @@ def choose_budget(table: CostTable, stats: AcceptanceStats, explore_share: float
 # --8<-- [end:choose_budget]
 
 
+def check_acceptance(acceptance, block_size: int, max_budget: int | None = None) -> AcceptanceStats:
+    """Statistics a generation starts from (another's ``trace.acceptance``: a server keeps them
+    across requests, so a drafter that never pays costs its first rounds once, not per request):
+    an ``AcceptanceStats`` of this ``block_size`` and, where known, of the table's budgets."""
+    if not isinstance(acceptance, AcceptanceStats):
+        raise ValueError(f"acceptance must be a ddtree.budget.AcceptanceStats (a trace's .acceptance), "
+                         f"got {type(acceptance).__name__}")
+    if acceptance.block_size != block_size:
+        raise ValueError(f"acceptance holds statistics of block_size {acceptance.block_size}, "
+                         f"but this call's block_size is {block_size}")
+    if max_budget is not None and len(acceptance.counts) != max_budget + 1:
+        raise ValueError(f"acceptance holds budgets 0..{len(acceptance.counts) - 1}, but the cost table's "
+                         f"are 0..{max_budget}")
+    return acceptance
+
+
 def check_auto(budget, cost_table, limit: int, limit_is: str):
     """A decoder's (budget, cost_table) pair: an integer budget without a table (``check_budget``),
     or ``"auto"`` with one. Returns (budget, table or None)."""

@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from ddtree.budget import AcceptanceStats, check_auto, check_cost_table, choose_budget
+from ddtree.budget import AcceptanceStats, check_acceptance, check_auto, check_cost_table, choose_budget
 from ddtree.sampling import (
     KeyedRandom,
     check_sampling_seed,
@@ -135,6 +135,7 @@ class DDTreeTrace:
     prefill_forwards: int      # 1 if the prompt had more than its root token, else 0
     verify_forwards: int       # one per round
     budgets: list[int] = dataclasses.field(default_factory=list)   # each round's budget B
+    acceptance: AcceptanceStats | None = None   # budget="auto": the statistics after every round
 
     @property
     def committed_tokens(self) -> int:
@@ -263,13 +264,17 @@ def check_draft(logits, depths: int, vocab: int, drafter=None) -> np.ndarray:
     return logits.astype(np.float32)
 
 
-def auto_budget(budget, cost_table, block_size: int):
+def auto_budget(budget, cost_table, block_size: int, acceptance=None):
     """(first budget, table, statistics): a fixed budget as given, with no table; ``"auto"``: the
-    first choice from empty statistics, the table and those statistics."""
+    first choice from ``acceptance`` (``check_acceptance``) or empty statistics, the table and those
+    statistics."""
     if not isinstance(budget, str):                 # check_auto let no other string through
+        if acceptance is not None:
+            raise ValueError(f"acceptance= is read by budget='auto' only, got budget={budget!r}")
         return budget, None, None
     table = check_cost_table(cost_table)
-    stats = AcceptanceStats.empty(table.max_budget, block_size)
+    stats = (AcceptanceStats.empty(table.max_budget, block_size) if acceptance is None
+             else check_acceptance(acceptance, block_size, table.max_budget))
     return choose_budget(table, stats), table, stats
 
 
@@ -320,7 +325,7 @@ def ddtree_round(model, cache, context, drafter, block_size, budget, topk, tempe
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
                     budget: int | str = DEFAULT_BUDGET, topk: int | None = None, temperature: float = 0.0,
-                    seed: int = 0, verifier: str = "node", cost_table=None):
+                    seed: int = 0, verifier: str = "node", cost_table=None, acceptance=None):
     """Speculative decoding with draft trees. Returns (new tokens, DDTreeTrace).
 
     The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed``, for any drafter
@@ -335,12 +340,14 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     committed (``trace.budgets`` lists them). The one-round lag is the engine's: it launches the
     next round before it reads the last one's record, and this loop chooses as it does, so both
     choose the same budgets. A round cut short by the request's end is not counted.
+    ``trace.acceptance`` holds the statistics after every round; ``acceptance=`` starts a
+    generation from another's (``ddtree.budget.check_acceptance``).
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
                                   seed, verifier, cost_table)
     temperature = check_temperature(temperature)
     check_drafter(drafter, model.config.vocab_size)
-    budget, table, stats = auto_budget(budget, cost_table, block_size)
+    budget, table, stats = auto_budget(budget, cost_table, block_size, acceptance)
     # the cache holds the committed context (the root excluded) and one tree at a time
     tree_rows = largest_tree(block_size, budget if table is None else table.max_budget, topk,
                              model.config.vocab_size)
@@ -365,5 +372,6 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         trace.verify_forwards += 1
         if table is not None:                 # the next budget, from the rounds before this one
             budget, stats = choose_budget(table, stats), observe(stats, budget, record, block == block_size)
+    trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ddtree.budget import CostTable, choose_budget
+from ddtree.budget import CostTable, check_acceptance, choose_budget
 from ddtree.decode import (
     DEFAULT_BUDGET,
     DDTreeTrace,
@@ -103,7 +103,7 @@ def finish_round(model, cache, pending) -> RoundTrace:
 @keeps_forward_count_on_error
 def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int = 8,
                     budget: int | str | None = None, topk: int | None = None, temperature: float = 0.0,
-                    seed: int = 0, verifier: str = "node", cost_table=None):
+                    seed: int = 0, verifier: str = "node", cost_table=None, acceptance=None):
     """Speculative decoding with draft trees on the engine. Returns (new tokens, DDTreeTrace).
 
     The tokens equal ``generate_ar``'s with the same ``temperature`` and ``seed`` for any drafter,
@@ -121,14 +121,17 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     rounds stay queued: the next round's budget is chosen from the records already read, those of the rounds
     before the one in flight, so a choice lags a round (the reference's loop lags alike: the same budgets);
     when it differs from the round in flight's, the next round is not queued but launched after the read, in
-    its own shape.
+    its own shape. ``acceptance``: the statistics to start from (another generation's
+    ``trace.acceptance``), as in the reference.
     """
+    if acceptance is not None:                      # refused before a table is timed
+        check_acceptance(acceptance, block_size)
     budget, cost_table = engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed,
                                        cost_table)
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
                                   seed, verifier, cost_table)
     check_drafter(drafter, model.config.vocab_size)
-    budget, table, stats = auto_budget(budget, cost_table, block_size)
+    budget, table, stats = auto_budget(budget, cost_table, block_size, acceptance)
     tree_rows = largest_tree(block_size, budget if table is None else table.max_budget, topk,
                              model.config.vocab_size)
     cache = model.new_cache(prompt.size + max_new_tokens + tree_rows - 1)
@@ -159,6 +162,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         trace.verify_forwards += 1
         if table is not None:
             budget, stats = upcoming, observe(stats, budget, record, block == block_size)
+    trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]
 

@@ -265,6 +265,45 @@ def test_auto_budgets_replay_the_policy_with_a_one_round_lag():
     assert trace.budgets[:len(wanted) - 2] == wanted[:len(trace.budgets) - 2]
 
 
+def test_statistics_carried_to_the_next_generation():
+    """A server keeps ``trace.acceptance`` across requests: the next generation starts from it, its
+    first choice is the policy's on those statistics, and it is still AR bit for bit."""
+    model = reference_model()
+    prompt = golden.default_prompt("micro")
+    expected = reference_decode.generate_ar(model, prompt, NEW)
+    # the n-gram drafter on a random model: its trees at three AR steps never pay, but look as if
+    # they might until they have run
+    for drafter_name, table in (("noisy", GROWING), ("ngram", DEAR)):
+        drafter = make_drafter(drafter_name, model, prompt, NEW, continuation=expected)
+        _, first = reference_decode.generate_ddtree(model, prompt, NEW, drafter, budget="auto",
+                                                    cost_table=table)
+        # every round with a full block ahead observed (each observes budget 0 and up)
+        full = sum(1 for r in first.rounds if prompt.size + NEW - (r.start + 1) >= 8)
+        assert first.acceptance.counts[0] == full
+        tokens, second = reference_decode.generate_ddtree(model, prompt, NEW, drafter, budget="auto",
+                                                          cost_table=table, acceptance=first.acceptance)
+        assert_exact(tokens, expected, name=f"{drafter_name}, carried statistics")
+        assert second.budgets[:2] == [choose_budget(table, first.acceptance)] * 2
+        assert sum(second.acceptance.counts) > sum(first.acceptance.counts)   # they go on growing
+    assert first.budgets[:2] != [0, 0] and second.budgets[:2] == [0, 0]   # the never-paying tree: once
+
+
+def test_bad_carried_statistics_are_refused_by_name():
+    model = reference_model()
+    prompt = golden.default_prompt("micro")
+    drafter = make_drafter("ngram", model, prompt, 4)
+    good = AcceptanceStats.empty(GROWING.max_budget, 8)
+    refused = [(good.counts, "acceptance must be a ddtree.budget.AcceptanceStats"),
+               (AcceptanceStats.empty(GROWING.max_budget, 4), "block_size 4"),
+               (AcceptanceStats.empty(7, 8), "budgets 0..7, but the cost table's are 0..15")]
+    for acceptance, message in refused:
+        with pytest.raises(ValueError, match=message):
+            reference_decode.generate_ddtree(model, prompt, 4, drafter, budget="auto", cost_table=GROWING,
+                                             acceptance=acceptance)
+    with pytest.raises(ValueError, match="acceptance= is read by budget='auto' only, got budget=4"):
+        reference_decode.generate_ddtree(model, prompt, 4, drafter, budget=4, acceptance=good)
+
+
 def test_a_fixed_budget_is_unchanged_and_records_its_budget():
     model = reference_model()
     prompt = golden.default_prompt("micro")
@@ -310,6 +349,28 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     if drafter_name == "oracle":
         assert any(pending is not None for pending in queued)    # unchanged budgets stay queued
     assert model.unread == 0
+
+
+def test_the_engine_carries_statistics_as_the_reference():
+    from kernels import decode as engine_decode
+    from tests.test_engine import engine
+
+    model, ref = engine("micro", max_tree_nodes=8), reference_model()
+    prompt = golden.default_prompt("micro")[:2]
+    expected = reference_decode.generate_ar(ref, prompt, ENGINE_NEW)
+    drafter = make_drafter("noisy", ref, prompt, ENGINE_NEW, continuation=expected, seed=29)
+    options = dict(block_size=3, budget="auto", cost_table=SMALL)
+    _, first = reference_decode.generate_ddtree(ref, prompt, ENGINE_NEW, drafter, **options)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, ENGINE_NEW, drafter,
+                                                  acceptance=first.acceptance, **options)
+    _, wanted = reference_decode.generate_ddtree(ref, prompt, ENGINE_NEW, drafter,
+                                                 acceptance=first.acceptance, **options)
+    assert_exact(tokens, expected)
+    assert trace.budgets == wanted.budgets and trace.acceptance == wanted.acceptance
+    with pytest.raises(ValueError, match="block_size 8"):
+        engine_decode.generate_ddtree(model, prompt, ENGINE_NEW, drafter, block_size=3, budget="auto",
+                                      acceptance=AcceptanceStats.empty(7, 8))
+    assert model.cost_table is None                               # refused before any table
 
 
 def test_the_engine_default_is_auto_only_with_a_table(monkeypatch):

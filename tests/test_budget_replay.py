@@ -36,10 +36,13 @@ def test_the_replay_is_the_decoder(drafter_name):
         _, trace = generate_ddtree(model, prompt, NEW, drafter, 8, budget=budget)
         assert budget_replay.replay(paths, TABLE, 8, budget)[1] == [budget] * trace.verify_forwards
     _, trace = generate_ddtree(model, prompt, NEW, drafter, 8, budget="auto", cost_table=TABLE)
-    seconds, budgets = budget_replay.replay(paths, TABLE, 8)
-    assert budgets == trace.budgets
+    seconds, budgets, stats = budget_replay.replay(paths, TABLE, 8)
+    assert budgets == trace.budgets and stats == trace.acceptance
     assert seconds == pytest.approx(sum(TABLE.seconds(b) for b in trace.budgets))
     budget_replay.check_against_decoder(model, prompt, NEW, drafter, 8, TABLE, paths, ar)  # no exit
+    _, carried = generate_ddtree(model, prompt, NEW, drafter, 8, budget="auto", cost_table=TABLE,
+                                 acceptance=stats)
+    assert budget_replay.replay(paths, TABLE, 8, acceptance=stats)[1] == carried.budgets
 
 
 def test_the_record_on_the_trained_model(tmp_path):

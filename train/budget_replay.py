@@ -61,10 +61,11 @@ def round_paths(prompt: np.ndarray, ar: np.ndarray, drafter, block_size: int, ma
 
 
 # --8<-- [start:replay]
-def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=None):
-    """(modelled seconds, budgets round by round) of a generation: ``budget`` fixed, or None for
-    auto, choosing as ``generate_ddtree`` does (from the rounds before the last one)."""
-    stats = AcceptanceStats.empty(table.max_budget, block_size)
+def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=None, acceptance=None):
+    """(modelled seconds, budgets round by round, statistics after) of a generation: ``budget``
+    fixed, or None for auto, choosing as ``generate_ddtree`` does (from the rounds before the last
+    one), from the statistics ``acceptance`` (a generation before it) or empty ones."""
+    stats = acceptance or AcceptanceStats.empty(table.max_budget, block_size)
     current = choose_budget(table, stats) if budget is None else budget
     p, seconds, budgets = 0, 0.0, []
     while p < len(paths):
@@ -77,21 +78,23 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
                 stats = stats.observe_round(current, accepted)
             current = following
         p += accepted.size                                                  # the drafts and the bonus
-    return seconds, budgets
+    return seconds, budgets, stats
 # --8<-- [end:replay]
 
 
-def check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar) -> None:
-    """The replay is the decoder: the same verify forwards at fixed budgets, the same budgets at auto."""
+def check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar,
+                          acceptance=None) -> None:
+    """The replay is the decoder: the same verify forwards at fixed budgets, the same budgets at auto
+    (from ``acceptance``, if given, as well)."""
     for budget in (1, table.max_budget // 4, table.max_budget, None):
         if budget is None:
             new, trace = generate_ddtree(target, prompt, tokens, drafter, block_size, budget="auto",
-                                         cost_table=table)
+                                         cost_table=table, acceptance=acceptance)
             expected = trace.budgets
         else:
             new, trace = generate_ddtree(target, prompt, tokens, drafter, block_size, budget=budget)
             expected = [budget] * trace.verify_forwards
-        got = replay(paths, table, block_size, budget)[1]
+        got = replay(paths, table, block_size, budget, acceptance if budget is None else None)[1]
         if not np.array_equal(new, ar) or got != expected:
             raise SystemExit(f"error: the replay differs from generate_ddtree at budget {budget or 'auto'}: "
                              "the record is not written")
@@ -99,24 +102,36 @@ def check_against_decoder(target, prompt, tokens, drafter, block_size, table, pa
 
 def replay_drafter(target, prompts, drafter, table: CostTable, tokens: int, block_size: int) -> dict:
     """Modelled seconds of every fixed budget, of auto and of a drafter that never hits, summed over
-    the prompts, with auto's budgets per prompt."""
+    the prompts, with auto's budgets per prompt; auto and never-hits twice: each prompt from empty
+    statistics, and the statistics carried from prompt to prompt (``acceptance=``, as a server
+    keeps them)."""
     vocab = target.config.vocab_size
     fixed = np.zeros(table.max_budget + 1)                       # [B + 1], budget 0: AR steps
-    auto, never, auto_budgets, never_trees = 0.0, 0.0, [], 0
+    runs = {kind: {"seconds": 0.0, "budgets": [], "stats": None}
+            for kind in ("auto", "auto_carried", "never", "never_carried")}
+    never_hits = [np.zeros(0, np.int64)] * tokens
     for prompt in prompts:
         ar = generate_ar(target, prompt, tokens)
         paths = round_paths(prompt, ar, drafter, block_size, table.max_budget, vocab)
+        carried = runs["auto_carried"]["stats"]
         check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar)
+        check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar, carried)
         for budget in range(table.max_budget + 1):
             fixed[budget] += replay(paths, table, block_size, budget)[0]
-        seconds, budgets = replay(paths, table, block_size)
-        auto += seconds
-        auto_budgets.append(budgets)
-        seconds, budgets = replay([np.zeros(0, np.int64)] * tokens, table, block_size)
-        never += seconds
-        never_trees += sum(1 for b in budgets if b)
-    return {"fixed_seconds": fixed.tolist(), "auto_seconds": auto, "auto_budgets": auto_budgets,
-            "never_seconds": never, "never_trees": never_trees}
+        for kind, run in runs.items():
+            seconds, budgets, stats = replay(never_hits if kind.startswith("never") else paths, table,
+                                             block_size, None, run["stats"] if "carried" in kind else None)
+            run["seconds"] += seconds
+            run["budgets"].append(budgets)
+            run["stats"] = stats
+    return {"fixed_seconds": fixed.tolist(),
+            **{f"{kind}_seconds": run["seconds"] for kind, run in runs.items()},
+            **{f"{kind}_budgets": run["budgets"] for kind, run in runs.items()}}
+
+
+def trees(run: dict, kind: str) -> int:
+    """Rounds with a tree (budget > 0) in the ``kind`` replays of every prompt."""
+    return sum(1 for budgets in run[f"{kind}_budgets"] for b in budgets if b)
 
 
 def markdown(result: dict) -> str:
@@ -133,20 +148,25 @@ def markdown(result: dict) -> str:
              "Modelled tokens per second over AR's: the cost table's seconds of each round's budget, "
              "summed over the rounds the decoder would run (checked against `generate_ddtree`), against "
              "the table's AR step per token. *Never hits*: the same policy and table with a drafter "
-             "whose every draft is rejected (one token a round), the price of looking.", "",
+             "whose every draft is rejected (one token a round), the price of looking. *Carried*: each "
+             "prompt starts from the statistics the one before it left (`acceptance=`), as a server "
+             "keeps them; otherwise each starts empty.", "",
              "| drafter | best fixed budget | x AR | " + " | ".join(f"budget {b}" for b in shown)
-             + " | auto | auto's rounds at budget 0 | never hits: auto | its trees |",
-             "|---" * (len(shown) + 7) + "|"]
+             + " | auto | auto, carried | auto's rounds at budget 0 | never hits: auto | its trees "
+             "| never hits, carried | its trees |",
+             "|---" * (len(shown) + 10) + "|"]
     for name, run in result["drafters"].items():
         ar = run["ar_seconds"]
         ratio = [ar / s for s in run["fixed_seconds"][1:]]                  # budgets 1, 2, ...
         best = 1 + int(np.argmax(ratio))
         zeros = sum(b.count(0) for b in run["auto_budgets"])
         rounds = sum(len(b) for b in run["auto_budgets"])
+
         lines.append(f"| {name} | {best} | {ratio[best - 1]:.2f} | "
                      + " | ".join(f"{ratio[b - 1]:.2f}" for b in shown)
-                     + f" | **{ar / run['auto_seconds']:.2f}** | {zeros} of {rounds} | "
-                     f"{ar / run['never_seconds']:.3f} | {run['never_trees']} |")
+                     + f" | **{ar / run['auto_seconds']:.2f}** | {ar / run['auto_carried_seconds']:.2f} | "
+                     f"{zeros} of {rounds} | {ar / run['never_seconds']:.3f} | {trees(run, 'never')} | "
+                     f"{ar / run['never_carried_seconds']:.3f} | {trees(run, 'never_carried')} |")
     lines += ["<!-- --8<-- [end:auto-replay] -->", ""]
     return "\n".join(lines)
 
