@@ -39,7 +39,8 @@ def test_the_replay_is_the_decoder(drafter_name):
     seconds, budgets, stats = budget_replay.replay(paths, TABLE, 8)
     assert budgets == trace.budgets and stats == trace.acceptance
     assert seconds == pytest.approx(sum(TABLE.seconds(b) for b in trace.budgets))
-    budget_replay.check_against_decoder(model, prompt, NEW, drafter, 8, TABLE, paths, ar)  # no exit
+    budget_replay.check_against_decoder(model, prompt, NEW, drafter, 8, TABLE, paths, ar,
+                                        (None, stats))                                # no exit
     _, carried = generate_ddtree(model, prompt, NEW, drafter, 8, budget="auto", cost_table=TABLE,
                                  acceptance=stats)
     assert budget_replay.replay(paths, TABLE, 8, acceptance=stats)[1] == carried.budgets

@@ -5,7 +5,7 @@ beside every fixed budget's, without a GPU.
 Legend (docs/glossary.md): B node budget, L draft depths (block_size - 1), P positions of a
 generation.
 
-    python -m train.budget_replay --cost-tables docs/results/trained.json \\
+    python -m train.budget_replay --cost-tables docs/results/trained.json --prompts 16 \\
         --out docs/results/budget-replay.md
 
 Greedy DDTree emits AR's tokens, so the round rooted after p new tokens starts from AR's context
@@ -65,7 +65,7 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
     """(modelled seconds, budgets round by round, statistics after) of a generation: ``budget``
     fixed, or None for auto, choosing as ``generate_ddtree`` does (from the rounds before the last
     one), from the statistics ``acceptance`` (a generation before it) or empty ones."""
-    stats = acceptance or AcceptanceStats.empty(table.max_budget, block_size)
+    stats = AcceptanceStats.empty(table.max_budget, block_size) if acceptance is None else acceptance
     current = choose_budget(table, stats) if budget is None else budget
     p, seconds, budgets = 0, 0.0, []
     while p < len(paths):
@@ -83,20 +83,18 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
 
 
 def check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar,
-                          acceptance=None) -> None:
+                          acceptances=(None,)) -> None:
     """The replay is the decoder: the same verify forwards at fixed budgets, the same budgets at auto
-    (from ``acceptance``, if given, as well)."""
-    for budget in (1, table.max_budget // 4, table.max_budget, None):
-        if budget is None:
-            new, trace = generate_ddtree(target, prompt, tokens, drafter, block_size, budget="auto",
-                                         cost_table=table, acceptance=acceptance)
-            expected = trace.budgets
-        else:
-            new, trace = generate_ddtree(target, prompt, tokens, drafter, block_size, budget=budget)
-            expected = [budget] * trace.verify_forwards
-        got = replay(paths, table, block_size, budget, acceptance if budget is None else None)[1]
-        if not np.array_equal(new, ar) or got != expected:
-            raise SystemExit(f"error: the replay differs from generate_ddtree at budget {budget or 'auto'}: "
+    from each statistics in ``acceptances`` (None: empty ones)."""
+    runs = [(budget, None) for budget in (1, table.max_budget // 4, table.max_budget)]
+    runs += [("auto", acceptance) for acceptance in acceptances]
+    for budget, acceptance in runs:
+        new, trace = generate_ddtree(target, prompt, tokens, drafter, block_size, budget=budget,
+                                     cost_table=table if budget == "auto" else None, acceptance=acceptance)
+        fixed = None if budget == "auto" else budget
+        got = replay(paths, table, block_size, fixed, acceptance)[1]
+        if not np.array_equal(new, ar) or got != trace.budgets:
+            raise SystemExit(f"error: the replay differs from generate_ddtree at budget {budget}: "
                              "the record is not written")
 
 
@@ -113,9 +111,9 @@ def replay_drafter(target, prompts, drafter, table: CostTable, tokens: int, bloc
     for prompt in prompts:
         ar = generate_ar(target, prompt, tokens)
         paths = round_paths(prompt, ar, drafter, block_size, table.max_budget, vocab)
-        carried = runs["auto_carried"]["stats"]
-        check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar)
-        check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar, carried)
+        carried = runs["auto_carried"]["stats"]                 # None before the first prompt
+        check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar,
+                              (None,) if carried is None else (None, carried))
         for budget in range(table.max_budget + 1):
             fixed[budget] += replay(paths, table, block_size, budget)[0]
         for kind, run in runs.items():
