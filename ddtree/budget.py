@@ -178,12 +178,10 @@ class AcceptanceStats:
         ``accepted`` (root first, ascending): an observation for every budget b <= ``budget``, which
         would have committed the path's nodes <= b and the bonus."""
         path = np.asarray(accepted)[1:]                              # drafted nodes, ascending
-        counts, sums = list(self.counts), list(self.sums)
-        for b in range(budget + 1):
-            counts[b] += 1
-            sums[b] += 1 + int(np.count_nonzero(path <= b))
-        return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
-                               self.ar_run + 1 if budget == 0 else 0)
+        stats = self
+        for b in range(budget + 1):                                  # the last one sets ar_run
+            stats = stats.observe(b, 1 + int(np.count_nonzero(path <= b)))
+        return stats
 # --8<-- [end:AcceptanceStats]
 
 

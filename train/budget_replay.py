@@ -159,7 +159,6 @@ def markdown(result: dict) -> str:
         best = 1 + int(np.argmax(ratio))
         zeros = sum(b.count(0) for b in run["auto_budgets"])
         rounds = sum(len(b) for b in run["auto_budgets"])
-
         lines.append(f"| {name} | {best} | {ratio[best - 1]:.2f} | "
                      + " | ".join(f"{ratio[b - 1]:.2f}" for b in shown)
                      + f" | **{ar / run['auto_seconds']:.2f}** | {ar / run['auto_carried_seconds']:.2f} | "
