@@ -186,41 +186,52 @@ class AcceptanceStats:
 
 
 # --8<-- [start:estimate]
-def estimate(stats: AcceptanceStats, budget: int) -> float:
-    """Tokens a round of ``budget`` is expected to commit: its observations' mean with the guess
-    ``cap`` as ``PRIOR_ROUNDS`` of a round, or borrowed from the nearest observed budgets (module
-    docstring); at most cap = min(budget + 1, block_size)."""
-    cap = min(budget + 1, stats.block_size)
-    if budget == 0:
-        return 1.0
+def estimates(stats: AcceptanceStats) -> list[float]:
+    """Tokens a round of each budget 0..max_budget is expected to commit: its observations' mean
+    with the guess ``cap`` as ``PRIOR_ROUNDS`` of a round, or borrowed from the nearest observed
+    budgets (module docstring); at most cap = min(budget + 1, block_size). One pass: the policy
+    asks for every budget each round."""
+    caps = [min(b + 1, stats.block_size) for b in range(len(stats.counts))]
     tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
-    mean = {b: (stats.sums[b] + PRIOR_ROUNDS * min(b + 1, stats.block_size))
-            / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
-    if budget in mean:
-        return min(mean[budget], cap)
-    below = [b for b in tried if b < budget]
-    above = [b for b in tried if b > budget]
-    if not tried:
-        guess = cap                                           # nothing measured: every draft accepted
-    elif below and above:
-        lo, hi = below[-1], above[0]                          # the straight line between neighbours
-        guess = mean[lo] + (mean[hi] - mean[lo]) * (budget - lo) / (hi - lo)
-    else:
-        guess = mean[above[0]] if above else mean[below[-1]]
-    return min(guess, cap)
+    mean = {b: (stats.sums[b] + PRIOR_ROUNDS * caps[b]) / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
+    tokens, above = [1.0], 0                                  # budget 0, an AR step: one token
+    for budget in range(1, len(caps)):
+        while above < len(tried) and tried[above] < budget:  # tried[above]: the first tried >= budget
+            above += 1
+        if not tried:
+            guess = caps[budget]                              # nothing measured: every draft accepted
+        elif above < len(tried) and tried[above] == budget:
+            guess = mean[budget]
+        elif 0 < above < len(tried):                          # the straight line between neighbours
+            lo, hi = tried[above - 1], tried[above]
+            guess = mean[lo] + (mean[hi] - mean[lo]) * (budget - lo) / (hi - lo)
+        else:                                                 # past the largest, below the smallest
+            guess = mean[tried[-1]] if above == len(tried) else mean[tried[0]]
+        tokens.append(min(guess, caps[budget]))
+    return tokens
+
+
+def estimate(stats: AcceptanceStats, budget: int) -> float:
+    """Tokens a round of ``budget`` is expected to commit (``estimates``)."""
+    return estimates(stats)[budget]
 # --8<-- [end:estimate]
 
 
 # --8<-- [start:choose_budget]
+def utilities(table: CostTable, stats: AcceptanceStats) -> list[float]:
+    """Tokens per second of rounds of each budget 0..max_budget over those of AR steps (Cascade's
+    utility; budget 0's is one)."""
+    return [tokens * table.ar_step / table.seconds(b)
+            for b, tokens in enumerate(estimates(stats)[:table.max_budget + 1])]
+
+
 def utility(table: CostTable, stats: AcceptanceStats, budget: int) -> float:
-    """Tokens per second of rounds of ``budget`` over those of AR steps (Cascade's utility)."""
-    return estimate(stats, budget) * table.ar_step / table.seconds(budget)
+    return utilities(table, stats)[budget]
 
 
 def best_tree(table: CostTable, stats: AcceptanceStats) -> int:
     """The budget >= 1 of the highest utility (the smaller among equals)."""
-    utilities = [utility(table, stats, b) for b in range(1, table.max_budget + 1)]
-    return 1 + int(np.argmax(utilities))                      # argmax: the first of equals
+    return 1 + int(np.argmax(utilities(table, stats)[1:]))   # argmax: the first of equals
 
 
 def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
