@@ -247,11 +247,18 @@ def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
 def choose_budget(table: CostTable, stats: AcceptanceStats, explore_share: float = EXPLORE_SHARE) -> int:
     """The next round's budget: the best tree if its utility is above one, else 0 (an AR step),
     except that every ``retest_after`` AR steps in a row the best tree runs once more."""
+    return choice_by_ar_run(table, stats, explore_share)(stats.ar_run)
+
+
+def choice_by_ar_run(table: CostTable, stats: AcceptanceStats, explore_share: float = EXPLORE_SHARE):
+    """``choose_budget`` of ``stats`` with any number of AR steps observed after them, as a function
+    of their ``ar_run``: an AR step changes no tree's statistics, so the best tree, its utility and
+    its re-test period stay as they are (a decoder plans a run of AR steps with it)."""
     best = best_tree(table, stats)
     if utility(table, stats, best) > 1:
-        return best
+        return lambda ar_run: best
     every = retest_after(table, stats, best, explore_share)
-    return best if stats.ar_run and stats.ar_run % every == 0 else 0
+    return lambda ar_run: best if ar_run and ar_run % every == 0 else 0
 # --8<-- [end:choose_budget]
 
 

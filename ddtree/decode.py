@@ -18,7 +18,14 @@ import functools
 
 import numpy as np
 
-from ddtree.budget import AcceptanceStats, check_acceptance, check_auto, check_cost_table, choose_budget
+from ddtree.budget import (
+    AcceptanceStats,
+    check_acceptance,
+    check_auto,
+    check_cost_table,
+    choice_by_ar_run,
+    choose_budget,
+)
 from ddtree.sampling import (
     KeyedRandom,
     check_sampling_seed,
@@ -278,12 +285,34 @@ def auto_budget(budget, cost_table, block_size: int, acceptance=None):
     return choose_budget(table, stats), table, stats
 
 
+def commit(context, length: int, record: RoundTrace) -> int:
+    """Append a round's accepted drafts and its bonus to ``context`` (committed so far:
+    ``context[:length]``); returns the new length."""
+    new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
+    context[length:length + len(new)] = new
+    return length + len(new)
+
+
 def observe(stats: AcceptanceStats, budget: int, record: RoundTrace, full_block: bool) -> AcceptanceStats:
     """The statistics after ``record``, a round of ``budget`` (an observation for every budget up to
     it: ``AcceptanceStats.observe_round``); one cut short by the request's end
     (not ``full_block``) is left out: its count says where the request ends, not what the drafter
     earns."""
     return stats.observe_round(budget, record.accepted) if full_block else stats
+
+
+def plan_ar_run(table, stats: AcceptanceStats, length: int, end: int, block_size: int):
+    """With budget 0 in hand at ``length`` committed tokens (of ``end``): how many budget-0 rounds the
+    loop of ``generate_ddtree`` runs in a row from here, and its (budget, statistics) after them,
+    found without running them: a budget-0 round commits one token and observes budget 0 alone, so
+    its observation is known before it runs. The engine runs such rounds as AR steps, back to back."""
+    choice = choice_by_ar_run(table, stats)
+    steps, budget = 0, 0
+    while budget == 0 and length + steps < end:
+        full_block = end - (length + steps) >= block_size
+        budget, stats = choice(stats.ar_run), stats.observe(0, 1) if full_block else stats
+        steps += 1
+    return steps, budget, stats
 
 
 # --8<-- [start:ddtree_round]
@@ -364,9 +393,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         block = min(block_size, context.size - length)
         record = ddtree_round(model, cache, context[:length], drafter, block, budget, topk, temperature,
                               seed, verifier)
-        new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
-        context[length:length + len(new)] = new
-        length += len(new)
+        length = commit(context, length, record)
         trace.rounds.append(record)
         trace.budgets.append(budget)
         trace.verify_forwards += 1

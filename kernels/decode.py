@@ -32,9 +32,11 @@ from ddtree.decode import (
     check_draft,
     check_drafter,
     check_prompt,
+    commit,
     keeps_forward_count_on_error,
     largest_tree,
     observe,
+    plan_ar_run,
 )
 from ddtree.sampling import check_sampling_seed, check_temperature
 from ddtree.tree import check_budget
@@ -121,8 +123,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     rounds stay queued: the next round's budget is chosen from the records already read, those of the rounds
     before the one in flight, so a choice lags a round (the reference's loop lags alike: the same budgets);
     when it differs from the round in flight's, the next round is not queued but launched after the read, in
-    its own shape. ``acceptance``: the statistics to start from (another generation's
-    ``trace.acceptance``), as in the reference.
+    its own shape. A run of budget-0 rounds (no tree pays) runs as AR steps back to back, read once
+    (``plan_ar_run`` knows its length beforehand): the records of root-only rounds without a round's
+    build, compaction and record copy each. ``acceptance``: the statistics to start from (another
+    generation's ``trace.acceptance``), as in the reference.
     """
     if acceptance is not None:                      # refused before a table is timed
         check_acceptance(acceptance, block_size)
@@ -144,7 +148,17 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     context[:prompt.size] = prompt                                # committed so far: context[:length]
     length = prompt.size                                          # (a view of it per round: no copy)
     pending = None                                                # a round launched, not yet read
+    # auto's budget-0 rounds run as AR steps (the sampled tree's root-only round draws otherwise)
+    ar_runs = table is not None and not (verifier == "rejection" and model.sampling)
     while length < context.size:
+        if ar_runs and budget == 0 and pending is None:
+            steps, budget, stats = plan_ar_run(table, stats, length, context.size, block_size)
+            for record in ar_run(model, cache, context, length, steps):   # budget-0 rounds as AR steps
+                trace.rounds.append(record)
+                trace.budgets.append(0)
+            length += steps
+            trace.verify_forwards += steps
+            continue
         block = min(block_size, context.size - length)
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
@@ -154,9 +168,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
             following = model.queue_round(cache, pending)         # whatever this round commits
         record = finish_round(model, cache, pending)
         pending = following
-        new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
-        context[length:length + len(new)] = new
-        length += len(new)
+        length = commit(context, length, record)
         trace.rounds.append(record)
         trace.budgets.append(budget)
         trace.verify_forwards += 1
@@ -165,6 +177,16 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]
+
+
+def ar_run(model, cache, context, length: int, steps: int) -> list[RoundTrace]:
+    """``steps`` budget-0 rounds from the root ``context[length - 1]`` as AR steps (``Transformer.ar_steps``):
+    their tokens join ``context``; their records are what root-only rounds record."""
+    start = cache.length
+    context[length:length + steps] = model.ar_steps(cache, int(context[length - 1]), steps)
+    roots = context[length - 1:length + steps - 1]                  # each step's input: the one before
+    return [RoundTrace(start + i, np.array([root]), np.array([-1]), np.array([0]), np.array([0]),
+                       int(context[length + i]), 1) for i, root in enumerate(roots)]
 
 
 def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed, cost_table):
@@ -190,27 +212,55 @@ def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature,
 
 
 def measure_cost_table(model, prompt, drafter, block_size: int = 8, topk: int | None = None,
-                       max_budget: int | None = None, repeats: int = 5) -> CostTable:
-    """Time the engine's rounds at warm-up (on a GPU: simulated seconds mean nothing): for each
-    budget 0..``max_budget`` (default: the engine's limit), ``repeats`` rounds from ``prompt``
-    (each from a fresh cache, the first one untimed: it captures the graph), the median from the
-    launch to the record on the host. Budget 0, a root-only round, is the AR step ``budget="auto"``
-    falls back to, so it is the table's ``ar_step``. ``model.forward_count`` is left as it was."""
+                       max_budget: int | None = None, repeats: int = 3, rounds: tuple[int, int] = (2, 6)
+                       ) -> CostTable:
+    """Time the engine's rounds at warm-up (on a GPU: simulated seconds mean nothing), queued as a
+    generation queues them: for each budget 1..``max_budget`` (default: the engine's limit), runs of
+    ``rounds[0]`` and of ``rounds[1]`` rounds from ``prompt`` (``timed_rounds``; ``repeats`` of each
+    after an untimed one that captures the graphs), and a round's seconds are the difference of the
+    two medians over the difference of the rounds: the prefill, the first launch and the last wait
+    cancel, and what remains is what a round adds to a generation. A round launched alone and waited
+    for costs more than that (its launch and its record's copy are not hidden behind the round
+    before), and so looks dearer next to an AR step than it is. The AR step ``budget="auto"`` falls
+    back to is timed alike, from runs of AR steps. ``model.forward_count`` is left as it was."""
     limit = model.budget_limit[0]
     max_budget = limit if max_budget is None else check_budget(max_budget, limit, "the engine's limit")
-    prompt = check_prompt(model, prompt, block_size)
+    few, many = rounds
+    if not (isinstance(few, int) and isinstance(many, int) and 1 <= few < many):
+        raise ValueError(f"rounds must be two round counts 1 <= few < many, got {rounds!r}")
+    prompt = check_prompt(model, prompt, many * block_size)
     forwards, seconds = model.forward_count, []
     for budget in range(max_budget + 1):
-        times = []
-        for _ in range(repeats + 1):
-            cache = model.new_cache()
-            if prompt.size > 1:
-                model.prefill(cache, prompt[:-1], emit_token=False)
-            model.graphs.synchronize()
-            begin = time.perf_counter()
-            ddtree_round(model, cache, prompt, drafter, block_size, budget, topk)
-            times.append(time.perf_counter() - begin)
-        seconds.append(float(np.median(times[1:])))
+        timed_rounds(model, prompt, drafter, block_size, budget, topk, few)      # captures the graphs
+        times = {count: float(np.median([timed_rounds(model, prompt, drafter, block_size, budget, topk, count)
+                                         for _ in range(repeats)])) for count in rounds}
+        added = (times[many] - times[few]) / (many - few)
+        seconds.append(added if added > 0 else times[many] / many)   # noise that large: the plain mean
     model.new_cache()
     model.forward_count = forwards
     return CostTable(seconds[0], seconds[1:])
+
+
+def timed_rounds(model, prompt, drafter, block_size: int, budget: int, topk: int | None, count: int) -> float:
+    """Seconds of ``count`` rounds of ``budget`` after ``prompt`` (budget 0: AR steps,
+    ``Transformer.ar_steps``), queued as ``generate_ddtree`` queues them, from a fresh cache: from
+    after the prefill to the last round's record on the host."""
+    cache = model.new_cache()
+    if prompt.size > 1:
+        model.prefill(cache, prompt[:-1], emit_token=False)
+    context = np.empty(prompt.size + count * block_size, np.int64)    # the prompt, then the new tokens
+    context[:prompt.size] = prompt
+    length = prompt.size
+    model.graphs.synchronize()
+    begin = time.perf_counter()
+    if budget == 0:
+        model.ar_steps(cache, int(prompt[-1]), count)
+        return time.perf_counter() - begin
+    pending = start_round(model, cache, context[:length], drafter, block_size, budget, topk)
+    for done in range(1, count + 1):
+        following = model.queue_round(cache, pending) if done < count else None
+        length = commit(context, length, finish_round(model, cache, pending))
+        pending = following
+        if pending is None and done < count:
+            pending = start_round(model, cache, context[:length], drafter, block_size, budget, topk)
+    return time.perf_counter() - begin

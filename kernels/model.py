@@ -691,6 +691,22 @@ class Transformer:
         cache.length += 1
         self.forward_count += 1
 
+    def ar_steps(self, cache: DeviceCache, root: int, count: int) -> np.ndarray:
+        """``count`` AR steps from ``root``, the last committed token (not yet cached), launched back to
+        back; returns their tokens (the one wait). A DDTree loop's run of budget-0 rounds: each commits
+        what a root-only round would. The rounds' own root and committed tokens on the device fall
+        behind, so the next round uploads them (``device_root``, ``sync_context``)."""
+        if self.unread:
+            raise ValueError("ar_steps: a launched round is unread (finish_round it first)")
+        self._reserve(cache, count)
+        b = self.buffers
+        self.graphs.upload(np.array([root], np.int64), self.cached(("tokens", 1), lambda: b.tree.tokens[:1]))
+        self.graphs.upload(np.array([cache.length, 1, 0], np.int64), b.state)        # [P, rows, AR step]
+        for _ in range(count):
+            self.ar_step(cache)
+        self.device_root = None
+        return self.graphs.download(self.cached(("generated", count), lambda: b.generated[:count]))
+
     def drafts_on_device(self, drafter) -> bool:
         """Whether ``drafter`` runs as kernels inside the round (``kernels.drafters``): with
         ``device_drafters`` on, for the reference's own drafters that fit; their constants are

@@ -374,15 +374,17 @@ def test_engine_bench_auto_rows_time_a_table_per_drafter_and_stay_lossless(monke
     prompt = golden.default_prompt("micro")[:2]
     continuation = engine_decode.generate_ar(model, prompt, 2)
     runs, chosen = bench.auto_runs(model, prompt, continuation, 1, 1, drafters=("oracle",))
-    [run] = runs
+    run, carried = runs
     assert (run.system, run.decoder, run.budget) == ("engine, graphs", "DDTree oracle", "auto")
+    assert (carried.decoder, carried.budget) == ("DDTree oracle", "auto, carried")
     table = chosen["oracle"]["cost_table"]
     assert len(table["verify"]) == 1 and table["ar_step"] > 0
     assert set(chosen["oracle"]["budgets"]) <= {0, 1} and chosen["oracle"]["budgets"]
     ar = bench.Run("engine, graphs", "AR", None, run.tokens_per_second, 2, 1)
-    result = {"preset": "micro", "runs": [dataclasses.asdict(ar), dataclasses.asdict(run)], "auto": chosen}
+    result = {"preset": "micro", "runs": [dataclasses.asdict(r) for r in (ar, run, carried)], "auto": chosen}
     text = bench.format_report([result], [("GPU", "test")], "python -m kernels.bench engine")
     assert "DDTree oracle, budget auto: DDTree/AR 1.00 (target >= 0.98: met)" in text
+    assert "DDTree oracle, budget auto, carried: DDTree/AR" in text
     assert "<!-- --8<-- [start:auto-micro] -->" in text and "| oracle | " in text
 
 

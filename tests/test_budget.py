@@ -34,6 +34,7 @@ from ddtree.budget import (
     save_cost_table,
     utility,
 )
+from ddtree.decode import plan_ar_run
 from ddtree.drafters import DRAFTERS, make_drafter
 from ddtree.tree import build_tree, top_candidates
 from tests.helpers import assert_exact
@@ -159,6 +160,25 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
     # a drafter that starts paying: the re-test's round raises the estimate, and trees come back
     paying = stats_with(rounds=4, b7=2, b3=1).observe(best, 8).observe(best, 8).observe(best, 8)
     assert choose_budget(DEAR, paying) == best
+
+
+def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
+    """``plan_ar_run`` (the engine's run of AR steps) against the reference loop's update, one
+    budget-0 round at a time: the same number of rounds, the budget after them, the statistics."""
+    never = stats_with(rounds=4, b7=2, b3=1)                      # nothing pays: re-tests only
+    every = retest_after(DEAR, never, best_tree(DEAR, never))
+    cases = [(DEAR, never, 0, 500), (DEAR, never, 0, 5),          # a long run; one cut by the end
+             (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 1), 0, 500),
+             (DEAR, never, 495, 500),                             # the last block: nothing observed
+             (CHEAP, stats_with(b7=2), 0, 500)]                   # a tree pays: one round, then the tree
+    for table, stats, length, end in cases:
+        budget, after, rounds = 0, stats, 0
+        while budget == 0 and length + rounds < end:
+            full_block = end - (length + rounds) >= 8
+            budget, after = choose_budget(table, after), after.observe_round(0, [0]) if full_block else after
+            rounds += 1
+        assert plan_ar_run(table, stats, length, end, 8) == (rounds, budget, after)
+    assert plan_ar_run(DEAR, never, 0, 500, 8)[:2] == (every + 1, best_tree(DEAR, never))
 
 
 def test_the_policy_is_a_pure_function_of_table_and_statistics():
@@ -334,6 +354,10 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     queued = []
     queue_round = model.queue_round
     monkeypatch.setattr(model, "queue_round", lambda *args: queued.append(queue_round(*args)) or queued[-1])
+    steps = []
+    ar_steps = model.ar_steps
+    monkeypatch.setattr(model, "ar_steps", lambda cache, root, count: steps.append(count) or ar_steps(
+        cache, root, count))
     table = {"oracle": SMALL, "noisy": SMALL, "ngram": CostTable(1.0, (10.0,) * 7)}[drafter_name]
     options = dict(block_size=3, budget="auto", cost_table=table)
     drafter = make_drafter(drafter_name, ref, prompt, ENGINE_NEW, continuation=expected, seed=29)
@@ -344,8 +368,9 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     assert trace.budgets == wanted.budgets
     for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
         assert_same_round(actual_round, wanted_round)
+    assert sum(steps) == trace.budgets.count(0)                   # every budget-0 round an AR step
     if drafter_name == "ngram":
-        assert 0 in trace.budgets
+        assert 0 in trace.budgets and len(steps) < trace.budgets.count(0)   # in runs, read once each
     if drafter_name == "oracle":
         assert any(pending is not None for pending in queued)    # unchanged budgets stay queued
     assert model.unread == 0
@@ -413,8 +438,16 @@ def test_the_timing_runs_every_budget_and_leaves_the_engine_as_it_was(monkeypatc
     expected = reference_decode.generate_ar(ref, prompt, 3)
     drafter = make_drafter("oracle", ref, prompt, 3, continuation=expected)
     forwards = model.forward_count
-    table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, max_budget=2, repeats=1)
+    steps = []
+    ar_steps = model.ar_steps
+    monkeypatch.setattr(model, "ar_steps", lambda cache, root, count: steps.append(count) or ar_steps(
+        cache, root, count))
+    table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, max_budget=2, repeats=1,
+                                             rounds=(1, 2))
     assert table.max_budget == 2 and model.forward_count == forwards and model.unread == 0
+    assert steps == [1, 1, 2]                                     # the AR step: runs of AR steps
+    with pytest.raises(ValueError, match=r"rounds must be two round counts 1 <= few < many, got \(2, 2\)"):
+        engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, rounds=(2, 2))
     timed = []
     monkeypatch.setattr(engine_decode, "SIMULATOR", False)
     monkeypatch.setattr(engine_decode, "measure_cost_table", lambda *args: timed.append(args) or SMALL)

@@ -48,7 +48,8 @@ def run(decoder, budget, rate, system="engine, graphs"):
 def test_budget_curves_place_auto_at_its_most_chosen_budget_and_skip_other_systems():
     result = {"runs": [run("AR", None, 500.0), run("DDTree noisy", 16, 400.0), run("DDTree noisy", 4, 700.0),
                        run("DDTree noisy", "auto", 800.0), run("DDTree ngram", 16, 90.0),
-                       run("DDTree ngram", "auto", 495.0), run("DDTree noisy", 32, 1.0, "engine, no graphs")],
+                       run("DDTree ngram", "auto", 495.0), run("DDTree ngram", "auto, carried", 540.0),
+                       run("DDTree noisy", 32, 1.0, "engine, no graphs")],
               "auto": {"noisy": {"budgets": [8, 3, 3, 0, 3, 8]}, "ngram": {"budgets": [3, 0, 0, 0]}}}
     curves = engine_chapter.budget_curves(result)
     assert curves["ar"] == 500.0

@@ -304,7 +304,7 @@ def budget_curves(result) -> dict:
             chosen = result.get("auto", {}).get(name, {}).get("budgets", [])
             most = max(set(chosen), key=lambda b: (chosen.count(b), -b)) if chosen else 0
             curve["auto"] = (most, r["tokens_per_second"])
-        else:
+        elif isinstance(r["budget"], int):                       # not "auto, carried"
             curve["budgets"].append(r["budget"])
             curve["rates"].append(r["tokens_per_second"])
     return curves
