@@ -7,8 +7,8 @@ C the cache's capacity (slots), TPB threads per block.
 
 Four kernels, each simple and batched over every row (no online softmax, no per-row staging of the prefix):
 
-1. ``attention_scores_kernel`` (``scores_kernel``; a decode row: ``attention_row_scores_kernel``, the
-   same bits): every query row's scores against every slot below P + T, a GEMM into ``scores`` (T H, C).
+1. ``attention_scores_kernel`` (``scores_kernel``; a decode row or a few: ``attention_row_scores_kernel``,
+   the same bits): every query row's scores against every slot below P + T, a GEMM into ``scores`` (T H, C).
 2. ``attention_stats_kernel``: each (row, head)'s largest score M and each chunk's sum of exp(s - M).
 3. ``attention_values_kernel``: P V for the chunks wholly inside the prefix, a second GEMM.
 4. ``attention_tail_kernel`` (``tail_kernel``): the chunks from the one holding position P to the
@@ -34,6 +34,7 @@ from kernels.device import SIMULATOR, check_out, output
 from kernels.linear import index
 from kernels.tuning import (
     ROW_BLOCKS_PER_SM,
+    ROW_SCORES_ROWS,
     SHARED_BUDGET,
     STATS_FEW_FROM_BLOCKS_PER_SM,
     TAIL_MANY_ROWS,
@@ -58,7 +59,7 @@ UNFUSED_STAGED = (2 * UNFUSED_STEP, UNFUSED_TILE + UNFUSED_PAD)   # an operand's
 UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFUSED_STEP)
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
-ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT heads at once
+ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT queries at once
 ROW_UNROLL = 32                               # ... a score's loads issued before their adds
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
@@ -241,7 +242,7 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
 def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
     """The scores kernel's (QT, KT, TQ, TK, STEP) for ``queries`` = T H query rows: NARROW while
     they fit one of its query tiles (a few rows of small's 16 heads: WIDE's 64-query tile would be
-    mostly empty), else WIDE. Every shape gives the same bits. (A decode row takes
+    mostly empty), else WIDE. Every shape gives the same bits. (A decode row and a few take
     ``row_scores_kernel`` where its tile fits: ``row_scores``.)"""
     return UNFUSED_NARROW if queries <= UNFUSED_NARROW[0] else UNFUSED_WIDE
 
@@ -275,7 +276,7 @@ def row_dot(unroll: int):
 
 @functools.cache
 def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL):
-    """Version 5, step 1 of 4, for a single query row (a decode step), tiles of KT = ``key_tile``
+    """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
     ``unroll`` at a time (literals: the staged tile's, the loads' and the registers' sizes). A
     score's terms are added as ``scores_kernel`` adds them, whatever the shape."""
@@ -289,20 +290,20 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
 
     @cuda.jit
     def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
-        """scores[head, s] = scale * (q_lat | q_pe)[0, head] . (cache_latent | cache_rope)[s] for
-        every head and slot s < P + 1: ``attention_scores_kernel``'s scores of one row.
+        """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every query
+        q = row * H + head and slot s < P + T: ``attention_scores_kernel``'s scores of T rows.
 
-        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, heads lane,
+        Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, queries lane,
         lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
-        then each thread adds its score's R + dr terms one at a time in column order (``row_dot``), the
-        query's values read from global memory (every block reads the same row). Tiles
-        s0 = blockIdx.x KT, + gridDim.x KT, ... below P + 1 (P read on the device): one launch shape serves
+        then each thread adds its scores' R + dr terms one at a time in column order (``row_dot``), the
+        queries' values read from global memory (every block reads the same rows). Tiles
+        s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P read on the device): one launch shape serves
         every step, and the cache's empty capacity costs nothing. The same bits as the GEMM, whatever the
-        tile."""
+        tile and the rows."""
         tid = index(cuda.threadIdx.x)
-        heads = q_lat.shape[1]
-        keys = prefix[0] + 1
+        rows, heads = q_lat.shape[0], q_lat.shape[1]
+        keys = prefix[0] + rows
         tile = cuda.shared.array(staged, float32)
         latent = cuda.local.array((key_tile, latent_loads), float32)
         rope = cuda.local.array(rope_loads, float32)
@@ -325,20 +326,23 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 if at < key_tile * rope_dim:
                     tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
             cuda.syncthreads()
-            for head in range(lane, heads, head_lanes):
-                acc = dot(float32(0.0), q_lat[0, head], tile, key * stride, rank)
-                acc = dot(acc, q_pe[0, head], tile, key * stride + rank, rope_dim)
+            for query in range(lane, rows * heads, head_lanes):
+                row, head = query // heads, query % heads
+                acc = dot(float32(0.0), q_lat[row, head], tile, key * stride, rank)
+                acc = dot(acc, q_pe[row, head], tile, key * stride + rank, rope_dim)
                 if s0 + key < keys:
-                    scores[head, s0 + key] = acc * scale
+                    scores[query, s0 + key] = acc * scale
 
     return attention_row_scores_kernel
 
 
 def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
-    """Whether version 5 takes ``row_scores_kernel`` for its scores: for a single row (T = 1)
-    with rope columns (dr >= 1: the kernel stages them apart), whose tile of ROW_KEYS keys of R =
-    ``rank`` + dr = ``rope_dim`` columns fits SHARED_BUDGET."""
-    return rows == 1 and rope_dim >= 1 and F32 * ROW_KEYS * (rank + rope_dim + 1) <= SHARED_BUDGET
+    """Whether version 5 takes ``row_scores_kernel`` for its scores: for up to ROW_SCORES_ROWS rows
+    (a decode row, a small tree: the GEMM's tiles would be mostly empty and its blocks few) with
+    rope columns (dr >= 1: the kernel stages them apart), whose tile of ROW_KEYS keys of R = ``rank``
+    + dr = ``rope_dim`` columns fits SHARED_BUDGET."""
+    fits = F32 * ROW_KEYS * (rank + rope_dim + 1) <= SHARED_BUDGET
+    return rows <= ROW_SCORES_ROWS and rope_dim >= 1 and fits
 
 
 @cuda.jit
@@ -538,8 +542,8 @@ def stats_threads(queries: int) -> int:
 
 
 def row_blocks() -> int:
-    """The decode row's score kernel's grid at most: ROW_BLOCKS_PER_SM blocks per SM, which walk
-    the tiles below P + 1 (the cache's empty capacity costs nothing)."""
+    """The few rows' score kernel's grid at most: ROW_BLOCKS_PER_SM blocks per SM, which walk
+    the tiles below P + T (the cache's empty capacity costs nothing)."""
     return ROW_BLOCKS_PER_SM * sm_count()
 
 

@@ -715,15 +715,22 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
                      name=f"partials with the shapes {shapes}")
 
 
-@pytest.mark.parametrize("heads, prefix, rank, rope", [(5, 21, 9, 5), (3, 38, 12, 3)])
-def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, prefix, rank, rope):
-    """A decode row's scores by ``row_scores_kernel`` (its usual grid, and a single block walking
-    every tile: ``row_blocks`` = 1) and by the GEMM (``row_scores`` off): the same scores, partials
-    and output, bit for bit, and no slot past P + 1 written (every buffer poisoned with NaN first)."""
-    depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
-    case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
-    q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=heads)
-    assert unfused.row_scores(1, rank, rope) and not unfused.row_scores(2, rank, rope)
+@pytest.mark.parametrize("rows, heads, prefix, rank, rope",
+                         [(1, 5, 21, 9, 5), (1, 3, 38, 12, 3), (3, 3, 22, 9, 2)])
+def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, heads, prefix, rank, rope):
+    """A decode row's or a small tree's scores by ``row_scores_kernel`` (its usual grid, and a single
+    block walking every tile: ``row_blocks`` = 1) and by the GEMM (``row_scores`` off): the same
+    scores, partials and output, bit for bit, and no slot past P + T written (every buffer poisoned
+    with NaN first)."""
+    if rows == 1:
+        depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+        case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
+        q_lat, q_pe, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=heads)
+    else:
+        inputs, _ = random_tree_inputs(rows, prefix, rank, rope, heads)
+        q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale = inputs
+    few = unfused.ROW_SCORES_ROWS
+    assert unfused.row_scores(few, rank, rope) and not unfused.row_scores(few + 1, rank, rope)
     assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     results = {}
     for name, row, grid in (("row", True, unfused.row_blocks()), ("one block", True, 1), ("gemm", False, 1)):
@@ -732,8 +739,8 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, heads, pre
         partials, scores = [], []
         out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                         partials_out=partials, scores_out=scores)
-        assert np.isfinite(scores[0][:, :prefix + 1]).all(), f"{name}: a score was not written"
-        assert np.isnan(scores[0][:, prefix + 1:]).all(), f"{name}: a slot past P + 1 was written"
+        assert np.isfinite(scores[0][:, :prefix + rows]).all(), f"{name}: a score was not written"
+        assert np.isnan(scores[0][:, prefix + rows:]).all(), f"{name}: a slot past P + T was written"
         results[name] = (out, partials[0], scores[0])
     for name, arrays in results.items():
         for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
