@@ -376,6 +376,29 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     assert model.unread == 0
 
 
+def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference():
+    """A re-test after a run of AR steps: the round after the run uploads the root and the context
+    the AR steps left behind, and the tokens, budgets and records stay the reference's."""
+    from kernels import decode as engine_decode
+    from tests.test_engine import assert_same_round, engine
+
+    model, ref = engine("micro", max_tree_nodes=8), reference_model()
+    prompt = golden.default_prompt("micro")[:2]
+    new = 40
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    table = CostTable(1.0, (1.2,) * 7)           # trees, AR steps, a re-test, AR, trees again
+    options = dict(block_size=3, budget="auto", cost_table=table)
+    drafter = make_drafter("ngram", ref, prompt, new, continuation=expected)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    _, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
+    assert_exact(tokens, expected)
+    assert trace.budgets == wanted.budgets
+    pairs = zip(trace.budgets[:-1], trace.budgets[1:], strict=True)
+    assert any(a == 0 and b > 0 for a, b in pairs)                # AR steps, then a tree
+    for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
+        assert_same_round(actual_round, wanted_round)
+
+
 def test_the_engine_carries_statistics_as_the_reference():
     from kernels import decode as engine_decode
     from tests.test_engine import engine
