@@ -212,7 +212,7 @@ def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature,
 
 
 def measure_cost_table(model, prompt, drafter, block_size: int = 8, topk: int | None = None,
-                       max_budget: int | None = None, repeats: int = 3, rounds: tuple[int, int] = (2, 6)
+                       max_budget: int | None = None, repeats: int = 3, rounds: tuple[int, int] = (2, 10)
                        ) -> CostTable:
     """Time the engine's rounds at warm-up (on a GPU: simulated seconds mean nothing), queued as a
     generation queues them: for each budget 1..``max_budget`` (default: the engine's limit), runs of

@@ -57,7 +57,8 @@ MAX_SPLITS = 64               # ... and Z at most
 SHARED_BUDGET = 44 * 1024     # attention's dynamic shared memory per block: 48 KB less the static arrays
 # version 5's launch shapes (kernels.mla_unfused); none changes a sum
 ROW_BLOCKS_PER_SM = 2         # a few rows' score kernel: its grid at most this many blocks per SM
-ROW_SCORES_ROWS = 8           # ... which serves up to this many rows (then the GEMM's tiles fill up)
+ROW_SCORES_ROWS = 2           # ... which serves up to this many rows: from 4 rows on the GEMM is as fast
+                              # at a 4k context, and each row the kernel adds costs it more at 16k
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 
