@@ -37,9 +37,13 @@ that pays for this drafter.
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
 best tree runs once more; its round updates its estimate (and ends the run of AR steps). The
-number of steps is chosen so that a re-test's extra time, ``verify(B) - estimate(B) * ar_step``
-over the AR steps its tokens would have taken, is at most ``explore_share`` of the time of the AR
-steps before it: exploring costs at most that share of an AR run.
+number of steps is chosen so that a re-test's extra time, ``verify(B) + switch - estimate(B) *
+ar_step`` over the AR steps its tokens would have taken, is at most ``explore_share`` of the time of
+the AR steps before it: exploring costs at most that share of an AR run. ``switch`` is what a round
+costs beyond ``verify(B)`` when it runs between two runs of AR steps: nothing hides its launch and
+its record's read behind the round before, and it splits the AR run in two, which adds a run's start
+and end. On a small model it is about an AR step, so a re-test priced without it, of a tree that
+almost pays, would come every few steps and cost far more than its share.
 
 The policy is a pure function of (``CostTable``, ``AcceptanceStats``): no clock, no randomness,
 so the reference and the engine choose alike for the same table and the same records, and a run
@@ -65,10 +69,13 @@ PRIOR_ROUNDS = 0.5          # the guess "every draft accepted" weighs half a rou
 @dataclasses.dataclass(frozen=True)
 class CostTable:
     """Seconds of one AR step (the round a decoder falls back to: budget 0, a root-only tree) and
-    of a round at each budget B = 1, 2, ..., len(verify): ``verify[B - 1]``. The largest budget
-    the table knows is the largest ``budget="auto"`` may choose."""
+    of a round at each budget B = 1, 2, ..., len(verify): ``verify[B - 1]``, each as a round adds
+    them to a run of its kind. ``switch``: the seconds a tree round adds beyond that when it runs
+    alone between two runs of AR steps (a re-test; module docstring). The largest budget the table
+    knows is the largest ``budget="auto"`` may choose."""
     ar_step: float
     verify: tuple[float, ...]
+    switch: float = 0.0
 
     def __post_init__(self):
         if not is_seconds(self.ar_step):
@@ -85,7 +92,10 @@ class CostTable:
         if bad:
             raise ValueError(f"CostTable.verify must hold finite seconds > 0, got {verify[bad[0] - 1]!r} "
                              f"at budget {bad[0]}")
+        if not is_seconds(self.switch, zero_too=True):
+            raise ValueError(f"CostTable.switch must be a finite number of seconds >= 0, got {self.switch!r}")
         object.__setattr__(self, "ar_step", float(self.ar_step))
+        object.__setattr__(self, "switch", float(self.switch))
         object.__setattr__(self, "verify", tuple(float(s) for s in verify))
 
     @property
@@ -98,10 +108,11 @@ class CostTable:
 # --8<-- [end:CostTable]
 
 
-def is_seconds(value) -> bool:
+def is_seconds(value, zero_too: bool = False) -> bool:
+    """A finite number of seconds > 0 (``zero_too``: >= 0), not a bool."""
     number = isinstance(value, (int, float, np.integer, np.floating)) \
         and not isinstance(value, (bool, np.bool_))
-    return number and math.isfinite(value) and value > 0
+    return number and math.isfinite(value) and (value > 0 or zero_too and value == 0)
 
 
 def check_cost_table(cost_table, limit: int | None = None, limit_is: str = "") -> CostTable:
@@ -119,12 +130,13 @@ def check_cost_table(cost_table, limit: int | None = None, limit_is: str = "") -
 
 # --8<-- [start:file_format]
 # A cost table's file: JSON, one object {"ar_step": seconds, "verify": [seconds of budget 1,
-# budget 2, ...]}, and any other keys as notes (what was timed, where: "device", "preset", ...).
+# budget 2, ...], "switch": seconds (optional, default 0)}, and any other keys as notes (what was
+# timed, where: "device", "preset", ...).
 def cost_table_from_dict(data: dict) -> CostTable:
     missing = [key for key in ("ar_step", "verify") if key not in data]
     if missing:
         raise ValueError(f"cost_table must have the keys 'ar_step' and 'verify', missing {missing}")
-    return CostTable(data["ar_step"], data["verify"])
+    return CostTable(data["ar_step"], data["verify"], data.get("switch", 0.0))
 
 
 def load_cost_table(path) -> CostTable:
@@ -144,7 +156,8 @@ def load_cost_table(path) -> CostTable:
 
 def save_cost_table(table: CostTable, path, **notes) -> None:
     with open(path, "w") as file:
-        json.dump({"ar_step": table.ar_step, "verify": list(table.verify), **notes}, file, indent=1)
+        json.dump({"ar_step": table.ar_step, "verify": list(table.verify), "switch": table.switch, **notes},
+                  file, indent=1)
         file.write("\n")
 # --8<-- [end:file_format]
 
@@ -237,10 +250,10 @@ def best_tree(table: CostTable, stats: AcceptanceStats) -> int:
 def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
                  explore_share: float = EXPLORE_SHARE) -> int:
     """AR steps in a row before the tree of ``budget`` is tried again: enough that the re-test's
-    extra seconds are at most ``explore_share`` of theirs."""
+    extra seconds (its switch between AR runs included) are at most ``explore_share`` of theirs."""
     rounds = stats.counts[budget]
     measured = stats.sums[budget] / rounds if rounds else estimate(stats, budget)
-    extra = table.seconds(budget) - measured * table.ar_step
+    extra = table.seconds(budget) + table.switch - measured * table.ar_step
     return max(1, math.ceil(extra / (explore_share * table.ar_step)))
 
 

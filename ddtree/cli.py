@@ -130,8 +130,8 @@ def check_cost_table_flags(args, model, backend) -> None:
         if backend is not None and backend.name == "numba" and not backend.simulator:
             return                                               # timed at warm-up on the GPU
         raise ValueError("--cost-table: --budget auto needs --cost-table FILE (JSON: {\"ar_step\": seconds, "
-                         "\"verify\": [seconds of budget 1, 2, ...]}, as ddtree.budget.save_cost_table "
-                         "writes it)")
+                         "\"verify\": [seconds of budget 1, 2, ...], \"switch\": seconds (optional)}, as "
+                         "ddtree.budget.save_cost_table writes it)")
     flagged("--cost-table", lambda: check_cost_table(load_cost_table(args.cost_table), *budget_limit(model)))
 
 
@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: %(default)s)")
     demo.add_argument("--cost-table", metavar="FILE",
                       help="with --budget auto: a JSON file {\"ar_step\": seconds, \"verify\": [seconds "
-                           "of a round at budget 1, 2, ...]} (ddtree.budget.save_cost_table writes one); "
+                           "of a round at budget 1, 2, ...], \"switch\": seconds (optional)} "
+                           "(ddtree.budget.save_cost_table writes one); "
                            "the numba backend on a GPU times its own without it (default: none)")
     demo.add_argument("--topk", type=int, default=None, metavar="K",
                       help="candidates per depth; 1 is a single chain (default: as many as the budget "

@@ -222,23 +222,28 @@ def measure_cost_table(model, prompt, drafter, block_size: int = 8, topk: int | 
     cancel, and what remains is what a round adds to a generation. A round launched alone and waited
     for costs more than that (its launch and its record's copy are not hidden behind the round
     before), and so looks dearer next to an AR step than it is. The AR step ``budget="auto"`` falls
-    back to is timed alike, from runs of AR steps. ``model.forward_count`` is left as it was."""
+    back to is timed alike, from runs of AR steps. What a run adds once, beyond its rounds (the run of
+    ``rounds[0]`` less its rounds' seconds), gives ``switch``: a re-test is a tree round's run of its own
+    (the median budget's) that splits a run of AR steps in two (one more AR run's). ``model.forward_count``
+    is left as it was."""
     limit = model.budget_limit[0]
     max_budget = limit if max_budget is None else check_budget(max_budget, limit, "the engine's limit")
     few, many = rounds
     if not (isinstance(few, int) and isinstance(many, int) and 1 <= few < many):
         raise ValueError(f"rounds must be two round counts 1 <= few < many, got {rounds!r}")
     prompt = check_prompt(model, prompt, many * block_size)
-    forwards, seconds = model.forward_count, []
+    forwards, seconds, starts = model.forward_count, [], []
     for budget in range(max_budget + 1):
         timed_rounds(model, prompt, drafter, block_size, budget, topk, few)      # captures the graphs
         times = {count: float(np.median([timed_rounds(model, prompt, drafter, block_size, budget, topk, count)
                                          for _ in range(repeats)])) for count in rounds}
         added = (times[many] - times[few]) / (many - few)
         seconds.append(added if added > 0 else times[many] / many)   # noise that large: the plain mean
+        starts.append(max(0.0, times[few] - few * seconds[-1]))      # a run's first launch and last wait
     model.new_cache()
     model.forward_count = forwards
-    return CostTable(seconds[0], seconds[1:])
+    # a re-test: a tree round's run of one between two AR runs, where there was one
+    return CostTable(seconds[0], seconds[1:], switch=starts[0] + float(np.median(starts[1:])))
 
 
 def timed_rounds(model, prompt, drafter, block_size: int, budget: int, topk: int | None, count: int) -> float:

@@ -162,6 +162,21 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
     assert choose_budget(DEAR, paying) == best
 
 
+def test_a_retest_is_charged_its_switch_between_ar_runs():
+    """A re-test runs alone between two runs of AR steps: its ``switch`` joins its extra seconds, so
+    a tree that almost pays (a few hundredths of an AR step short on the queued table) is re-tested
+    every hundred-odd steps, not every few."""
+    stats = stats_with(rounds=200, b7=2, b3=1)                    # the guess weighs next to nothing
+    best = best_tree(DEAR, stats)
+    measured = stats.sums[best] / stats.counts[best]
+    near = CostTable(1.0, (measured + 0.025,) * 15)               # 0.025 AR steps short of paying
+    assert utility(near, stats, best_tree(near, stats)) < 1
+    assert retest_after(near, stats, best_tree(near, stats)) == 3            # 0.025 / 1%, rounded up
+    switched = CostTable(1.0, near.verify, switch=1.0)
+    assert retest_after(switched, stats, best_tree(switched, stats)) == 103  # (0.025 + 1) / 1%
+    assert choose_budget(switched, stats) == choose_budget(near, stats)      # the same choice else
+
+
 def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
     """``plan_ar_run`` (the engine's run of AR steps) against the reference loop's update, one
     budget-0 round at a time: the same number of rounds, the budget after them, the statistics."""
@@ -196,6 +211,9 @@ def test_the_policy_is_a_pure_function_of_table_and_statistics():
     (dict(ar_step=1.0, verify=5), "CostTable.verify"),
     (dict(ar_step=1.0, verify=(1.0, -2.0)), "at budget 2"),
     (dict(ar_step=1.0, verify=(1.0, "2")), "CostTable.verify"),
+    (dict(ar_step=1.0, verify=(1.0,), switch=-0.5), "CostTable.switch"),
+    (dict(ar_step=1.0, verify=(1.0,), switch=float("inf")), "CostTable.switch"),
+    (dict(ar_step=1.0, verify=(1.0,), switch=None), "CostTable.switch"),
 ])
 def test_bad_tables_are_refused_by_name(table, names):
     with pytest.raises(ValueError, match=names):
@@ -207,6 +225,10 @@ def test_cost_table_files_round_trip_and_bad_files_are_named(tmp_path):
     save_cost_table(GROWING, path, device="hand-made")
     assert load_cost_table(path) == GROWING
     assert json.loads(path.read_text())["device"] == "hand-made"
+    save_cost_table(CostTable(1.0, (2.0,), switch=0.5), path)
+    assert load_cost_table(path).switch == 0.5
+    path.write_text('{"ar_step": 1.0, "verify": [2.0]}')            # a file from before the switch
+    assert load_cost_table(path) == CostTable(1.0, (2.0,), switch=0.0)
     path.write_text('{"ar_step": 1.0}')
     with pytest.raises(ValueError, match=r"costs.json.*'verify'"):
         load_cost_table(path)
@@ -468,6 +490,7 @@ def test_the_timing_runs_every_budget_and_leaves_the_engine_as_it_was(monkeypatc
     table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, max_budget=2, repeats=1,
                                              rounds=(1, 2))
     assert table.max_budget == 2 and model.forward_count == forwards and model.unread == 0
+    assert np.isfinite(table.switch) and table.switch >= 0
     assert steps == [1, 1, 2]                                     # the AR step: runs of AR steps
     with pytest.raises(ValueError, match=r"rounds must be two round counts 1 <= few < many, got \(2, 2\)"):
         engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, rounds=(2, 2))
@@ -495,6 +518,7 @@ def test_the_cost_table_is_timed_on_the_gpu(tmp_path):
     table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=8, max_budget=15, repeats=2)
     assert table.max_budget == 15 and model.forward_count == forwards
     assert all(np.isfinite(s) and s > 0 for s in (table.ar_step, *table.verify))
+    assert np.isfinite(table.switch) and table.switch > 0          # a run's first launch and last wait
     save_cost_table(table, tmp_path / "costs.json")
     expected = reference_decode.generate_ar(ref, prompt, 16)
     drafter = make_drafter("noisy", ref, prompt, 16, continuation=expected)

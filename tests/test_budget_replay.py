@@ -39,6 +39,12 @@ def test_the_replay_is_the_decoder(drafter_name):
     seconds, budgets, stats = budget_replay.replay(paths, TABLE, 8)
     assert budgets == trace.budgets and stats == trace.acceptance
     assert seconds == pytest.approx(sum(TABLE.seconds(b) for b in trace.budgets))
+    switched = CostTable(TABLE.ar_step, TABLE.verify, switch=0.5)       # a tree round after AR pays it
+    _, trace = generate_ddtree(model, prompt, NEW, drafter, 8, budget="auto", cost_table=switched)
+    seconds, budgets, _ = budget_replay.replay(paths, switched, 8)
+    switches = sum(1 for before, b in zip(budgets[:-1], budgets[1:], strict=True) if b and not before)
+    assert budgets == trace.budgets
+    assert seconds == pytest.approx(sum(switched.seconds(b) for b in budgets) + 0.5 * switches)
     budget_replay.check_against_decoder(model, prompt, NEW, drafter, 8, TABLE, paths, ar,
                                         (None, stats))                                # no exit
     _, carried = generate_ddtree(model, prompt, NEW, drafter, 8, budget="auto", cost_table=TABLE,

@@ -14,8 +14,9 @@ against AR's continuation, plus the bonus. The tree of B' nodes is the first B' 
 largest tree (``AcceptanceStats.observe_round`` rests on the same fact), so one draft and one tree
 per position give ``committed[p, B]`` for every budget. A replay then walks the positions as the
 decoder does (the choice lagging a round, rounds cut short by the request's end not observed),
-summing the cost table's seconds of each round's budget: modelled seconds, from the engine's
-measured table, not a timing. Each replay is checked against the decoder itself
+summing the cost table's seconds of each round's budget, and its ``switch`` for each tree round
+that follows an AR step (a tree round between two runs of AR steps): modelled seconds, from the
+engine's measured table, not a timing. Each replay is checked against the decoder itself
 (``generate_ddtree``'s verify forwards at fixed budgets, its budgets round by round at auto).
 """
 
@@ -69,7 +70,7 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
     current = choose_budget(table, stats) if budget is None else budget
     p, seconds, budgets = 0, 0.0, []
     while p < len(paths):
-        seconds += table.seconds(current)
+        seconds += table.seconds(current) + (table.switch if current and budgets[-1:] == [0] else 0.0)
         budgets.append(current)
         accepted = np.concatenate([[0], paths[p][paths[p] <= current]])     # this round's path
         if budget is None:
