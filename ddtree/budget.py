@@ -25,14 +25,18 @@ counted as ``PRIOR_ROUNDS`` of a round: one unlucky round does not condemn a siz
 observed less often than its neighbours stays worth a try. The guess has a bounded price: with a
 drafter that never hits, a tree of r AR steps' time keeps paying on paper for about
 ``PRIOR_ROUNDS`` (block_size - r) / (r - 1) rounds, so a generation loses about ``PRIOR_ROUNDS``
-block_size AR steps to it, whatever the table. One never observed borrows from the
-nearest budgets that have been: between two, the straight line; past the largest, the largest's (a
-bigger tree commits at least as much, but how much more is unknown, and it costs more, so it is not
-tried on a guess); below the smallest, the smallest's (an upper bound: a smaller tree commits no
-more). Nothing observed yet: the most a round can commit. Every estimate is at most B + 1 (B
-accepted drafts and the bonus) and at most block_size. So the first round tries the size that
-would pay best if every draft were accepted, and the next rounds walk down from there to the size
-that pays for this drafter.
+block_size AR steps to it, whatever the table. One never observed borrows from the nearest budgets
+that have been: between two, the straight line; below the smallest, the smallest's (an upper bound:
+a smaller tree commits no more); past the largest, the straight line on from it through the upper
+half of the observed sizes (``rising``: from the largest observed budget at most half the largest,
+or from budget 0's one token; the observations' means, without the guess, which lifts a larger
+budget more). The curve of tokens against tree size is concave, since the builder adds nodes by
+falling path probability, each worth less than the ones before, so that line is an upper bound too:
+a bigger tree is tried once when even its bound pays best, and its round turns the bound into a
+measurement, for it and every size below it. Nothing observed yet: the most a round can commit.
+Every estimate is at most B + 1 (B accepted drafts and the bonus) and at most block_size. So the
+first round tries the size that would pay best if every draft were accepted, and the next rounds
+walk down from there to the size that pays for this drafter.
 
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
@@ -208,6 +212,7 @@ def estimates(stats: AcceptanceStats) -> list[float]:
     tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
     mean = {b: (stats.sums[b] + PRIOR_ROUNDS * caps[b]) / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
     tokens, above = [1.0], 0                                  # budget 0, an AR step: one token
+    slope = rising(stats, tried) if tried else 0.0
     for budget in range(1, len(caps)):
         while above < len(tried) and tried[above] < budget:  # tried[above]: the first tried >= budget
             above += 1
@@ -218,10 +223,22 @@ def estimates(stats: AcceptanceStats) -> list[float]:
         elif 0 < above < len(tried):                          # the straight line between neighbours
             lo, hi = tried[above - 1], tried[above]
             guess = mean[lo] + (mean[hi] - mean[lo]) * (budget - lo) / (hi - lo)
-        else:                                                 # past the largest, below the smallest
-            guess = mean[tried[-1]] if above == len(tried) else mean[tried[0]]
+        elif above == len(tried):                             # past the largest: the bounding line
+            guess = mean[tried[-1]] + slope * (budget - tried[-1])
+        else:                                                 # below the smallest
+            guess = mean[tried[0]]
         tokens.append(min(guess, caps[budget]))
     return tokens
+
+
+def rising(stats: AcceptanceStats, tried: list[int]) -> float:
+    """Tokens per node of the observed curve's upper half, from the observations alone (the guess
+    would tilt it: it lifts a larger budget more): from the largest observed budget at most half the
+    largest (budget 0, one token, if none) to the largest; never below 0."""
+    top = tried[-1]
+    low = max([b for b in tried if b <= top // 2], default=0)
+    mean_low = stats.sums[low] / stats.counts[low] if low else 1.0
+    return max(0.0, (stats.sums[top] / stats.counts[top] - mean_low) / (top - low))
 
 
 def estimate(stats: AcceptanceStats, budget: int) -> float:

@@ -88,7 +88,34 @@ def test_untried_sizes_borrow_from_their_nearest_measured_neighbours():
     stats = stats_with(rounds=3, b2=2, b6=4)                      # estimates 15/7 and 31/7
     assert estimate(stats, 4) == pytest.approx((15 / 7 + 31 / 7) / 2)   # the line between 2 and 6
     assert estimate(stats, 1) == 2                                # 15/7 borrowed, capped at B + 1
-    assert estimate(stats, 12) == pytest.approx(31 / 7)           # flat past the largest measured
+    # past the largest: on along the line of the means from 2 (the largest at most 6 // 2) to 6
+    assert estimate(stats, 12) == pytest.approx(31 / 7 + 6 * (4 - 2) / 4)
+    assert estimate(stats, 14) == 8                               # the block caps it
+
+
+def halves(**pairs):
+    """Statistics of budgets 0..16: 100 rounds per budget ``b<B>=(tokens, tokens)``, half each."""
+    stats = AcceptanceStats.empty(16, 8)
+    for name, (first, second) in pairs.items():
+        for committed in (first, second) * 50:
+            stats = stats.observe(int(name[1:]), committed)
+    return stats
+
+
+def test_past_the_largest_measured_size_the_upper_halfs_line_bounds_the_estimate():
+    """A concave curve lies under the line through its upper half, so a bigger tree is tried when
+    that bound pays best, and its round measures it: the noisy drafter's case, whose tree of 7 (the
+    first round's) would otherwise hide that 16 pays more."""
+    stats = halves(b3=(2, 3), b7=(3, 3))                          # the curve flattens: 1/8 a node
+    assert estimate(stats, 16) == pytest.approx(estimate(stats, 7) + 9 * (3 - 2.5) / 4)
+    table = CostTable(1.0, tuple(1.3 if b <= 8 else 1.42 for b in range(1, 17)))
+    assert choose_budget(table, stats) == 16                      # its bound: 4.1 tokens for 1.42
+    measured = halves(b3=(2, 3), b7=(3, 3), b16=(3, 3))           # it commits no more
+    assert choose_budget(table, measured) == 7                    # 3 for 1.3 beats 3 for 1.42
+    flat = halves(b3=(3, 3), b7=(3, 2))                           # noise: never a falling line
+    assert estimate(flat, 16) == pytest.approx(estimate(flat, 7))
+    one = halves(b1=(1, 2))                                       # from budget 0's one token
+    assert estimate(one, 3) == pytest.approx(estimate(one, 1) + 2 * (1.5 - 1))
 
 
 def test_a_round_observes_every_budget_up_to_its_own():
@@ -134,14 +161,14 @@ def test_a_smaller_budgets_tree_is_the_first_nodes_and_its_path_the_first_accept
 
 
 def test_no_tree_that_pays_means_ar_steps():
-    stats = stats_with(rounds=4, b7=2, b3=1)                      # ~1 token a round: nothing pays
+    stats = stats_with(rounds=4, b7=2, b3=2)                      # ~1 token a round: nothing pays
     assert utility(DEAR, stats, best_tree(DEAR, stats)) < 1
     assert choose_budget(DEAR, stats) == 0
     assert choose_budget(CHEAP, stats_with(b7=2)) > 0            # the same tree at AR's price pays
 
 
 def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
-    stats = stats_with(rounds=4, b7=2, b3=1)
+    stats = stats_with(rounds=4, b7=2, b3=2)
     best = best_tree(DEAR, stats)
     every = retest_after(DEAR, stats, best)
     # its extra time over the AR steps of the tokens its rounds committed (the mean, no guess in
@@ -158,15 +185,15 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
     retests = [i for i, c in enumerate(choices) if c]
     assert retests == [every, 2 * every, 3 * every] and set(choices[i] for i in retests) == {best}
     # a drafter that starts paying: the re-test's round raises the estimate, and trees come back
-    paying = stats_with(rounds=4, b7=2, b3=1).observe(best, 8).observe(best, 8).observe(best, 8)
-    assert choose_budget(DEAR, paying) == best
+    paying = stats_with(rounds=4, b7=2, b3=2).observe(best, 8).observe(best, 8).observe(best, 8)
+    assert choose_budget(DEAR, paying) >= best                   # (or bigger: its curve still rises)
 
 
 def test_a_retest_is_charged_its_switch_between_ar_runs():
     """A re-test runs alone between two runs of AR steps: its ``switch`` joins its extra seconds, so
     a tree that almost pays (a few hundredths of an AR step short on the queued table) is re-tested
     every hundred-odd steps, not every few."""
-    stats = stats_with(rounds=200, b7=2, b3=1)                    # the guess weighs next to nothing
+    stats = stats_with(rounds=200, b7=2, b3=2)                    # the guess weighs next to nothing
     best = best_tree(DEAR, stats)
     measured = stats.sums[best] / stats.counts[best]
     near = CostTable(1.0, (measured + 0.025,) * 15)               # 0.025 AR steps short of paying
@@ -180,7 +207,7 @@ def test_a_retest_is_charged_its_switch_between_ar_runs():
 def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
     """``plan_ar_run`` (the engine's run of AR steps) against the reference loop's update, one
     budget-0 round at a time: the same number of rounds, the budget after them, the statistics."""
-    never = stats_with(rounds=4, b7=2, b3=1)                      # nothing pays: re-tests only
+    never = stats_with(rounds=4, b7=2, b3=2)                      # nothing pays: re-tests only
     every = retest_after(DEAR, never, best_tree(DEAR, never))
     cases = [(DEAR, never, 0, 500), (DEAR, never, 0, 5),          # a long run; one cut by the end
              (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 1), 0, 500),
