@@ -158,10 +158,13 @@ def load_cost_table(path) -> CostTable:
         raise ValueError(f"cost table file {path}: {error}") from None
 
 
+def cost_table_to_dict(table: CostTable) -> dict:
+    return {"ar_step": table.ar_step, "verify": list(table.verify), "switch": table.switch}
+
+
 def save_cost_table(table: CostTable, path, **notes) -> None:
     with open(path, "w") as file:
-        json.dump({"ar_step": table.ar_step, "verify": list(table.verify), "switch": table.switch, **notes},
-                  file, indent=1)
+        json.dump({**cost_table_to_dict(table), **notes}, file, indent=1)
         file.write("\n")
 # --8<-- [end:file_format]
 

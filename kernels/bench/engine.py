@@ -49,6 +49,7 @@ import numpy as np
 
 from ddtree import decode as reference_decode
 from ddtree import golden
+from ddtree.budget import cost_table_to_dict
 from ddtree.cli import budget_list
 from ddtree.config import ModelConfig, preset
 from ddtree.drafters import DRAFTERS, make_drafter
@@ -216,7 +217,7 @@ def auto_runs(model, prompt, continuation, repeats: int, max_budget: int,
         rate, trace = median_rate(run, NEW_TOKENS, repeats)
         runs.append(Run("engine, graphs", f"DDTree {drafter_name}", AUTO, rate,
                         trace.prefill_forwards + trace.verify_forwards, repeats))
-        chosen[drafter_name] = {"cost_table": {"ar_step": table.ar_step, "verify": list(table.verify)},
+        chosen[drafter_name] = {"cost_table": cost_table_to_dict(table),
                                 "budgets": [int(b) for b in trace.budgets]}
         rate, trace = median_rate(functools.partial(carried_run, run, [trace]), NEW_TOKENS, repeats)
         runs.append(Run("engine, graphs", f"DDTree {drafter_name}", CARRIED, rate,
@@ -649,11 +650,14 @@ def format_report(results: list[dict], header: list, command: str) -> str:
                                 f"{'yes' if result['transformers_same_tokens'] else 'no'}")
             lines += ["", "Targets:", ""] + section(f"targets-{name}", verdicts)
         if result.get("auto"):
-            chosen = ["| drafter | rounds | budgets chosen (rounds at each) |", "|---|---|---|"]
+            chosen = ["| drafter | rounds | budgets chosen (rounds at each) | table: AR step µs "
+                      "| switch µs |", "|---|---|---|---|---|"]
             for drafter_name, auto in result["auto"].items():
                 counts = collections.Counter(auto["budgets"])
+                table = auto["cost_table"]
                 chosen.append(f"| {drafter_name} | {len(auto['budgets'])} | "
-                              + ", ".join(f"{b} x{counts[b]}" for b in sorted(counts)) + " |")
+                              + ", ".join(f"{b} x{counts[b]}" for b in sorted(counts))
+                              + f" | {table['ar_step'] * 1e6:.0f} | {table.get('switch', 0.0) * 1e6:.0f} |")
             lines += ["", f"Budget auto: each drafter's cost table timed at warm-up (budgets 0 to "
                       f"{len(next(iter(result['auto'].values()))['cost_table']['verify'])}; 0 is an AR "
                       "step); the budgets its last timed run chose:", ""] + section(f"auto-{name}", chosen)

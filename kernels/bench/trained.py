@@ -32,6 +32,7 @@ import sys
 import numpy as np
 
 from ddtree import decode as reference_decode
+from ddtree.budget import cost_table_to_dict
 from ddtree.cli import budget_list, positive
 from ddtree.drafters import load_block_drafter, make_drafter
 from ddtree.model import Transformer as ReferenceTransformer
@@ -329,7 +330,7 @@ def measure(args, settings: Settings, log) -> dict:
               "window": block_drafter.window, "max_depths": block_drafter.max_depths,
               "settings": dataclasses.asdict(settings), "block": BLOCK,
               "transformers": {"ran": peer is not None, "where": where},
-              "cost_tables": {name: {"ar_step": table.ar_step, "verify": list(table.verify)}
+              "cost_tables": {name: cost_table_to_dict(table)
                               for name, table in tables.items()},
               "prompts": results, "totals": totals(results, settings.tokens)}
 
