@@ -49,9 +49,14 @@ its record's read behind the round before, and it splits the AR run in two, whic
 and end. On a small model it is about an AR step, so a re-test priced without it, of a tree that
 almost pays, would come every few steps and cost far more than its share.
 
-The policy is a pure function of (``CostTable``, ``AcceptanceStats``): no clock, no randomness,
-so the reference and the engine choose alike for the same table and the same records, and a run
-with a given table is reproducible. The statistics are plain counts and sums, updated with
+Keeping a size. Near the best, several sizes promise about the same, and their estimates trade
+places from round to round. A change costs a round out of the queue (a round of another shape is
+launched after the record before it is read), so a tree size in use that still pays is kept unless
+another promises ``CHANGE_MARGIN`` more tokens per second.
+
+The policy is a pure function of (``CostTable``, ``AcceptanceStats``, the size in use): no clock,
+no randomness, so the reference and the engine choose alike for the same table and the same
+records, and a run with a given table is reproducible. The statistics are plain counts and sums, updated with
 ``observe`` from each finished round's committed count.
 """
 
@@ -67,6 +72,7 @@ from ddtree.tree import check_budget
 
 EXPLORE_SHARE = 0.01        # a re-test costs at most 1% of the AR steps' time before it
 PRIOR_ROUNDS = 0.5          # the guess "every draft accepted" weighs half a round in each estimate
+CHANGE_MARGIN = 0.1         # another tree size must promise 10% more tokens per second than the one in use
 
 
 # --8<-- [start:CostTable]
@@ -264,7 +270,11 @@ def utility(table: CostTable, stats: AcceptanceStats, budget: int) -> float:
 
 def best_tree(table: CostTable, stats: AcceptanceStats) -> int:
     """The budget >= 1 of the highest utility (the smaller among equals)."""
-    return 1 + int(np.argmax(utilities(table, stats)[1:]))   # argmax: the first of equals
+    return best_of(utilities(table, stats))
+
+
+def best_of(scores: list[float]) -> int:
+    return 1 + int(np.argmax(scores[1:]))                    # argmax: the first of equals
 
 
 def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
@@ -277,18 +287,26 @@ def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
     return max(1, math.ceil(extra / (explore_share * table.ar_step)))
 
 
-def choose_budget(table: CostTable, stats: AcceptanceStats, explore_share: float = EXPLORE_SHARE) -> int:
-    """The next round's budget: the best tree if its utility is above one, else 0 (an AR step),
-    except that every ``retest_after`` AR steps in a row the best tree runs once more."""
-    return choice_by_ar_run(table, stats, explore_share)(stats.ar_run)
+def choose_budget(table: CostTable, stats: AcceptanceStats, current: int = 0,
+                  explore_share: float = EXPLORE_SHARE) -> int:
+    """The next round's budget after a round of ``current`` (the one in flight): the best tree if
+    its utility is above one, else 0 (an AR step), except that every ``retest_after`` AR steps in a
+    row the best tree runs once more; a tree in use that still pays is kept unless the best beats
+    it by ``CHANGE_MARGIN``."""
+    return choice_by_ar_run(table, stats, current, explore_share)(stats.ar_run)
 
 
-def choice_by_ar_run(table: CostTable, stats: AcceptanceStats, explore_share: float = EXPLORE_SHARE):
+def choice_by_ar_run(table: CostTable, stats: AcceptanceStats, current: int = 0,
+                     explore_share: float = EXPLORE_SHARE):
     """``choose_budget`` of ``stats`` with any number of AR steps observed after them, as a function
     of their ``ar_run``: an AR step changes no tree's statistics, so the best tree, its utility and
     its re-test period stay as they are (a decoder plans a run of AR steps with it)."""
-    best = best_tree(table, stats)
-    if utility(table, stats, best) > 1:
+    scores = utilities(table, stats)
+    best = best_of(scores)
+    in_use = 0 < current < len(scores) and scores[current] > 1
+    if in_use and scores[best] <= scores[current] * (1 + CHANGE_MARGIN):
+        best = current                                       # not worth a round out of the queue
+    if scores[best] > 1:
         return lambda ar_run: best
     every = retest_after(table, stats, best, explore_share)
     return lambda ar_run: best if ar_run and ar_run % every == 0 else 0

@@ -365,12 +365,12 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     per forward.
 
     ``budget="auto"`` (with ``cost_table=``, a ``ddtree.budget.CostTable``): each round's budget is
-    ``ddtree.budget.choose_budget`` of the table and of what the rounds before the last one
-    committed (``trace.budgets`` lists them). The one-round lag is the engine's: it launches the
-    next round before it reads the last one's record, and this loop chooses as it does, so both
-    choose the same budgets. A round cut short by the request's end is not counted.
-    ``trace.acceptance`` holds the statistics after every round; ``acceptance=`` starts a
-    generation from another's (``ddtree.budget.check_acceptance``).
+    ``ddtree.budget.choose_budget`` of the table, of what the rounds before the last one
+    committed and of the last one's budget (``trace.budgets`` lists them). The one-round lag is
+    the engine's: it launches the next round before it reads the last one's record, and this loop
+    chooses as it does, so both choose the same budgets. A round cut short by the request's end is
+    not counted. ``trace.acceptance`` holds the statistics after every round; ``acceptance=``
+    starts a generation from another's (``ddtree.budget.check_acceptance``).
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
                                   seed, verifier, cost_table)
@@ -398,7 +398,8 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         trace.budgets.append(budget)
         trace.verify_forwards += 1
         if table is not None:                 # the next budget, from the rounds before this one
-            budget, stats = choose_budget(table, stats), observe(stats, budget, record, block == block_size)
+            following = choose_budget(table, stats, budget)      # budget: the round in use
+            budget, stats = following, observe(stats, budget, record, block == block_size)
     trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]

@@ -163,7 +163,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
         # the next round's budget, from the records read so far (those before the round in flight)
-        following, upcoming = None, budget if table is None else choose_budget(table, stats)
+        following, upcoming = None, budget if table is None else choose_budget(table, stats, budget)
         if length + block + block_size <= context.size and upcoming == budget:   # the same shape
             following = model.queue_round(cache, pending)         # whatever this round commits
         record = finish_round(model, cache, pending)

@@ -22,6 +22,7 @@ from ddtree import decode as reference_decode
 from ddtree import golden
 from ddtree.accept import accept
 from ddtree.budget import (
+    CHANGE_MARGIN,
     PRIOR_ROUNDS,
     AcceptanceStats,
     CostTable,
@@ -32,6 +33,7 @@ from ddtree.budget import (
     load_cost_table,
     retest_after,
     save_cost_table,
+    utilities,
     utility,
 )
 from ddtree.decode import plan_ar_run
@@ -223,6 +225,20 @@ def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
     assert plan_ar_run(DEAR, never, 0, 500, 8)[:2] == (every + 1, best_tree(DEAR, never))
 
 
+def test_a_tree_size_in_use_is_kept_unless_another_promises_the_margin_more():
+    """A change of size costs a round out of the queue: near-equal sizes do not trade places."""
+    stats = halves(b3=(2, 3), b7=(3, 3), b16=(3, 3))
+    table = CostTable(1.0, (1.0,) * 15 + (0.95,))                 # 16 a little cheaper
+    scores = utilities(table, stats)
+    assert best_tree(table, stats) == 16 and scores[16] < scores[7] * (1 + CHANGE_MARGIN)
+    assert choose_budget(table, stats) == 16                      # nothing in use: the best
+    assert choose_budget(table, stats, current=7) == 7            # 7 in use: kept
+    assert choose_budget(table, stats, current=2) == 16           # the best beats it by more
+    assert choose_budget(CostTable(1.0, (1.0,) * 6 + (3.0,) * 10), stats, current=7) == 6   # 7 now dear
+    assert choose_budget(CostTable(1.0, (1.0,) * 6 + (4.0,) * 10), stats, current=7) == 6   # 7 not paying
+    assert choose_budget(table, stats, current=0) == 16           # from AR steps: no size in use
+
+
 def test_the_policy_is_a_pure_function_of_table_and_statistics():
     stats = stats_with(b2=3, b5=2, ar_run=4)
     first = [choose_budget(table, stats) for table in (GROWING, CHEAP, DEAR)]
@@ -326,10 +342,11 @@ def test_auto_budgets_replay_the_policy_with_a_one_round_lag():
     _, trace = reference_decode.generate_ddtree(model, prompt, NEW, drafter, budget="auto",
                                                 cost_table=GROWING)
     stats = AcceptanceStats.empty(GROWING.max_budget, 8)
-    wanted = [choose_budget(GROWING, stats)] * 2                  # rounds 0 and 1: nothing read yet
-    for round_, budget in zip(trace.rounds[:-2], trace.budgets, strict=False):
+    wanted = [choose_budget(GROWING, stats)]                      # rounds 0 and 1: nothing read yet
+    wanted.append(choose_budget(GROWING, stats, wanted[0]))      # (round 1: after round 0's size)
+    for k, (round_, budget) in enumerate(zip(trace.rounds[:-2], trace.budgets, strict=False)):
         stats = stats.observe_round(budget, round_.accepted)
-        wanted.append(choose_budget(GROWING, stats))
+        wanted.append(choose_budget(GROWING, stats, trace.budgets[k + 1]))   # the size in use
     # the last rounds may be cut short by the request's end, and are not counted
     assert trace.budgets[:len(wanted) - 2] == wanted[:len(trace.budgets) - 2]
 

@@ -74,7 +74,7 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
         budgets.append(current)
         accepted = np.concatenate([[0], paths[p][paths[p] <= current]])     # this round's path
         if budget is None:
-            following = choose_budget(table, stats)
+            following = choose_budget(table, stats, current)
             if min(block_size, len(paths) - p) == block_size:              # a full block: observed
                 stats = stats.observe_round(current, accepted)
             current = following
