@@ -49,10 +49,11 @@ its record's read behind the round before, and it splits the AR run in two, whic
 and end. On a small model it is about an AR step, so a re-test priced without it, of a tree that
 almost pays, would come every few steps and cost far more than its share.
 
-Keeping a size. Near the best, several sizes promise about the same, and their estimates trade
-places from round to round. A change costs a round out of the queue (a round of another shape is
-launched after the record before it is read), so a tree size in use that still pays is kept unless
-another promises ``CHANGE_MARGIN`` more tokens per second.
+Keeping a size. Near the best, several sizes promise about the same, and their estimates (and the
+bound of a size not yet tried) move with every round: the argmax alone would trade places on noise.
+So a tree size in use that still pays is kept unless another promises ``CHANGE_MARGIN`` more tokens
+per second (in the engine a change stays queued, but a size's first round captures its graph: a
+wait).
 
 The policy is a pure function of (``CostTable``, ``AcceptanceStats``, the size in use): no clock,
 no randomness, so the reference and the engine choose alike for the same table and the same
@@ -292,7 +293,7 @@ def choose_budget(table: CostTable, stats: AcceptanceStats, current: int = 0,
     """The next round's budget after a round of ``current`` (the one in flight): the best tree if
     its utility is above one, else 0 (an AR step), except that every ``retest_after`` AR steps in a
     row the best tree runs once more; a tree in use that still pays is kept unless the best beats
-    it by ``CHANGE_MARGIN``."""
+    it by ``CHANGE_MARGIN`` (module docstring)."""
     return choice_by_ar_run(table, stats, current, explore_share)(stats.ar_run)
 
 
@@ -305,7 +306,7 @@ def choice_by_ar_run(table: CostTable, stats: AcceptanceStats, current: int = 0,
     best = best_of(scores)
     in_use = 0 < current < len(scores) and scores[current] > 1
     if in_use and scores[best] <= scores[current] * (1 + CHANGE_MARGIN):
-        best = current                                       # not worth a round out of the queue
+        best = current                                       # within the margin: noise
     if scores[best] > 1:
         return lambda ar_run: best
     every = retest_after(table, stats, best, explore_share)

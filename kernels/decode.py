@@ -122,8 +122,8 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     has always run, so a call without a table behaves as it did and equals the reference's default. Queued
     rounds stay queued: the next round's budget is chosen from the records already read, those of the rounds
     before the one in flight, so a choice lags a round (the reference's loop lags alike: the same budgets);
-    when it differs from the round in flight's, the next round is not queued but launched after the read, in
-    its own shape. A run of budget-0 rounds (no tree pays) runs as AR steps back to back, read once
+    a tree of another size is queued in its own shape (``Transformer.queue_round``), and only a change to AR
+    steps waits for the read. A run of budget-0 rounds (no tree pays) runs as AR steps back to back, read once
     (``plan_ar_run`` knows its length beforehand): the records of root-only rounds without a round's
     build, compaction and record copy each. ``acceptance``: the statistics to start from (another
     generation's ``trace.acceptance``), as in the reference.
@@ -164,8 +164,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
         # the next round's budget, from the records read so far (those before the round in flight)
         following, upcoming = None, budget if table is None else choose_budget(table, stats, budget)
-        if length + block + block_size <= context.size and upcoming == budget:   # the same shape
-            following = model.queue_round(cache, pending)         # whatever this round commits
+        if length + block + block_size <= context.size and (upcoming == budget or upcoming > 0):
+            shape = None if upcoming == budget else (   # another tree size: queued too, in its shape
+                upcoming, candidates_per_depth(upcoming, topk, model.config.vocab_size), block_size - 1)
+            following = model.queue_round(cache, pending, shape)  # whatever this round commits
         record = finish_round(model, cache, pending)
         pending = following
         length = commit(context, length, record)

@@ -760,11 +760,9 @@ class Transformer:
                 raise ValueError("draft may be None only after drafts_on_device(drafter), and not for the "
                                  "sampled tree (verifier='rejection' at temperature > 0)")
             check_round(self.buffers.drafter, len(context), depths)
-        depths = min(depths if kind else draft.shape[0], budget)    # deeper rows can never be reached
-        k = min(k, max(budget, 1))                    # neither can ranks >= B
-        budget = tree_size(depths, k, budget) - 1     # the nodes the tree will have: the same tree
-        rows = budget + 1        # the tree's nodes exactly: the key below has the budget, L and K
-        self._reserve(cache, rows)                    # anyway, so buckets would save no graph
+        key, phases = self.round_shape(depths if kind else draft.shape[0], k, budget, kind)
+        _, rows, depths, k, budget = key[:5]
+        self._reserve(cache, rows)
         self.sync_context(context, rows)
         root = int(context[-1])
         if self.device_root != root:
@@ -772,10 +770,6 @@ class Transformer:
         if depths and kind is None:
             draft_rows = self.cached(("draft", depths), lambda: self.buffers.draft[:depths])
             self.graphs.upload(np.ascontiguousarray(draft[:depths], np.float32), draft_rows)
-        drafter_key = None if kind is None else self.buffers.drafter.graph_key   # a block drafter's forward
-        key = ("round", rows, depths, k, budget, self.sampling, drafter_key)
-        phases = self.cached(("phases", *key),
-                             lambda: self.round_phases(rows, depths, k, budget, self.sampling, drafter=kind))
         if verifier == "rejection" and self.sampling:
             self.run_phases(("draft tree", *key), phases[:2])                      # top-K, build
             self.redraw_children(rows, k, draft, cache.length)
@@ -785,19 +779,42 @@ class Transformer:
         followable = kind is not None and always_proposes(self.buffers.drafter)
         return self.launch_round(PendingRound(key, phases, rows, followable))
 
-    def queue_round(self, cache: DeviceCache, pending: PendingRound) -> PendingRound | None:
-        """Launch the round after ``pending`` before the host has read ``pending``'s record: the
-        same shape (the caller knows the block stays the same), from the context and root the
-        device holds after ``pending``. So the device goes straight on while the host reads the
-        record; the round is the one the host would launch after reading it. Only with the
-        drafter on the device (the host would need the context to draft), and only where the
-        bounds hold whatever ``pending`` commits; otherwise None (launch it after reading)."""
+    def round_shape(self, depths: int, k: int, budget: int, kind) -> tuple[tuple, list]:
+        """(graph key, phases) of a round of ``budget`` drafted nodes, ``depths`` (L) draft rows and
+        K = ``k`` (``kind``: the device drafter's, None for a host draft). The key starts ("round",
+        rows, L, K, budget) as the tree has them: rows the tree's nodes exactly (the key has the
+        budget, L and K anyway, so buckets would save no graph)."""
+        depths = min(depths, budget)                  # deeper rows can never be reached
+        k = min(k, max(budget, 1))                    # neither can ranks >= B
+        budget = tree_size(depths, k, budget) - 1     # the nodes the tree will have: the same tree
+        rows = budget + 1
+        drafter_key = None if kind is None else self.buffers.drafter.graph_key   # a block drafter's forward
+        key = ("round", rows, depths, k, budget, self.sampling, drafter_key)
+        phases = self.cached(("phases", *key),
+                             lambda: self.round_phases(rows, depths, k, budget, self.sampling, drafter=kind))
+        return key, phases
+
+    def queue_round(self, cache: DeviceCache, pending: PendingRound, shape: tuple[int, int, int] | None = None
+                    ) -> PendingRound | None:
+        """Launch the round after ``pending`` before the host has read ``pending``'s record, from the
+        context and root the device holds after ``pending``: of ``pending``'s shape, or of ``shape`` =
+        (budget, K, L) (a budget that changes; the caller knows the block is whole). So the device goes
+        straight on while the host reads the record; the round is the one the host would launch after
+        reading it. Only with the drafter on the device (the host would need the context to draft),
+        and only where the bounds hold whatever ``pending`` commits; otherwise None (launch it after
+        reading)."""
         if self.unread != 1 or not pending.followable or self.round_timings is not None:
             return None
-        if cache.length + 2 * pending.rows > self.config.max_position_embeddings \
-                or self.context_count + 2 * pending.rows > self.buffers.committed.size:
+        following = pending
+        if shape is not None:
+            budget, k, depths = shape
+            check_budget(budget, *self.budget_limit)
+            key, phases = self.round_shape(depths, k, budget, self.buffers.drafter.kind)
+            following = PendingRound(key, phases, key[1], True)
+        if cache.length + pending.rows + following.rows > self.config.max_position_embeddings \
+                or self.context_count + pending.rows + following.rows > self.buffers.committed.size:
             return None
-        return self.launch_round(dataclasses.replace(pending, record=None))
+        return self.launch_round(dataclasses.replace(following, record=None))
 
     def launch_round(self, pending: PendingRound) -> PendingRound:
         self.run_phases(pending.key, pending.phases)

@@ -442,6 +442,33 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     assert model.unread == 0
 
 
+def test_a_change_of_tree_size_is_queued_and_the_engine_stays_the_reference(monkeypatch):
+    """The round after a change of size is launched before the record of the one in flight is read,
+    in its own shape (``Transformer.queue_round``'s shape): the same tokens, budgets and rounds."""
+    from kernels import decode as engine_decode
+    from tests.test_engine import assert_same_round, engine
+
+    model, ref = engine("micro", max_tree_nodes=8), reference_model()
+    prompt, new = golden.default_prompt("micro")[:2], 12
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    shapes = []
+    queue_round = model.queue_round
+    monkeypatch.setattr(model, "queue_round", lambda cache, pending, shape=None: shapes.append(
+        (shape, queue_round(cache, pending, shape))) or shapes[-1][1])
+    table = CostTable(1.0, tuple(1.0 + 0.1 * b for b in range(1, 8)))
+    options = dict(block_size=3, budget="auto", cost_table=table)
+    drafter = make_drafter("noisy", ref, prompt, new, continuation=expected, seed=29)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    wanted_tokens, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
+    assert_exact(tokens, expected)
+    assert trace.budgets == wanted.budgets == [2, 2, 2, 4, 4, 4]     # trees of 2, then of 4
+    for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
+        assert_same_round(actual_round, wanted_round)
+    changed = [pending for shape, pending in shapes if shape is not None]
+    assert changed and all(pending is not None and pending.key[4] == 4 for pending in changed)
+    assert model.unread == 0
+
+
 def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference():
     """A re-test after a run of AR steps: the round after the run uploads the root and the context
     the AR steps left behind, and the tokens, budgets and records stay the reference's."""
