@@ -46,8 +46,8 @@ ar_step`` over the AR steps its tokens would have taken, is at most ``explore_sh
 the AR steps before it: exploring costs at most that share of an AR run. ``switch`` is what a round
 costs beyond ``verify(B)`` when it runs between two runs of AR steps: nothing hides its launch and
 its record's read behind the round before, and it splits the AR run in two, which adds a run's start
-and end. On a small model it is about an AR step, so a re-test priced without it, of a tree that
-almost pays, would come every few steps and cost far more than its share.
+and end. Priced without it, a tree that almost pays (its extra seconds near zero) would be re-tested
+every few steps, each re-test costing far more than its share.
 
 Keeping a size. Near the best, several sizes promise about the same, and their estimates (and the
 bound of a size not yet tried) move with every round: the argmax alone would trade places on noise.
