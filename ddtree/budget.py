@@ -57,8 +57,8 @@ wait).
 
 The policy is a pure function of (``CostTable``, ``AcceptanceStats``, the size in use): no clock,
 no randomness, so the reference and the engine choose alike for the same table and the same
-records, and a run with a given table is reproducible. The statistics are plain counts and sums, updated with
-``observe`` from each finished round's committed count.
+records, and a run with a given table is reproducible. The statistics are plain counts and sums,
+updated with ``observe`` from each finished round's committed count.
 """
 
 from __future__ import annotations
