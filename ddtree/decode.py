@@ -285,19 +285,31 @@ def auto_budget(budget, cost_table, block_size: int, acceptance=None):
     return choose_budget(table, stats), table, stats
 
 
-def commit(context, length: int, record: RoundTrace) -> int:
+def round_block(model, length: int, block_size: int) -> int:
+    """The block of the round rooted at ``length`` committed tokens: ``block_size``, also where the
+    request ends sooner (the tokens past its end are dropped, so every round of a budget has one
+    shape: one CUDA graph in the engine), unless its deepest node would pass the model's last
+    position (depth d sits at position length - 1 + d)."""
+    return min(block_size, model.config.max_position_embeddings - length + 1)
+
+
+def commit(context, length: int, record: RoundTrace) -> tuple[RoundTrace, int]:
     """Append a round's accepted drafts and its bonus to ``context`` (committed so far:
-    ``context[:length]``); returns the new length."""
+    ``context[:length]``), up to the request's end; returns the record, its ``committed`` cut to
+    what was appended, and the new length."""
     new = [int(t) for t in record.tokens[record.accepted[1:]]] + [record.bonus]
+    new = new[:context.size - length]                      # past the request's end: dropped
     context[length:length + len(new)] = new
-    return length + len(new)
+    if len(new) < record.committed:
+        record = dataclasses.replace(record, committed=len(new))
+    return record, length + len(new)
 
 
 def observe(stats: AcceptanceStats, budget: int, record: RoundTrace, full_block: bool) -> AcceptanceStats:
     """The statistics after ``record``, a round of ``budget`` (an observation for every budget up to
-    it: ``AcceptanceStats.observe_round``); one cut short by the request's end
-    (not ``full_block``) is left out: its count says where the request ends, not what the drafter
-    earns."""
+    it: ``AcceptanceStats.observe_round``, from its accepted path, whole where the request ended in
+    it); one cut short by the model's last position (not ``full_block``) is left out: its count says
+    where the positions end, not what the drafter earns."""
     return stats.observe_round(budget, record.accepted) if full_block else stats
 
 
@@ -368,8 +380,8 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     ``ddtree.budget.choose_budget`` of the table, of what the rounds before the last one
     committed and of the last one's budget (``trace.budgets`` lists them). The one-round lag is
     the engine's: it launches the next round before it reads the last one's record, and this loop
-    chooses as it does, so both choose the same budgets. A round cut short by the request's end is
-    not counted. ``trace.acceptance`` holds the statistics after every round; ``acceptance=``
+    chooses as it does, so both choose the same budgets. A round cut short by the model's last
+    position is not counted. ``trace.acceptance`` holds the statistics after every round; ``acceptance=``
     starts a generation from another's (``ddtree.budget.check_acceptance``).
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
@@ -389,11 +401,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     context[:prompt.size] = prompt                                # committed so far: context[:length]
     length = prompt.size                                          # (a view of it per round: no copy)
     while length < context.size:
-        # never draft past the request: the round commits at most depths + 1 tokens
-        block = min(block_size, context.size - length)
+        block = round_block(model, length, block_size)
         record = ddtree_round(model, cache, context[:length], drafter, block, budget, topk, temperature,
                               seed, verifier)
-        length = commit(context, length, record)
+        record, length = commit(context, length, record)
         trace.rounds.append(record)
         trace.budgets.append(budget)
         trace.verify_forwards += 1

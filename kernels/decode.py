@@ -37,6 +37,7 @@ from ddtree.decode import (
     largest_tree,
     observe,
     plan_ar_run,
+    round_block,
 )
 from ddtree.sampling import check_sampling_seed, check_temperature
 from ddtree.tree import check_budget
@@ -159,7 +160,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
             length += steps
             trace.verify_forwards += steps
             continue
-        block = min(block_size, context.size - length)
+        block = round_block(model, length, block_size)
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
         # the next round's budget, from the records read so far (those before the round in flight)
@@ -170,7 +171,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
             following = model.queue_round(cache, pending, shape)  # whatever this round commits
         record = finish_round(model, cache, pending)
         pending = following
-        length = commit(context, length, record)
+        record, length = commit(context, length, record)
         trace.rounds.append(record)
         trace.budgets.append(budget)
         trace.verify_forwards += 1
@@ -266,7 +267,7 @@ def timed_rounds(model, prompt, drafter, block_size: int, budget: int, topk: int
     pending = start_round(model, cache, context[:length], drafter, block_size, budget, topk)
     for done in range(1, count + 1):
         following = model.queue_round(cache, pending) if done < count else None
-        length = commit(context, length, finish_round(model, cache, pending))
+        _, length = commit(context, length, finish_round(model, cache, pending))
         pending = following
         if pending is None and done < count:
             pending = start_round(model, cache, context[:length], drafter, block_size, budget, topk)

@@ -363,9 +363,8 @@ def test_statistics_carried_to_the_next_generation():
         drafter = make_drafter(drafter_name, model, prompt, NEW, continuation=expected)
         _, first = reference_decode.generate_ddtree(model, prompt, NEW, drafter, budget="auto",
                                                     cost_table=table)
-        # every round with a full block ahead observed (each observes budget 0 and up)
-        full = sum(1 for r in first.rounds if prompt.size + NEW - (r.start + 1) >= 8)
-        assert first.acceptance.counts[0] == full
+        # every round observed, the last ones too (each observes budget 0 and up)
+        assert first.acceptance.counts[0] == len(first.rounds)
         tokens, second = reference_decode.generate_ddtree(model, prompt, NEW, drafter, budget="auto",
                                                           cost_table=table, acceptance=first.acceptance)
         assert_exact(tokens, expected, name=f"{drafter_name}, carried statistics")
@@ -467,6 +466,13 @@ def test_a_change_of_tree_size_is_queued_and_the_engine_stays_the_reference(monk
     changed = [pending for shape, pending in shapes if shape is not None]
     assert changed and all(pending is not None and pending.key[4] == 4 for pending in changed)
     assert model.unread == 0
+    # the last round too, with fewer tokens left than a block: a full block's shape, no graph of its own
+    run, keys = model.graphs.run, []
+    monkeypatch.setattr(model.graphs, "run", lambda key, sequence: keys.append(key) or run(key, sequence))
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new - 1, drafter, **options)
+    assert_exact(tokens, expected[:new - 1])
+    assert trace.rounds[-1].committed < trace.rounds[-1].accepted.size      # cut at the request's end
+    assert {key[2] for key in keys if key[0] == "round"} == {2}                          # depths L = 2
 
 
 def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference():

@@ -28,9 +28,12 @@ def test_the_replay_is_the_decoder(drafter_name):
     config = preset("micro")
     model = Transformer(config, init_weights(config, 0))
     prompt = golden.default_prompt("micro")
-    ar = generate_ar(model, prompt, NEW)
+    longer = generate_ar(model, prompt, NEW + 7)            # a last round's targets past the request
+    ar = longer[:NEW]
     drafter = make_drafter(drafter_name, model, prompt, NEW, continuation=ar)
-    paths = budget_replay.round_paths(prompt, ar, drafter, 8, TABLE.max_budget, config.vocab_size)
+    with pytest.raises(ValueError, match="ar must hold tokens"):
+        budget_replay.round_paths(prompt, ar, drafter, 8, TABLE.max_budget, config.vocab_size, NEW)
+    paths = budget_replay.round_paths(prompt, longer, drafter, 8, TABLE.max_budget, config.vocab_size, NEW)
     assert len(paths) == NEW and all(np.all(np.diff(p) > 0) for p in paths)
     for budget in (1, 3, 16):
         _, trace = generate_ddtree(model, prompt, NEW, drafter, 8, budget=budget)

@@ -1,11 +1,13 @@
 """The invariant that proves the engine: DDTree == AR == golden, for every drafter and shape."""
 
+import dataclasses
 import functools
 
 import numpy as np
 import pytest
 
 from ddtree import golden
+from ddtree.budget import CostTable
 from ddtree.decode import (
     MAX_BUDGET,
     candidates_per_depth,
@@ -66,6 +68,36 @@ def test_oracle_commits_eight_tokens_per_forward():
     assert trace.verify_forwards == 3 and trace.prefill_forwards == 1
     assert trace.tokens_per_forward == 8.0
     assert [r.committed for r in trace.rounds] == [8, 8, 8]
+
+
+def test_the_last_round_drafts_a_full_block_and_drops_what_passes_the_request():
+    """With fewer tokens than a block left, a round drafts as any other (one shape per budget: one
+    CUDA graph in the engine); the tokens past the request are dropped, and its record counts the
+    tokens kept."""
+    model, bundle = model_for("tiny"), golden.load_bundle("tiny")
+    drafter = OracleDrafter(np.concatenate([bundle["prompt"], bundle["tokens"]]), model.config.vocab_size)
+    tokens, trace = generate_ddtree(model, bundle["prompt"], 20, drafter, block_size=8, budget=32)
+    assert_exact(tokens, bundle["tokens"][:20])
+    assert [r.committed for r in trace.rounds] == [8, 8, 4]
+    last = trace.rounds[-1]
+    assert last.depths.max() == 7 and last.accepted.size == 8       # a whole block drafted and accepted
+
+
+def test_a_round_stops_at_the_model_s_last_position():
+    """Where a block's deepest node would pass ``max_position_embeddings``, the round drafts only the
+    depths that fit; a round cut short that way is not observed by ``budget="auto"``."""
+    config, weights = golden.golden_model("tiny")
+    prompt = golden.load_bundle("tiny")["prompt"]
+    model = Transformer(dataclasses.replace(config, max_position_embeddings=prompt.size + 20), weights)
+    expected = generate_ar(model, prompt, 20)
+    drafter = OracleDrafter(np.concatenate([prompt, expected]), model.config.vocab_size)
+    tokens, trace = generate_ddtree(model, prompt, 20, drafter, block_size=8, budget=32)
+    assert_exact(tokens, expected)
+    assert [r.committed for r in trace.rounds] == [8, 8, 4]
+    assert trace.rounds[-1].depths.max() == 4               # its nodes at positions up to the last one
+    table = CostTable(1.0, (0.5,) * 32)
+    _, auto = generate_ddtree(model, prompt, 20, drafter, block_size=8, budget="auto", cost_table=table)
+    assert sum(auto.acceptance.counts[1:2]) == len(auto.rounds) - 1    # the cut round: not observed
 
 
 def test_single_chain_baseline_is_a_chain():

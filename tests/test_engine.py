@@ -153,7 +153,10 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     first = trace.rounds[0]
     assert first.tokens.size > 3 and len(set(first.parents.tolist())) > 2          # it branched
     assert any(np.any(r.accepted != np.arange(r.accepted.size)) for r in trace.rounds)   # a row moved
-    assert_cache_holds(model, ref, np.concatenate([prompt, expected[:-1]]))
+    # the rows of the whole accepted path, the last round's past the request too (AR's tokens there)
+    longer = reference_decode.generate_ar(ref, prompt, new + 2)
+    assert model.cache.length >= prompt.size + new - 1
+    assert_cache_holds(model, ref, np.concatenate([prompt, longer])[:model.cache.length])
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -225,10 +228,11 @@ def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(mon
     for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
         assert_same_round(actual_round, wanted_round)
     assert any(pending is not None for pending in queued) and model.unread == 0
-    # the drafter's kernels read the committed tokens there: every round appended its own
-    n = prompt.size + new
-    assert model.buffers.context_length.copy_to_host()[0] == n == model.context_count
-    assert_exact(model.buffers.committed.copy_to_host()[:n], np.concatenate([prompt, tokens]))
+    # the drafter's kernels read the committed tokens there: every round appended its own (the
+    # last one its whole path, past the request too)
+    n = model.context_count
+    assert model.buffers.context_length.copy_to_host()[0] == n >= prompt.size + new
+    assert_exact(model.buffers.committed.copy_to_host()[:prompt.size + new], np.concatenate([prompt, tokens]))
     # a context the device has not seen (the first round again, from a new cache) is uploaded
     again = engine_decode.ddtree_round(model, model.new_cache(), prompt, drafter, 2, 1, None)
     assert_same_round(again, trace.rounds[0])

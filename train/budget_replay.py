@@ -13,7 +13,7 @@ whatever came before, and what it commits depends only on p and B: its tree's ac
 against AR's continuation, plus the bonus. The tree of B' nodes is the first B' nodes of the
 largest tree (``AcceptanceStats.observe_round`` rests on the same fact), so one draft and one tree
 per position give ``committed[p, B]`` for every budget. A replay then walks the positions as the
-decoder does (the choice lagging a round, rounds cut short by the request's end not observed),
+decoder does (the choice lagging a round, every round a full block: its tokens past the end dropped),
 summing the cost table's seconds of each round's budget, and its ``switch`` for each tree round
 that follows an AR step (a tree round between two runs of AR steps): modelled seconds, from the
 engine's measured table, not a timing. Each replay is checked against the decoder itself
@@ -43,17 +43,18 @@ DRAFTERS = ("block", "ngram")
 
 
 def round_paths(prompt: np.ndarray, ar: np.ndarray, drafter, block_size: int, max_budget: int,
-                vocab: int) -> list[np.ndarray]:
-    """Per position p (the round rooted after p of AR's new tokens ``ar``): the accepted path's
-    drafted node ids (ascending) in the tree of ``max_budget``; the tree of B keeps those <= B."""
+                vocab: int, tokens: int) -> list[np.ndarray]:
+    """Per position p < ``tokens`` (the round rooted after p of AR's new tokens ``ar``): the accepted
+    path's drafted node ids (ascending) in the tree of ``max_budget``; the tree of B keeps those <= B.
+    Every round drafts a full block, as the decoder's do (``ddtree.decode.round_block``), so ``ar``
+    holds ``block_size - 1`` tokens past the request: the targets of a last round's deeper nodes."""
+    if ar.size < tokens + block_size - 1:
+        raise ValueError(f"ar must hold tokens + block_size - 1 = {tokens + block_size - 1} tokens, "
+                         f"got {ar.size}")
     paths = []
-    for p in range(ar.size):
-        block = min(block_size, ar.size - p)
-        if block < 2:                                                       # one token left: root only
-            paths.append(np.zeros(0, np.int64))
-            continue
+    for p in range(tokens):
         context = np.concatenate([prompt, ar[:p]])
-        draft = check_draft(drafter.propose(context, block), block - 1, vocab, drafter)  # [L, V]
+        draft = check_draft(drafter.propose(context, block_size), block_size - 1, vocab, drafter)  # [L, V]
         tree = build_tree(int(context[-1]), *top_candidates(
             draft, candidates_per_depth(max_budget, None, vocab)), max_budget)
         accepted, _ = accept(tree, ar[p + tree.depths])    # node n's target token: AR's there
@@ -75,8 +76,7 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
         accepted = np.concatenate([[0], paths[p][paths[p] <= current]])     # this round's path
         if budget is None:
             following = choose_budget(table, stats, current)
-            if min(block_size, len(paths) - p) == block_size:              # a full block: observed
-                stats = stats.observe_round(current, accepted)
+            stats = stats.observe_round(current, accepted)
             current = following
         p += accepted.size                                                  # the drafts and the bonus
     return seconds, budgets, stats
@@ -110,8 +110,9 @@ def replay_drafter(target, prompts, drafter, table: CostTable, tokens: int, bloc
             for kind in ("auto", "auto_carried", "never", "never_carried")}
     never_hits = [np.zeros(0, np.int64)] * tokens
     for prompt in prompts:
-        ar = generate_ar(target, prompt, tokens)
-        paths = round_paths(prompt, ar, drafter, block_size, table.max_budget, vocab)
+        ar = generate_ar(target, prompt, tokens + block_size - 1)     # a last round's targets too
+        paths = round_paths(prompt, ar, drafter, block_size, table.max_budget, vocab, tokens)
+        ar = ar[:tokens]
         carried = runs["auto_carried"]["stats"]                 # None before the first prompt
         check_against_decoder(target, prompt, tokens, drafter, block_size, table, paths, ar,
                               (None,) if carried is None else (None, carried))
