@@ -40,7 +40,8 @@ walk down from there to the size that pays for this drafter.
 
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
-best tree runs once more; its round updates its estimate (and ends the run of AR steps). The
+best tree runs once more; its round updates its estimate (and ends the run of AR steps), and the
+decoders read it before the next choice (``ddtree.decode.retest``: nothing is queued behind it). The
 number of steps is chosen so that a re-test's extra time, ``verify(B) + switch - estimate(B) *
 ar_step`` over the AR steps its tokens would have taken, is at most ``explore_share`` of the time of
 the AR steps before it: exploring costs at most that share of an AR run. ``switch`` is what a round

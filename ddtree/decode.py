@@ -313,6 +313,13 @@ def observe(stats: AcceptanceStats, budget: int, record: RoundTrace, full_block:
     return stats.observe_round(budget, record.accepted) if full_block else stats
 
 
+def retest(stats: AcceptanceStats, budget: int) -> bool:
+    """Whether a round of ``budget`` after the rounds of ``stats`` is a tree after AR steps (a
+    re-test): the engine launches it alone, so the next budget is chosen after its record is read,
+    not from the rounds before it (a failed re-test costs one tree round, not two)."""
+    return budget > 0 and stats.ar_run > 0
+
+
 def plan_ar_run(table, stats: AcceptanceStats, length: int, end: int, block_size: int):
     """With budget 0 in hand at ``length`` committed tokens (of ``end``): how many budget-0 rounds the
     loop of ``generate_ddtree`` runs in a row from here, and its (budget, statistics) after them,
@@ -380,9 +387,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     ``ddtree.budget.choose_budget`` of the table, of what the rounds before the last one
     committed and of the last one's budget (``trace.budgets`` lists them). The one-round lag is
     the engine's: it launches the next round before it reads the last one's record, and this loop
-    chooses as it does, so both choose the same budgets. A round cut short by the model's last
-    position is not counted. ``trace.acceptance`` holds the statistics after every round; ``acceptance=``
-    starts a generation from another's (``ddtree.budget.check_acceptance``).
+    chooses as it does, so both choose the same budgets; after a re-test (a tree after AR steps,
+    ``retest``) both read first. A round cut short by the model's last position is not counted.
+    ``trace.acceptance`` holds the statistics after every round; ``acceptance=`` starts a
+    generation from another's (``ddtree.budget.check_acceptance``).
     """
     prompt = check_ddtree_options(model, prompt, max_new_tokens, block_size, budget, topk, temperature,
                                   seed, verifier, cost_table)
@@ -409,8 +417,10 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         trace.budgets.append(budget)
         trace.verify_forwards += 1
         if table is not None:                 # the next budget, from the rounds before this one
-            following = choose_budget(table, stats, budget)      # budget: the round in use
-            budget, stats = following, observe(stats, budget, record, block == block_size)
+            observed = observe(stats, budget, record, block == block_size)
+            # a re-test (a tree after AR steps) has no round to queue behind: read before choosing
+            budget, stats = choose_budget(table, observed if retest(stats, budget) else stats,
+                                          budget), observed    # budget: the round in use
     trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]

@@ -37,6 +37,7 @@ from ddtree.decode import (
     largest_tree,
     observe,
     plan_ar_run,
+    retest,
     round_block,
 )
 from ddtree.sampling import check_sampling_seed, check_temperature
@@ -163,9 +164,12 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         block = round_block(model, length, block_size)
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
-        # the next round's budget, from the records read so far (those before the round in flight)
-        following, upcoming = None, budget if table is None else choose_budget(table, stats, budget)
-        if length + block + block_size <= context.size and (upcoming == budget or upcoming > 0):
+        # the next round's budget, from the records read so far (those before the round in flight);
+        # after a re-test, from its record: nothing is queued behind it
+        reading = table is not None and retest(stats, budget)
+        upcoming = budget if table is None or reading else choose_budget(table, stats, budget)
+        following, room = None, length + block + block_size <= context.size
+        if room and not reading and (upcoming == budget or upcoming > 0):
             shape = None if upcoming == budget else (   # another tree size: queued too, in its shape
                 upcoming, candidates_per_depth(upcoming, topk, model.config.vocab_size), block_size - 1)
             following = model.queue_round(cache, pending, shape)  # whatever this round commits
@@ -176,7 +180,8 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         trace.budgets.append(budget)
         trace.verify_forwards += 1
         if table is not None:
-            budget, stats = upcoming, observe(stats, budget, record, block == block_size)
+            observed = observe(stats, budget, record, block == block_size)
+            budget, stats = choose_budget(table, observed, budget) if reading else upcoming, observed
     trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]

@@ -347,8 +347,28 @@ def test_auto_budgets_replay_the_policy_with_a_one_round_lag():
     for k, (round_, budget) in enumerate(zip(trace.rounds[:-2], trace.budgets, strict=False)):
         stats = stats.observe_round(budget, round_.accepted)
         wanted.append(choose_budget(GROWING, stats, trace.budgets[k + 1]))   # the size in use
-    # the last rounds may be cut short by the request's end, and are not counted
-    assert trace.budgets[:len(wanted) - 2] == wanted[:len(trace.budgets) - 2]
+    assert 0 not in trace.budgets                                # no AR steps, so no re-test read first
+    assert trace.budgets == wanted[:len(trace.budgets)]
+
+
+def test_a_retest_is_read_before_the_next_choice():
+    """A tree after AR steps (a re-test) has no round to queue behind: the next budget is chosen
+    from its record, so a re-test that fails costs one tree round, not two."""
+    model = reference_model()
+    prompt = golden.default_prompt("micro")
+    new = 240
+    expected = reference_decode.generate_ar(model, prompt, new)
+    drafter = make_drafter("ngram", model, prompt, new, continuation=expected)
+    table = CostTable(1.0, (1.7,) * 15)                           # trees, AR steps, re-tests
+    _, trace = reference_decode.generate_ddtree(model, prompt, new, drafter, budget="auto",
+                                                cost_table=table)
+    budgets, stats = trace.budgets, [AcceptanceStats.empty(table.max_budget, 8)]
+    for round_, budget in zip(trace.rounds, budgets, strict=True):
+        stats.append(stats[-1].observe_round(budget, round_.accepted))   # stats[i]: before round i
+    retests = [i for i in range(1, len(budgets) - 1) if budgets[i] and not budgets[i - 1]]
+    assert retests and any(budgets[i + 1] == 0 for i in retests)        # one tree round, then AR
+    for i in retests:
+        assert budgets[i + 1] == choose_budget(table, stats[i + 1], budgets[i])   # its record read
 
 
 def test_statistics_carried_to_the_next_generation():

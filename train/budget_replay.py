@@ -32,7 +32,7 @@ import numpy as np
 
 from ddtree.accept import accept
 from ddtree.budget import AcceptanceStats, CostTable, check_cost_table, choose_budget
-from ddtree.decode import candidates_per_depth, check_draft, generate_ar, generate_ddtree
+from ddtree.decode import candidates_per_depth, check_draft, generate_ar, generate_ddtree, retest
 from ddtree.drafters import make_drafter
 from ddtree.model import Transformer
 from ddtree.text import encode, heldout_prompts, load_tokenizer
@@ -74,10 +74,10 @@ def replay(paths: list[np.ndarray], table: CostTable, block_size: int, budget=No
         seconds += table.seconds(current) + (table.switch if current and budgets[-1:] == [0] else 0.0)
         budgets.append(current)
         accepted = np.concatenate([[0], paths[p][paths[p] <= current]])     # this round's path
-        if budget is None:
-            following = choose_budget(table, stats, current)
-            stats = stats.observe_round(current, accepted)
-            current = following
+        if budget is None:                              # a re-test is read before the choice
+            observed = stats.observe_round(current, accepted)
+            current, stats = choose_budget(table, observed if retest(stats, current) else stats,
+                                           current), observed
         p += accepted.size                                                  # the drafts and the bonus
     return seconds, budgets, stats
 # --8<-- [end:replay]
