@@ -205,11 +205,14 @@ class AcceptanceStats:
         """The statistics after a round of ``budget`` whose accepted path is the node indices
         ``accepted`` (root first, ascending): an observation for every budget b <= ``budget``, which
         would have committed the path's nodes <= b and the bonus."""
-        path = np.asarray(accepted)[1:]                              # drafted nodes, ascending
-        stats = self
-        for b in range(budget + 1):                                  # the last one sets ar_run
-            stats = stats.observe(b, 1 + int(np.count_nonzero(path <= b)))
-        return stats
+        path = set(np.asarray(accepted)[1:].tolist())               # drafted nodes on the path
+        counts, sums, kept = list(self.counts), list(self.sums), 0
+        for b in range(budget + 1):                   # one pass: the policy's host time per round
+            kept += b in path                         # the path's nodes <= b
+            counts[b] += 1
+            sums[b] += 1 + kept
+        return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
+                               self.ar_run + 1 if budget == 0 else 0)
 # --8<-- [end:AcceptanceStats]
 
 
