@@ -634,13 +634,19 @@ class Transformer:
         self.graphs.upload(np.array([temperature], np.float64), self.buffers.temperature)
         self.graphs.upload(np.array([seed], np.int64), self.buffers.seed)
 
-    def _reserve(self, cache: DeviceCache, rows: int) -> None:
+    def _reserve(self, cache: DeviceCache, rows: int, positions: int | None = None) -> None:
+        """Room for ``rows`` new rows from slot cache.length, at ``positions`` positions from
+        cache.length (default ``rows``: a prefill's or an AR step's, a position each). A tree's rows
+        share positions by depth, and its slots may pass the last position: the cache holds
+        max_tree_nodes slots more than max_position_embeddings."""
         if cache is not self.cache:
             raise ValueError("cache must be this engine's cache (from new_cache())")
         limit = self.config.max_position_embeddings
-        if cache.length + rows > limit:
-            raise CacheOverflowError(f"KV cache overflow: {cache.length} rows cached + {rows} new > "
-                                     f"max_position_embeddings {limit}")
+        positions = rows if positions is None else positions
+        if cache.length + positions > limit or cache.length + rows > cache.capacity:
+            raise CacheOverflowError(f"KV cache overflow: {cache.length} rows cached + {rows} new (positions "
+                                     f"up to {cache.length + positions}) > max_position_embeddings {limit} "
+                                     f"positions and {cache.capacity} slots")
 
     @property
     def budget_limit(self) -> tuple[int, str]:
@@ -762,7 +768,7 @@ class Transformer:
             check_round(self.buffers.drafter, len(context), depths)
         key, phases = self.round_shape(depths if kind else draft.shape[0], k, budget, kind)
         _, rows, depths, k, budget = key[:5]
-        self._reserve(cache, rows)
+        self._reserve(cache, rows, depths + 1)        # the root's position and one per depth
         self.sync_context(context, rows)
         root = int(context[-1])
         if self.device_root != root:

@@ -159,6 +159,32 @@ def test_ddtree_generation_matches_numpy_round_by_round():
     assert_cache_holds(model, ref, np.concatenate([prompt, longer])[:model.cache.length])
 
 
+def test_a_round_at_the_model_s_last_positions_is_cut_as_in_the_reference():
+    """Where a block's deepest node would pass ``max_position_embeddings``, the engine's round drafts
+    only the depths that fit (a shape of its own), as the reference's does: the same rounds."""
+    config, weights = golden.golden_model("micro")
+    prompt, new = golden.default_prompt("micro")[:2], 6
+    config = dataclasses.replace(config, max_position_embeddings=prompt.size + new)
+    model, ref = EngineTransformer(config, weights, max_tree_nodes=8), ReferenceTransformer(config, weights)
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    drafter = make_drafter("oracle", ref, prompt, new, continuation=expected)
+    options = dict(block_size=4, budget=3)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    _, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
+    assert_exact(tokens, expected)
+    assert [r.committed for r in trace.rounds] == [4, 2]                 # the second: 3 positions left
+    assert trace.rounds[-1].depths.max() == 2
+    for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
+        assert_same_round(actual_round, wanted_round)
+    # a round whose deepest node would pass the last position is refused, the engine as it was
+    context = np.concatenate([prompt, expected])[:-1]                  # root at the last position - 1
+    cache = model.new_cache()
+    model.prefill(cache, context[:-1], emit_token=False)
+    with pytest.raises(CacheOverflowError, match="max_position_embeddings 8"):
+        engine_decode.ddtree_round(model, cache, context, drafter, 3, 3, None)   # depths 2: position 8
+    assert cache.length == context.size - 1 and model.unread == 0
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_round_end_kernel_is_accept_compact_and_commit(seed):
     """``round_end_kernel`` (several blocks, each finding the walk itself; the last one to finish
