@@ -320,15 +320,16 @@ def retest(stats: AcceptanceStats, budget: int) -> bool:
     return budget > 0 and stats.ar_run > 0
 
 
-def plan_ar_run(table, stats: AcceptanceStats, length: int, end: int, block_size: int):
+def plan_ar_run(model, table, stats: AcceptanceStats, length: int, end: int, block_size: int):
     """With budget 0 in hand at ``length`` committed tokens (of ``end``): how many budget-0 rounds the
     loop of ``generate_ddtree`` runs in a row from here, and its (budget, statistics) after them,
-    found without running them: a budget-0 round commits one token and observes budget 0 alone, so
-    its observation is known before it runs. The engine runs such rounds as AR steps, back to back."""
+    found without running them: a budget-0 round commits one token and observes budget 0 alone
+    (unless ``round_block`` cuts it at ``model``'s last position), so its observation is known before
+    it runs. The engine runs such rounds as AR steps, back to back."""
     choice = choice_by_ar_run(table, stats)
     steps, budget = 0, 0
     while budget == 0 and length + steps < end:
-        full_block = end - (length + steps) >= block_size
+        full_block = round_block(model, length + steps, block_size) == block_size
         budget, stats = choice(stats.ar_run), stats.observe(0, 1) if full_block else stats
         steps += 1
     return steps, budget, stats

@@ -154,7 +154,7 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     ar_runs = table is not None and not (verifier == "rejection" and model.sampling)
     while length < context.size:
         if ar_runs and budget == 0 and pending is None:
-            steps, budget, stats = plan_ar_run(table, stats, length, context.size, block_size)
+            steps, budget, stats = plan_ar_run(model, table, stats, length, context.size, block_size)
             for record in ar_run(model, cache, context, length, steps):   # budget-0 rounds as AR steps
                 trace.rounds.append(record)
                 trace.budgets.append(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 
 import numpy as np
 import pytest
@@ -211,18 +212,21 @@ def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
     budget-0 round at a time: the same number of rounds, the budget after them, the statistics."""
     never = stats_with(rounds=4, b7=2, b3=2)                      # nothing pays: re-tests only
     every = retest_after(DEAR, never, best_tree(DEAR, never))
-    cases = [(DEAR, never, 0, 500), (DEAR, never, 0, 5),          # a long run; one cut by the end
-             (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 1), 0, 500),
-             (DEAR, never, 495, 500),                             # the last block: nothing observed
-             (CHEAP, stats_with(b7=2), 0, 500)]                   # a tree pays: one round, then the tree
-    for table, stats, length, end in cases:
+    cases = [(DEAR, never, 0, 500, 1000), (DEAR, never, 0, 5, 1000),   # a long run; one cut by the end
+             (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 1), 0, 500, 1000),
+             (DEAR, never, 495, 500, 1000),                       # the last block, observed
+             (DEAR, never, 495, 500, 500),                        # at the last positions: not observed
+             (CHEAP, stats_with(b7=2), 0, 500, 1000)]             # a tree pays: one round, then the tree
+    for table, stats, length, end, positions in cases:
+        model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=positions))
         budget, after, rounds = 0, stats, 0
         while budget == 0 and length + rounds < end:
-            full_block = end - (length + rounds) >= 8
+            full_block = positions - (length + rounds) + 1 >= 8  # the deepest node's position fits
             budget, after = choose_budget(table, after), after.observe_round(0, [0]) if full_block else after
             rounds += 1
-        assert plan_ar_run(table, stats, length, end, 8) == (rounds, budget, after)
-    assert plan_ar_run(DEAR, never, 0, 500, 8)[:2] == (every + 1, best_tree(DEAR, never))
+        assert plan_ar_run(model, table, stats, length, end, 8) == (rounds, budget, after)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1000))
+    assert plan_ar_run(model, DEAR, never, 0, 500, 8)[:2] == (every + 1, best_tree(DEAR, never))
 
 
 def test_a_tree_size_in_use_is_kept_unless_another_promises_the_margin_more():
@@ -511,11 +515,30 @@ def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference(
     tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
     _, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
     assert_exact(tokens, expected)
-    assert trace.budgets == wanted.budgets
+    assert trace.budgets == wanted.budgets and trace.acceptance == wanted.acceptance
     pairs = zip(trace.budgets[:-1], trace.budgets[1:], strict=True)
     assert any(a == 0 and b > 0 for a, b in pairs)                # AR steps, then a tree
     for actual_round, wanted_round in zip(trace.rounds, wanted.rounds, strict=True):
         assert_same_round(actual_round, wanted_round)
+
+
+def test_a_run_of_ar_steps_to_the_request_s_end_is_observed_as_in_the_reference():
+    """The engine plans its last run of AR steps (``plan_ar_run``) as the reference's loop runs its
+    last rounds: each observed, to the request's end (a block is cut by the last position only)."""
+    from kernels import decode as engine_decode
+    from tests.test_engine import engine
+
+    model, ref = engine("micro", max_tree_nodes=8), reference_model()
+    prompt, new = golden.default_prompt("micro")[:2], 10
+    expected = reference_decode.generate_ar(ref, prompt, new)
+    table = CostTable(1.0, (3.0,) * 7)                            # no tree pays: AR steps to the end
+    options = dict(block_size=3, budget="auto", cost_table=table)
+    drafter = make_drafter("ngram", ref, prompt, new, continuation=expected)
+    tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    _, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
+    assert_exact(tokens, expected)
+    assert trace.budgets == wanted.budgets and trace.budgets[-3:] == [0, 0, 0]
+    assert trace.acceptance == wanted.acceptance and wanted.acceptance.counts[0] == len(wanted.rounds)
 
 
 def test_the_engine_carries_statistics_as_the_reference():
