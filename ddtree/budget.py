@@ -192,14 +192,14 @@ class AcceptanceStats:
     def empty(cls, max_budget: int, block_size: int) -> AcceptanceStats:
         return cls(block_size, (0,) * (max_budget + 1), (0,) * (max_budget + 1))
 
-    def observe(self, budget: int, committed: int) -> AcceptanceStats:
-        """The statistics after one observation: a round of ``budget`` committed ``committed``
-        tokens (an AR step: budget 0, one token)."""
+    def observe(self, budget: int, committed: int, times: int = 1) -> AcceptanceStats:
+        """The statistics after ``times`` observations alike (one by default): a round of ``budget``
+        committed ``committed`` tokens (an AR step: budget 0, one token)."""
         counts, sums = list(self.counts), list(self.sums)
-        counts[budget] += 1
-        sums[budget] += committed
+        counts[budget] += times
+        sums[budget] += committed * times
         return AcceptanceStats(self.block_size, tuple(counts), tuple(sums),
-                               self.ar_run + 1 if budget == 0 else 0)
+                               self.ar_run + times if budget == 0 else 0)
 
     def observe_round(self, budget: int, accepted) -> AcceptanceStats:
         """The statistics after a round of ``budget`` whose accepted path is the node indices

@@ -327,12 +327,12 @@ def plan_ar_run(model, table, stats: AcceptanceStats, length: int, end: int, blo
     (unless ``round_block`` cuts it at ``model``'s last position), so its observation is known before
     it runs. The engine runs such rounds as AR steps, back to back."""
     choice = choice_by_ar_run(table, stats)
-    steps, budget = 0, 0
-    while budget == 0 and length + steps < end:
-        full_block = round_block(model, length + steps, block_size) == block_size
-        budget, stats = choice(stats.ar_run), stats.observe(0, 1) if full_block else stats
+    steps, observed, budget = 0, 0, 0              # observed: the steps whose block is whole
+    while budget == 0 and length + steps < end:    # integers only: the device waits for this plan
+        budget = choice(stats.ar_run + observed)
+        observed += round_block(model, length + steps, block_size) == block_size
         steps += 1
-    return steps, budget, stats
+    return steps, budget, stats.observe(0, 1, times=observed)
 
 
 # --8<-- [start:ddtree_round]

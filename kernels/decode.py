@@ -192,9 +192,21 @@ def ar_run(model, cache, context, length: int, steps: int) -> list[RoundTrace]:
     their tokens join ``context``; their records are what root-only rounds record."""
     start = cache.length
     context[length:length + steps] = model.ar_steps(cache, int(context[length - 1]), steps)
-    roots = context[length - 1:length + steps - 1]                  # each step's input: the one before
-    return [RoundTrace(start + i, np.array([root]), np.array([-1]), np.array([0]), np.array([0]),
-                       int(context[length + i]), 1) for i, root in enumerate(roots)]
+    roots = read_only(context[length - 1:length + steps - 1])   # [steps] each step's input: the one before
+    # views and shared read-only arrays, no array built per record: the device waits for this loop
+    return [RoundTrace(start + i, roots[i:i + 1], ROOT_PARENTS, ROOT_ONLY, ROOT_ONLY, token, 1)
+            for i, token in enumerate(context[length:length + steps].tolist())]
+
+
+def read_only(values) -> np.ndarray:
+    """A read-only copy of ``values``."""
+    copy = np.array(values)
+    copy.flags.writeable = False
+    return copy
+
+
+ROOT_PARENTS = read_only([-1])      # a root-only round's parents
+ROOT_ONLY = read_only([0])          # ... its depths, and its accepted path: the root
 
 
 def engine_budget(model, prompt, drafter, block_size, budget, topk, temperature, seed, cost_table):

@@ -78,6 +78,16 @@ def test_an_estimate_is_the_mean_with_the_guess_as_part_of_a_round():
     assert estimate(stats_with(b2=9), 2) == 3                     # never above B + 1
 
 
+def test_observations_alike_at_once_equal_them_one_by_one():
+    stats = stats_with(b7=2, b3=1)
+    for budget, committed in ((0, 1), (7, 3)):
+        one_by_one = stats
+        for _ in range(5):
+            one_by_one = one_by_one.observe(budget, committed)
+        assert stats.observe(budget, committed, times=5) == one_by_one
+    assert stats.observe(0, 1, times=0) == stats
+
+
 def test_the_choice_is_the_argmax_of_tokens_per_second():
     stats = stats_with(b2=3, b4=4, b8=5)
     rates = {b: estimate(stats, b) / GROWING.seconds(b) for b in range(1, 16)}
