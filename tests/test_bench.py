@@ -15,6 +15,7 @@ import math
 
 import pytest
 
+from ddtree.config import preset
 from kernels import device
 from kernels.bench import hardware, peers
 from kernels.bench.case import KERNEL_MODULES, cases_module, full_sizes, make_cases, quick_sizes
@@ -237,11 +238,37 @@ def test_digest_hashes_values_not_where_they_live():
 
 
 @pytest.mark.skipif(not device.SIMULATOR, reason="the refusal applies to the simulator")
-@pytest.mark.parametrize("command", ["profile", "sweep"])
+@pytest.mark.parametrize("command", ["profile", "shapes", "sweep"])
 def test_device_timings_are_refused_in_the_simulator(command, capsys):
     with pytest.raises(SystemExit):
         main([command])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_a_shape_row_ranks_the_shapes_and_marks_the_engine_s():
+    from kernels.bench.shapes import shape_row
+
+    times = {(4, 2, 16): 3e-6, (4, 4, 4): 2e-6}
+    row = shape_row("2 rows", times, 1e-6, (4, 2, 16))
+    assert row == "| 2 rows | 4x4x4 2.0 µs (2.00x) | 4x2x16* 3.0 µs (3.00x) |"
+
+
+def test_the_shapes_time_a_layer_s_own_projections():
+    from kernels.bench.shapes import projections
+
+    config = preset("small")
+    assert projections(config) == {"q_a": (1536, 2048), "q_b": (16 * 192, 1536), "kv_a": (512 + 64, 2048),
+                                   "o": (2048, 16 * 128), "shared gate": (2 * 1408, 2048)}
+    assert list(projections(preset("tiny-b"))) == ["q", "kv_a", "o", "shared gate"]   # no q_lora_rank
+
+
+@pytest.mark.gpu
+def test_the_shapes_run_on_a_gpu(tmp_path):
+    out = tmp_path / "shapes.md"
+    assert main(["shapes", "--preset", "micro", "--rows", "2", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text(encoding="utf-8").splitlines() if line.startswith("| 2 (")
+            or line.startswith("| q_a (")]
+    assert len(rows) == 2 and all(row.count("*") == 1 and row.count("µs") == 6 for row in rows)
 
 
 def test_profile_record_is_the_sections_under_the_command_and_environment():

@@ -41,6 +41,10 @@ def main(argv=None) -> int:
         from kernels.bench import profile
 
         return profile.main(argv[1:])
+    if argv[:1] == ["shapes"]:                          # launch shapes against their floor
+        from kernels.bench import shapes
+
+        return shapes.main(argv[1:])
     if argv[:1] == ["sweep"]:                           # tokens/s against context length
         from kernels.bench import sweep
 
