@@ -265,10 +265,11 @@ def test_the_shapes_time_a_layer_s_own_projections():
 @pytest.mark.gpu
 def test_the_shapes_run_on_a_gpu(tmp_path):
     out = tmp_path / "shapes.md"
-    assert main(["shapes", "--preset", "micro", "--rows", "2", "--out", str(out)]) == 0
-    rows = [line for line in out.read_text(encoding="utf-8").splitlines() if line.startswith("| 2 (")
-            or line.startswith("| q_a (")]
-    assert len(rows) == 2 and all(row.count("*") == 1 and row.count("µs") == 6 for row in rows)
+    assert main(["shapes", "--preset", "micro", "--rows", "1,2", "--out", str(out)]) == 0
+    lines = out.read_text(encoding="utf-8").splitlines()
+    rows = [line for line in lines if line.startswith(("| 1 (", "| 2 (", "| shared experts, ", "| q_a ("))]
+    assert rows[0].startswith("| 1 (2 experts, by slot) |")         # one token: a block per slot
+    assert len(rows) == 6 and all(row.count("*") == 1 and row.count("µs") == 6 for row in rows)
 
 
 def test_profile_record_is_the_sections_under_the_command_and_environment():

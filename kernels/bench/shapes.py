@@ -26,7 +26,7 @@ import numpy as np
 from ddtree.config import ModelConfig, preset
 from kernels.device import SIMULATOR
 
-DEFAULT_ROWS = (2, 3, 4, 8)
+DEFAULT_ROWS = (1, 2, 3, 4, 8)
 SHAPES = ((4, 2, 16), (4, 2, 8), (4, 4, 4), (4, 4, 8), (4, 1, 16), (8, 2, 16))   # (warps, C columns, U loads)
 COPIES = 10             # launches per graph replay
 READ_BYTES = 1 << 30    # the read bandwidth's buffer
@@ -66,46 +66,74 @@ def device_seconds(launch) -> float:
 
 
 def launch_experts(stream, kernels, grids, threads, hidden_args, down_args) -> None:
-    """The hidden then the down kernel of one shape (``expert_rows``)."""
+    """The hidden then the down kernel of one shape (``swiglu_rows``)."""
     kernels[0][grids[0], threads, stream](*hidden_args)
     kernels[1][grids[1], threads, stream](*down_args)
 
 
-def expert_rows(config: ModelConfig, rows_list, shapes, bandwidth: float, rng) -> list[str]:
-    """The expert kernels (hidden, then down) of one MoE layer per row count and shape."""
+def swiglu_rows(label: str, stacks, rows_list, top_k: int, shapes, bandwidth: float, rng) -> list[str]:
+    """The expert kernels (hidden, then down) on the (E, F, D) ``stacks`` (gate, up, down: E = 1 a dense
+    SwiGLU, each row's one pair) per row count and shape, launched as the engine launches them
+    (``kernels.moe._launch_lanes``): a block per (token, slot) pair where ``kernels.moe.by_slot`` says so,
+    else expert lists with passes of ``pass_rows`` pairs."""
     from numba import cuda
 
     from kernels.bench.case import uniform
     from kernels.blocks import blocks
     from kernels.linear import LANES, pass_rows, row_passes
-    from kernels.moe import LIST_TPB, expert_lanes_kernels, expert_lists_kernel, lane_shape
+    from kernels.moe import LIST_TPB, by_slot, expert_lanes_kernels, expert_lists_kernel, lane_shape
 
-    width, features = config.hidden_size, config.moe_intermediate_size
-    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
-    gate = uniform((experts, features, width), 1, 1 / math.sqrt(width))
-    up = uniform((experts, features, width), 2, 1 / math.sqrt(width))
-    down = uniform((experts, width, features), 3, 1 / math.sqrt(features))
+    gate, up, down = stacks
+    experts, features, width = gate.shape
     lines = []
     for rows in rows_list:
         ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int64)
-        lists = cuda.device_array((rows, experts), np.int32)                  # [T, E]
-        expert_lists_kernel[experts, LIST_TPB](cuda.to_device(ids), lists)
+        slotted = by_slot(rows, experts, 3 * features * width * F32)
+        if slotted:                                                           # [1, T k]: pair p's expert
+            lists, per_pass, per_expert, blocks_y = cuda.to_device(ids.reshape(1, -1)), 1, 1, ids.size
+        else:
+            lists = cuda.device_array((rows, experts), np.int32)              # [T, E]
+            expert_lists_kernel[experts, LIST_TPB](cuda.to_device(ids), lists)
+            per_pass = pass_rows(rows)
+            per_expert = row_passes(rows, per_pass)
+            blocks_y = experts * per_expert
         x = uniform((rows, width), 7)                                         # [T, D]
         hidden = cuda.device_array((rows * top_k, features), np.float32)      # [T k, F]
         out = cuda.device_array((rows * top_k, width), np.float32)            # [T k, D]
-        per_pass = pass_rows(rows)
-        per_expert = row_passes(rows, per_pass)
         times = {}
         for warps, columns, unroll in shapes:
-            grids = ((blocks(features, warps * columns), experts * per_expert),
-                     (blocks(width, warps * columns), experts * per_expert))
+            grids = tuple((blocks(size, warps * columns), blocks_y) for size in (features, width))
             times[(warps, columns, unroll)] = device_seconds(functools.partial(
-                launch_experts, kernels=expert_lanes_kernels(warps, columns, unroll, per_pass), grids=grids,
-                threads=LANES * warps, hidden_args=(x, gate, up, lists, top_k, per_expert, hidden),
+                launch_experts, kernels=expert_lanes_kernels(warps, columns, unroll, per_pass, slotted),
+                grids=grids, threads=LANES * warps,
+                hidden_args=(x, gate, up, lists, top_k, per_expert, hidden),
                 down_args=(hidden, down, lists, per_expert, out)))
         distinct = np.unique(ids).size
         floor = distinct * 3 * features * width * F32 / bandwidth
-        lines.append(shape_row(f"{rows} ({distinct} experts)", times, floor, lane_shape(rows)))
+        shipped = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
+        what = "dense" if experts == 1 else f"{distinct} experts" + (", by slot" if slotted else "")
+        lines.append(shape_row(f"{label}{rows} ({what})", times, floor, shipped))
+    return lines
+
+
+def expert_rows(config: ModelConfig, rows_list, shapes, bandwidth: float, rng) -> list[str]:
+    """``swiglu_rows`` of one MoE layer's routed experts, its shared experts (a dense SwiGLU of
+    n_shared x F features), if any, and the dense layers' SwiGLU, if any."""
+    from kernels.bench.case import uniform
+
+    width, features = config.hidden_size, config.moe_intermediate_size
+    swiglus = [("", config.n_routed_experts, features, config.num_experts_per_tok)]
+    if config.n_shared_experts:
+        swiglus.append(("shared experts, ", 1, config.n_shared_experts * features, 1))
+    if config.first_k_dense_replace:
+        swiglus.append(("dense layer, ", 1, config.intermediate_size, 1))
+    lines = []
+    for label, experts, features, top_k in swiglus:
+        stacks = (uniform((experts, features, width), 1, 1 / math.sqrt(width)),
+                  uniform((experts, features, width), 2, 1 / math.sqrt(width)),
+                  uniform((experts, width, features), 3, 1 / math.sqrt(features)))
+        lines += swiglu_rows(label, stacks, rows_list, top_k, shapes, bandwidth, rng)
+        del stacks
     return lines
 
 
@@ -157,7 +185,7 @@ def main(argv=None) -> int:
     lines.append("")
     lines.append("Each cell: shape (warps x columns x loads in flight), µs per launch (a CUDA graph of "
                  f"{COPIES}, the median replay), its ratio to the floor; fastest first, * the engine's.")
-    lines += table(f"{args.preset}: the expert kernels (hidden and down) of one MoE layer",
+    lines += table(f"{args.preset}: the expert kernels (hidden and down), routed then dense",
                    expert_rows(config, rows_list, SHAPES, bandwidth, np.random.default_rng(0)), len(SHAPES))
     lines += table(f"{args.preset}: \"lanes\"", lanes_rows(config, rows_list, SHAPES, bandwidth), len(SHAPES))
     text = "\n".join(lines) + "\n"
