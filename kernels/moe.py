@@ -94,11 +94,14 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # the router: a pass of ro
 # version 3's launch shapes (warps per block, outputs per warp, W loads in flight per output row and
 # lane; ``lane_shape``): none changes a sum. The simulator's: one warp a block (each thread a Python
 # thread), 16 outputs a warp.
+# Below tuning.LANE_WIDE_FROM_ROWS rows the shape goes by the pass, R = pass_rows(T) pairs (a decode
+# row's kernels: R = 1), each the fastest on small's matrices (``python -m kernels.bench shapes``,
+# docs/results/shapes.md); a dense SwiGLU (the shared experts, a dense layer: one "expert", no other
+# experts' blocks beside its own) keeps more loads in flight per column.
 LANES_SIMULATED_MOE = (1, 16, 2)
-LANE_ONE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)
-LANE_ONE_DENSE = LANES_SIMULATED_MOE if SIMULATOR else (4, 2, 16)   # ... a dense SwiGLU's (shared experts)
-LANE_NARROW = LANES_SIMULATED_MOE if SIMULATOR else (4, 4, 4)
-LANE_WIDE = LANES_SIMULATED_MOE if SIMULATOR else (4, 8, 2)
+LANE_BY_PASS = {1: (4, 2, 16), 2: (4, 4, 8), 4: (4, 4, 4), 8: (4, 4, 8)}
+LANE_BY_PASS_DENSE = {1: (4, 2, 16), 2: (4, 2, 16), 4: (4, 2, 8), 8: (4, 4, 8)}
+LANE_WIDE = (4, 8, 2)
 
 
 # --8<-- [start:sigmoid_scalar]
@@ -576,12 +579,14 @@ def block_pairs(per_pass: int, by_slot: bool):
 
 
 def lane_shape(rows: int, dense: bool = False) -> tuple[int, int, int]:
-    """Version 3's launch shape for T rows: for one row LANE_ONE, or LANE_ONE_DENSE for a ``dense`` SwiGLU
-    (one "expert": the shared experts, a dense layer; its launch has no other experts' blocks), LANE_WIDE from
-    ``tuning.LANE_WIDE_FROM_ROWS`` rows on, else LANE_NARROW (the same bits whatever the shape)."""
-    if rows == 1:
-        return LANE_ONE_DENSE if dense else LANE_ONE
-    return LANE_WIDE if rows >= tuning.LANE_WIDE_FROM_ROWS else LANE_NARROW
+    """Version 3's launch shape for T = ``rows`` rows: LANE_WIDE from ``tuning.LANE_WIDE_FROM_ROWS`` rows
+    on, else the shape of its passes of R = ``pass_rows(T)`` pairs, LANE_BY_PASS[R], or LANE_BY_PASS_DENSE[R]
+    for a ``dense`` SwiGLU; the simulator's own always (the same bits whatever the shape)."""
+    if SIMULATOR:
+        return LANES_SIMULATED_MOE
+    if rows >= tuning.LANE_WIDE_FROM_ROWS:
+        return LANE_WIDE
+    return (LANE_BY_PASS_DENSE if dense else LANE_BY_PASS)[pass_rows(rows)]
 
 
 # --8<-- [start:expert_lanes_kernels]

@@ -76,7 +76,8 @@ SLOT_ROWS = 64
 # ... unless one expert's weights take this many bytes: then they are read once per pass of its pairs,
 # never once per pair
 LARGE_EXPERT_BYTES = 4 << 20
-# from this many rows on the expert kernels take 8 outputs per warp (each x value feeds 8), below 4
+# from this many rows on the expert kernels take 8 outputs per warp (each x value feeds 8); below, the
+# shape of their passes (``kernels.moe.LANE_BY_PASS``)
 LANE_WIDE_FROM_ROWS = 16
 
 

@@ -356,16 +356,18 @@ def assert_row_alone_same(run, x, batch: np.ndarray, rows, name: str):
 
 
 def test_version_3_shape_by_rows():
-    """Version 3's launch shape on a GPU: ONE for a decode row (whose kernels keep one row's sums:
-    ``pass_rows``; ONE_DENSE for a dense SwiGLU's), NARROW for a few rows, WIDE for many; the
+    """Version 3's launch shape on a GPU: by its passes of pass_rows(T) pairs below LANE_WIDE_FROM_ROWS
+    rows (a decode row's: passes of one), a dense SwiGLU's by its own table, WIDE for many rows; the
     simulator always runs its own."""
     if gpu.SIMULATOR:
-        assert {gpu.lane_shape(r) for r in (1, 8, 72)} == {gpu.LANES_SIMULATED_MOE}
+        assert {gpu.lane_shape(r, dense) for r in (1, 2, 3, 8, 72) for dense in (False, True)} == \
+            {gpu.LANES_SIMULATED_MOE}
         return
-    assert (gpu.lane_shape(1), gpu.lane_shape(8), gpu.lane_shape(72)) == (gpu.LANE_ONE, gpu.LANE_NARROW,
-                                                                          gpu.LANE_WIDE)
-    dense = gpu.lane_shape(1, dense=True), gpu.lane_shape(8, dense=True)
-    assert dense == (gpu.LANE_ONE_DENSE, gpu.LANE_NARROW)
+    assert [gpu.lane_shape(r) for r in (1, 2, 3, 4, 5, 8, 15, 16, 72)] == \
+        [gpu.LANE_BY_PASS[1], gpu.LANE_BY_PASS[2]] + [gpu.LANE_BY_PASS[4]] * 2 + [gpu.LANE_BY_PASS[8]] * 3 + \
+        [gpu.LANE_WIDE] * 2
+    assert [gpu.lane_shape(r, dense=True) for r in (1, 2, 4, 8, 16)] == \
+        [gpu.LANE_BY_PASS_DENSE[r] for r in (1, 2, 4, 8)] + [gpu.LANE_WIDE]
 
 
 # --- the grouped expert kernels: lists, passes, invariance ------------------------------------------
