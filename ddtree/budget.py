@@ -65,6 +65,7 @@ updated with ``observe`` from each finished round's committed count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -217,11 +218,13 @@ class AcceptanceStats:
 
 
 # --8<-- [start:estimate]
-def estimates(stats: AcceptanceStats) -> list[float]:
+@functools.lru_cache(maxsize=8)
+def estimates(stats: AcceptanceStats) -> tuple[float, ...]:
     """Tokens a round of each budget 0..max_budget is expected to commit: its observations' mean
     with the guess ``cap`` as ``PRIOR_ROUNDS`` of a round, or borrowed from the nearest observed
     budgets (module docstring); at most cap = min(budget + 1, block_size). One pass: the policy
-    asks for every budget each round."""
+    asks for every budget each round; and kept for the last few statistics, since a decoder that
+    has just chosen AR steps asks again when it plans their run, while the device waits."""
     caps = [min(b + 1, stats.block_size) for b in range(len(stats.counts))]
     tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
     mean = {b: (stats.sums[b] + PRIOR_ROUNDS * caps[b]) / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
@@ -242,7 +245,7 @@ def estimates(stats: AcceptanceStats) -> list[float]:
         else:                                                 # below the smallest
             guess = mean[tried[0]]
         tokens.append(min(guess, caps[budget]))
-    return tokens
+    return tuple(tokens)
 
 
 def rising(stats: AcceptanceStats, tried: list[int]) -> float:
@@ -262,11 +265,12 @@ def estimate(stats: AcceptanceStats, budget: int) -> float:
 
 
 # --8<-- [start:choose_budget]
-def utilities(table: CostTable, stats: AcceptanceStats) -> list[float]:
+@functools.lru_cache(maxsize=8)
+def utilities(table: CostTable, stats: AcceptanceStats) -> tuple[float, ...]:
     """Tokens per second of rounds of each budget 0..max_budget over those of AR steps (Cascade's
-    utility; budget 0's is one)."""
-    return [tokens * table.ar_step / table.seconds(b)
-            for b, tokens in enumerate(estimates(stats)[:table.max_budget + 1])]
+    utility; budget 0's is one); kept for the last few (table, statistics) as ``estimates``."""
+    return tuple(tokens * table.ar_step / table.seconds(b)
+                 for b, tokens in enumerate(estimates(stats)[:table.max_budget + 1]))
 
 
 def utility(table: CostTable, stats: AcceptanceStats, budget: int) -> float:

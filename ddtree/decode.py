@@ -327,12 +327,18 @@ def plan_ar_run(model, table, stats: AcceptanceStats, length: int, end: int, blo
     (unless ``round_block`` cuts it at ``model``'s last position), so its observation is known before
     it runs. The engine runs such rounds as AR steps, back to back."""
     choice = choice_by_ar_run(table, stats)
-    steps, observed, budget = 0, 0, 0              # observed: the steps whose block is whole
-    while budget == 0 and length + steps < end:    # integers only: the device waits for this plan
-        budget = choice(stats.ar_run + observed)
-        observed += round_block(model, length + steps, block_size) == block_size
+    whole = whole_blocks(model, length, block_size)   # the first steps from here, those whose block is whole
+    steps, budget = 0, 0
+    while budget == 0 and length + steps < end:       # integers only: the device waits for this plan
+        budget = choice(stats.ar_run + min(steps, whole))
         steps += 1
-    return steps, budget, stats.observe(0, 1, times=observed)
+    return steps, budget, stats.observe(0, 1, times=min(steps, whole))
+
+
+def whole_blocks(model, length: int, block_size: int) -> int:
+    """How many rounds rooted at ``length``, ``length + 1``, ... committed tokens in a row have
+    ``round_block``'s whole ``block_size``: those before the deepest node would pass the last position."""
+    return max(0, model.config.max_position_embeddings + 2 - block_size - length)
 
 
 # --8<-- [start:ddtree_round]

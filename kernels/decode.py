@@ -70,7 +70,7 @@ def generate_ar(model, prompt, max_new_tokens: int, return_logits: bool = False,
         model.ar_step(cache)                                        # token in, token out, on the device
         if return_logits:
             step_logits.append(model.graphs.download(model.buffers.logits[0]))
-    tokens = model.graphs.download(model.buffers.generated[:max_new_tokens])   # the one wait
+    tokens = model.graphs.download(model.buffers.generated, max_new_tokens)   # the one wait
     return (tokens, np.stack(step_logits)) if return_logits else tokens
 # --8<-- [end:generate_ar]
 
@@ -152,18 +152,19 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     pending = None                                                # a round launched, not yet read
     # auto's budget-0 rounds run as AR steps (the sampled tree's root-only round draws otherwise)
     ar_runs = table is not None and not (verifier == "rejection" and model.sampling)
+    unwritten = []                    # the records of a run of AR steps, written once the next round runs
     while length < context.size:
         if ar_runs and budget == 0 and pending is None:
             steps, budget, stats = plan_ar_run(model, table, stats, length, context.size, block_size)
-            for record in ar_run(model, cache, context, length, steps):   # budget-0 rounds as AR steps
-                trace.rounds.append(record)
-                trace.budgets.append(0)
+            write_ar_run(trace, unwritten)
+            unwritten = ar_run(model, cache, context, length, steps)   # budget-0 rounds as AR steps
             length += steps
             trace.verify_forwards += steps
             continue
         block = round_block(model, length, block_size)
         if pending is None:
             pending = start_round(model, cache, context[:length], drafter, block, budget, topk, verifier)
+        unwritten = write_ar_run(trace, unwritten)                # while the device runs the round
         # the next round's budget, from the records read so far (those before the round in flight);
         # after a re-test, from its record: nothing is queued behind it
         reading = table is not None and retest(stats, budget)
@@ -182,20 +183,30 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         if table is not None:
             observed = observe(stats, budget, record, block == block_size)
             budget, stats = choose_budget(table, observed, budget) if reading else upcoming, observed
+    write_ar_run(trace, unwritten)
     trace.acceptance = stats
     return context[prompt.size:].copy(), trace
 # --8<-- [end:generate_ddtree]
 
 
-def ar_run(model, cache, context, length: int, steps: int) -> list[RoundTrace]:
+def ar_run(model, cache, context, length: int, steps: int) -> list:
     """``steps`` budget-0 rounds from the root ``context[length - 1]`` as AR steps (``Transformer.ar_steps``):
-    their tokens join ``context``; their records are what root-only rounds record."""
+    their tokens join ``context``; returns what their records are made of (``write_ar_run``)."""
     start = cache.length
     context[length:length + steps] = model.ar_steps(cache, int(context[length - 1]), steps)
-    roots = read_only(context[length - 1:length + steps - 1])   # [steps] each step's input: the one before
-    # views and shared read-only arrays, no array built per record: the device waits for this loop
-    return [RoundTrace(start + i, roots[i:i + 1], ROOT_PARENTS, ROOT_ONLY, ROOT_ONLY, token, 1)
-            for i, token in enumerate(context[length:length + steps].tolist())]
+    return [(start, context[length - 1:length + steps].copy())]    # [steps + 1] the root, then the tokens
+
+
+def write_ar_run(trace, unwritten: list) -> list:
+    """Append the records of the runs ``ar_run`` returned to ``trace`` (what root-only rounds record;
+    views and shared read-only arrays, no array built per record); returns an empty list. The loop
+    writes them once the next round is launched: the device runs it meanwhile."""
+    for start, tokens in unwritten:
+        roots = read_only(tokens[:-1])                  # [steps] each step's input: the one before
+        trace.rounds.extend(RoundTrace(start + i, roots[i:i + 1], ROOT_PARENTS, ROOT_ONLY, ROOT_ONLY,
+                                       token, 1) for i, token in enumerate(tokens[1:].tolist()))
+        trace.budgets.extend([0] * roots.size)
+    return []
 
 
 def read_only(values) -> np.ndarray:

@@ -91,15 +91,17 @@ class Graphs:
             self.stream.sync()
 
     # --8<-- [start:copies]
-    def upload(self, host, device_array) -> None:
-        """Copy a small host array into a fixed device buffer, ordered on the engine's stream.
+    def upload(self, host, device_array, prefix: bool = False) -> None:
+        """Copy a small host array into a fixed device buffer, ordered on the engine's stream; with
+        ``prefix``, into the first ``host.size`` elements of a 1-D buffer (no device view is made:
+        numba's slicing is host work, and a slice of a new length is a new view).
 
         On a GPU this is one driver call (``cuMemcpyHtoDAsync``): numba's ``copy_to_device`` builds and checks
         array wrappers first, which cost more host time than the copy of a round's few kilobytes. From
         pageable memory the driver stages the bytes before it returns, so ``host`` may be reused at once."""
-        host = _matching_host(host, device_array)
+        host = _matching_host(host, device_array, prefix)
         if SIMULATOR:
-            device_array.copy_to_device(host)
+            (device_array[:host.size] if prefix else device_array).copy_to_device(host)
         elif host.nbytes:
             _check(driver.cuMemcpyHtoDAsync(_device_pointer(device_array), host.ctypes.data, host.nbytes,
                                             self.stream_handle))
@@ -133,12 +135,14 @@ class Graphs:
             copied.sync()
         return host
 
-    def download(self, device_array):
-        """Copy a device buffer to the host; waits for everything launched before it (one driver
-        call, then the stream's synchronisation)."""
+    def download(self, device_array, count: int | None = None):
+        """Copy a device buffer to the host, or the first ``count`` elements of a 1-D one (no device
+        view: ``upload``); waits for everything launched before it (one driver call, then the
+        stream's synchronisation)."""
+        shape = device_array.shape if count is None else (_prefix_count(count, device_array),)
         if SIMULATOR:
-            return device_array.copy_to_host()
-        host = np.empty(device_array.shape, device_array.dtype)
+            return (device_array if count is None else device_array[:count]).copy_to_host()
+        host = np.empty(shape, device_array.dtype)
         if host.nbytes:
             _check(driver.cuMemcpyDtoHAsync(host.ctypes.data, _device_pointer(device_array), host.nbytes,
                                             self.stream_handle))
@@ -179,10 +183,23 @@ def _device_pointer(device_array) -> int:
     return device_array.device_ctypes_pointer.value
 
 
-def _matching_host(host, device_array) -> np.ndarray:
-    """``host`` as a C-contiguous array of the device buffer's dtype and size (no silent casts)."""
+def _matching_host(host, device_array, prefix: bool = False) -> np.ndarray:
+    """``host`` as a C-contiguous array of the device buffer's dtype and size, or (``prefix``) of at
+    most its size, the buffer 1-D (no silent casts)."""
     host = np.ascontiguousarray(host)
-    if host.dtype != device_array.dtype or host.size != device_array.size:
+    if prefix:
+        _prefix_count(host.size, device_array)
+    if host.dtype != device_array.dtype or (host.size != device_array.size and not prefix):
         raise ValueError(f"host must be {device_array.dtype} with {device_array.size} elements to fill the "
                          f"device buffer, got {host.dtype} with {host.size}")
     return host
+
+
+def _prefix_count(count, device_array) -> int:
+    """``count`` checked as the length of a prefix of the 1-D ``device_array``."""
+    if device_array.ndim != 1:
+        raise ValueError(f"a prefix copy needs a 1-D device buffer, got shape {device_array.shape}")
+    if not (isinstance(count, int | np.integer) and 0 <= count <= device_array.size):
+        raise ValueError(f"count must be an integer in [0, {device_array.size}] (the buffer's length), "
+                         f"got {count!r}")
+    return int(count)

@@ -711,7 +711,7 @@ class Transformer:
         for _ in range(count):
             self.ar_step(cache)
         self.device_root = None
-        return self.graphs.download(self.cached(("generated", count), lambda: b.generated[:count]))
+        return self.graphs.download(b.generated, count)   # no view per run length
 
     def drafts_on_device(self, drafter) -> bool:
         """Whether ``drafter`` runs as kernels inside the round (``kernels.drafters``): with
@@ -739,7 +739,7 @@ class Transformer:
         if n == self.context_count and np.array_equal(self.context_mirror[:n], context):
             return
         context = check_tokens_named("context_tokens", context, self.config.vocab_size)
-        self.graphs.upload(context, self.buffers.committed[:n])
+        self.graphs.upload(context, self.buffers.committed, prefix=True)   # no view of a new length
         self.graphs.upload(np.array([n], np.int64), self.buffers.context_length)
         self.context_mirror[:n] = context
         self.context_count = n

@@ -37,7 +37,7 @@ from ddtree.budget import (
     utilities,
     utility,
 )
-from ddtree.decode import plan_ar_run
+from ddtree.decode import plan_ar_run, round_block, whole_blocks
 from ddtree.drafters import DRAFTERS, make_drafter
 from ddtree.tree import build_tree, top_candidates
 from tests.helpers import assert_exact
@@ -226,6 +226,7 @@ def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
              (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 1), 0, 500, 1000),
              (DEAR, never, 495, 500, 1000),                       # the last block, observed
              (DEAR, never, 495, 500, 500),                        # at the last positions: not observed
+             (DEAR, AcceptanceStats(8, never.counts, never.sums, every - 3), 488, 500, 500),  # across them
              (CHEAP, stats_with(b7=2), 0, 500, 1000)]             # a tree pays: one round, then the tree
     for table, stats, length, end, positions in cases:
         model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=positions))
@@ -237,6 +238,16 @@ def test_a_run_of_ar_steps_is_planned_as_the_loop_would_choose_round_by_round():
         assert plan_ar_run(model, table, stats, length, end, 8) == (rounds, budget, after)
     model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1000))
     assert plan_ar_run(model, DEAR, never, 0, 500, 8)[:2] == (every + 1, best_tree(DEAR, never))
+
+
+def test_whole_blocks_counts_the_rounds_round_block_leaves_whole():
+    for positions, block_size in [(40, 8), (40, 1), (9, 8)]:
+        model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=positions))
+        for length in range(1, positions + 2):
+            blocks = [round_block(model, at, block_size) for at in range(length, positions + 2)]
+            whole = next((i for i, block in enumerate(blocks) if block < block_size), len(blocks))
+            assert whole < len(blocks) and blocks[whole:] == sorted(blocks[whole:], reverse=True)
+            assert whole_blocks(model, length, block_size) == whole, (positions, block_size, length)
 
 
 def test_a_tree_size_in_use_is_kept_unless_another_promises_the_margin_more():

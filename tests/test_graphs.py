@@ -60,3 +60,25 @@ def test_the_engine_stream_is_on_numbas_device():
     numbers = cuda.to_device(np.arange(3))
     cuda.synchronize()    # numba's copy runs on the default stream, which the engine's stream ignores
     assert graphs.download(numbers).tolist() == [0, 1, 2]
+
+
+def test_a_prefix_copy_touches_the_buffer_s_first_elements_alone():
+    """``upload(prefix=True)`` fills the first host.size elements of a 1-D buffer and leaves the rest;
+    ``download(buffer, count)`` returns the first count; a bad count or a 2-D buffer is refused,
+    naming what was expected, before anything is copied."""
+    graphs = Graphs()
+    buffer = cuda.to_device(np.full(6, -1, np.int64))
+    cuda.synchronize()
+    graphs.upload(np.array([5, 7, 9], np.int64), buffer, prefix=True)
+    assert graphs.download(buffer, 2).tolist() == [5, 7]
+    assert graphs.download(buffer, 0).tolist() == []
+    assert graphs.download(buffer).tolist() == [5, 7, 9, -1, -1, -1]
+    with pytest.raises(ValueError, match=r"count must be an integer in \[0, 6\]"):
+        graphs.download(buffer, 7)
+    with pytest.raises(ValueError, match=r"count must be an integer in \[0, 6\]"):
+        graphs.upload(np.zeros(7, np.int64), buffer, prefix=True)
+    with pytest.raises(ValueError, match="host must be int64"):
+        graphs.upload(np.zeros(2, np.int32), buffer, prefix=True)
+    with pytest.raises(ValueError, match="needs a 1-D device buffer"):
+        graphs.download(cuda.to_device(np.zeros((2, 3), np.int64)), 2)
+    assert graphs.download(buffer).tolist() == [5, 7, 9, -1, -1, -1]
