@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 
@@ -225,27 +226,22 @@ def estimates(stats: AcceptanceStats) -> tuple[float, ...]:
     budgets (module docstring); at most cap = min(budget + 1, block_size). One pass: the policy
     asks for every budget each round; and kept for the last few statistics, since a decoder that
     has just chosen AR steps asks again when it plans their run, while the device waits."""
-    caps = [min(b + 1, stats.block_size) for b in range(len(stats.counts))]
-    tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
-    mean = {b: (stats.sums[b] + PRIOR_ROUNDS * caps[b]) / (stats.counts[b] + PRIOR_ROUNDS) for b in tried}
-    tokens, above = [1.0], 0                                  # budget 0, an AR step: one token
-    slope = rising(stats, tried) if tried else 0.0
-    for budget in range(1, len(caps)):
-        while above < len(tried) and tried[above] < budget:  # tried[above]: the first tried >= budget
-            above += 1
-        if not tried:
-            guess = caps[budget]                              # nothing measured: every draft accepted
-        elif above < len(tried) and tried[above] == budget:
-            guess = mean[budget]
-        elif 0 < above < len(tried):                          # the straight line between neighbours
-            lo, hi = tried[above - 1], tried[above]
-            guess = mean[lo] + (mean[hi] - mean[lo]) * (budget - lo) / (hi - lo)
-        elif above == len(tried):                             # past the largest: the bounding line
-            guess = mean[tried[-1]] + slope * (budget - tried[-1])
-        else:                                                 # below the smallest
-            guess = mean[tried[0]]
-        tokens.append(min(guess, caps[budget]))
-    return tuple(tokens)
+    size, counts, sums = len(stats.counts), stats.counts, stats.sums
+    few = min(size, stats.block_size)
+    caps = list(range(1, few + 1)) + [stats.block_size] * (size - few)     # [B + 1] min(b + 1, block_size)
+    tried = [b for b in range(1, size) if counts[b]]
+    if not tried:                                             # nothing measured: every draft accepted
+        return (1.0, *caps[1:])
+    mean = {b: (sums[b] + PRIOR_ROUNDS * caps[b]) / (counts[b] + PRIOR_ROUNDS) for b in tried}
+    first, last = tried[0], tried[-1]
+    guesses = [1.0] + [mean[first]] * (first - 1)             # budget 0, an AR step: one token; below the
+    for lo, hi in itertools.pairwise(tried):                  # smallest its mean; between two, the line
+        low, rise, width = mean[lo], mean[hi] - mean[lo], hi - lo
+        guesses += [low] + [low + rise * (b - lo) / width for b in range(lo + 1, hi)]
+    slope = rising(stats, tried)                              # past the largest: the bounding line
+    guesses += [mean[last] + slope * (b - last) for b in range(last, size)]
+    capped = [guess if guess <= cap else cap for guess, cap in zip(guesses, caps, strict=True)]   # min()
+    return (1.0, *capped[1:])
 
 
 def rising(stats: AcceptanceStats, tried: list[int]) -> float:
@@ -269,8 +265,9 @@ def estimate(stats: AcceptanceStats, budget: int) -> float:
 def utilities(table: CostTable, stats: AcceptanceStats) -> tuple[float, ...]:
     """Tokens per second of rounds of each budget 0..max_budget over those of AR steps (Cascade's
     utility; budget 0's is one); kept for the last few (table, statistics) as ``estimates``."""
-    return tuple(tokens * table.ar_step / table.seconds(b)
-                 for b, tokens in enumerate(estimates(stats)[:table.max_budget + 1]))
+    seconds = (table.ar_step, *table.verify)                  # [B + 1] table.seconds(b)
+    return tuple(tokens * table.ar_step / cost                # the budgets both know
+                 for tokens, cost in zip(estimates(stats), seconds, strict=False))
 
 
 def utility(table: CostTable, stats: AcceptanceStats, budget: int) -> float:
@@ -283,7 +280,7 @@ def best_tree(table: CostTable, stats: AcceptanceStats) -> int:
 
 
 def best_of(scores: list[float]) -> int:
-    return 1 + int(np.argmax(scores[1:]))                    # argmax: the first of equals
+    return max(range(1, len(scores)), key=scores.__getitem__)   # the first of equals
 
 
 def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
