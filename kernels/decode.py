@@ -157,7 +157,12 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
         if ar_runs and budget == 0 and pending is None:
             steps, budget, stats = plan_ar_run(model, table, stats, length, context.size, block_size)
             write_ar_run(trace, unwritten)
-            unwritten = ar_run(model, cache, context, length, steps)   # budget-0 rounds as AR steps
+            run = model.launch_ar_steps(cache, context[:length], steps)    # budget-0 rounds as AR steps
+            if budget and length + steps < context.size and model.drafts_on_device(drafter):
+                pending = model.start_round_after(    # the re-test behind them, from the device's context
+                    cache, run, candidates_per_depth(budget, topk, model.config.vocab_size), budget,
+                    round_block(model, length + steps, block_size) - 1)
+            unwritten = ar_run(model, run, context, length)
             length += steps
             trace.verify_forwards += steps
             continue
@@ -189,12 +194,13 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
 # --8<-- [end:generate_ddtree]
 
 
-def ar_run(model, cache, context, length: int, steps: int) -> list:
-    """``steps`` budget-0 rounds from the root ``context[length - 1]`` as AR steps (``Transformer.ar_steps``):
-    their tokens join ``context``; returns what their records are made of (``write_ar_run``)."""
-    start = cache.length
-    context[length:length + steps] = model.ar_steps(cache, int(context[length - 1]), steps)
-    return [(start, context[length - 1:length + steps].copy())]    # [steps + 1] the root, then the tokens
+def ar_run(model, run, context, length: int) -> list:
+    """The tokens of ``run``, budget-0 rounds launched as AR steps from the root ``context[length - 1]``
+    (``Transformer.launch_ar_steps``), read into ``context``; returns what their records are made of
+    (``write_ar_run``)."""
+    steps = run.count
+    context[length:length + steps] = model.collect_ar_steps(run)
+    return [(run.start, context[length - 1:length + steps].copy())]  # [steps + 1] the root, then the tokens
 
 
 def write_ar_run(trace, unwritten: list) -> list:
@@ -290,7 +296,7 @@ def timed_rounds(model, prompt, drafter, block_size: int, budget: int, topk: int
     model.graphs.synchronize()
     begin = time.perf_counter()
     if budget == 0:
-        model.ar_steps(cache, int(prompt[-1]), count)
+        model.ar_steps(cache, prompt, count)
         return time.perf_counter() - begin
     pending = start_round(model, cache, context[:length], drafter, block_size, budget, topk)
     for done in range(1, count + 1):

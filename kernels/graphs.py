@@ -20,6 +20,7 @@ directly first (``warm``), so every kernel signature is compiled before the capt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -106,20 +107,23 @@ class Graphs:
             _check(driver.cuMemcpyHtoDAsync(_device_pointer(device_array), host.ctypes.data, host.nbytes,
                                             self.stream_handle))
 
-    def download_later(self, device_array):
-        """Queue a copy of a device buffer to the host behind everything launched so far, without
-        waiting; ``collect(ticket)`` waits for it and returns the host array. On a GPU the copy
-        lands in one of two pinned host buffers, used in turn (a copy into pageable memory would
-        make the host wait for the device right away), followed by an event; so two copies may be
-        in flight, and a collected array is valid until two more are queued."""
+    def download_later(self, device_array, count: int | None = None):
+        """Queue a copy of a device buffer (or the first ``count`` elements of a 1-D one, as
+        ``download``) to the host behind everything launched so far, without waiting;
+        ``collect(ticket)`` waits for it and returns the host array. On a GPU the copy lands in one
+        of two pinned host buffers, used in turn (a copy into pageable memory would make the host
+        wait for the device right away), followed by an event; so two copies may be in flight, and a
+        collected array is valid until two more are queued."""
+        shape = device_array.shape if count is None else (_prefix_count(count, device_array),)
         if SIMULATOR:
-            return device_array.copy_to_host(), None
+            return (device_array if count is None else device_array[:count]).copy_to_host(), None
+        size = math.prod(shape)
         slot = self.next_slot
         self.next_slot ^= 1
-        if self.pinned[slot] is None or self.pinned[slot].size < device_array.size:
-            self.pinned[slot] = cuda.pinned_array(max(device_array.size, 1), device_array.dtype)
+        if self.pinned[slot] is None or self.pinned[slot].size < size:
+            self.pinned[slot] = cuda.pinned_array(max(size, 1), device_array.dtype)
             self.copied[slot] = self.stream.device.create_event()
-        host = self.pinned[slot][:device_array.size].reshape(device_array.shape)
+        host = self.pinned[slot][:size].reshape(shape)
         if host.dtype != device_array.dtype:
             raise ValueError(f"download_later: {device_array.dtype} after {host.dtype} in the same slot")
         if host.nbytes:

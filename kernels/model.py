@@ -158,6 +158,18 @@ def commit_token_kernel(state, posterior, tokens, generated):
     tokens[0] = token
 
 
+@cuda.jit
+def append_tokens_kernel(tokens, count, n, committed, context_length, root):
+    # thread i < count: committed[n + i] = tokens[i]; thread 0 also sets the context's length n + count
+    # and its root, the last token: a run of AR steps' tokens join the device's context as a round's do
+    i = cuda.grid(1)
+    if i < count:
+        committed[n + i] = tokens[i]
+    if i == 0:
+        context_length[0] = n + count
+        root[0] = tokens[count - 1]
+
+
 # --8<-- [start:round_end_kernel]
 @functools.cache
 def round_end_kernel(width: int):
@@ -305,6 +317,15 @@ def device_layer(config: ModelConfig, weights: dict, layer: int) -> DeviceLayer:
         w_uk=_stack([kv_b[h, :nope] for h in range(heads)]),
         w_uv=_stack([kv_b[h, nope:] for h in range(heads)]),
         o_proj=w("self_attn.o_proj.weight"), dense=dense, moe=moe_params)
+
+
+@dataclasses.dataclass
+class PendingSteps:
+    """A run of AR steps launched on the device whose tokens the host has not read yet."""
+    start: int                 # the cache slot of the first step
+    context: int               # the device's context before them (n tokens, the root last)
+    count: int                 # its steps
+    tokens: object             # their tokens' copy (Graphs.download_later)
 
 
 @dataclasses.dataclass
@@ -697,21 +718,43 @@ class Transformer:
         cache.length += 1
         self.forward_count += 1
 
-    def ar_steps(self, cache: DeviceCache, root: int, count: int) -> np.ndarray:
-        """``count`` AR steps from ``root``, the last committed token (not yet cached), launched back to
-        back; returns their tokens (the one wait). A DDTree loop's run of budget-0 rounds: each commits
-        what a root-only round would. The rounds' own root and committed tokens on the device fall
-        behind, so the next round uploads them (``device_root``, ``sync_context``)."""
+    def ar_steps(self, cache: DeviceCache, context, count: int) -> np.ndarray:
+        """``count`` AR steps after ``context`` (the committed tokens, the root last, not yet cached),
+        launched back to back; returns their tokens (``launch_ar_steps``, then ``collect_ar_steps``)."""
+        return self.collect_ar_steps(self.launch_ar_steps(cache, context, count))
+
+    def launch_ar_steps(self, cache: DeviceCache, context, count: int) -> PendingSteps:
+        """Launch ``count`` AR steps from the root ``context[-1]``: a DDTree loop's run of budget-0 rounds,
+        each committing what a root-only round would. Their tokens then join the device's context
+        (``append_tokens_kernel``), the last one its root, as a round's would: so a round may be
+        launched after them before the host has read them (``start_round_after``). The tokens' copy is
+        queued; ``collect_ar_steps`` waits for it."""
         if self.unread:
             raise ValueError("ar_steps: a launched round is unread (finish_round it first)")
+        if not (isinstance(count, int | np.integer) and count >= 1):
+            raise ValueError(f"count must be an integer >= 1 (AR steps), got {count!r}")
         self._reserve(cache, count)
-        b = self.buffers
-        self.graphs.upload(np.array([root], np.int64), self.cached(("tokens", 1), lambda: b.tree.tokens[:1]))
+        self.sync_context(context, count)                     # the device's context: uploaded if not there
+        start, n, b = cache.length, self.context_count, self.buffers
+        root = self.cached(("tokens", 1), lambda: b.tree.tokens[:1])          # the first step's input
+        self.graphs.upload(np.array([context[-1]], np.int64), root)
         self.graphs.upload(np.array([cache.length, 1, 0], np.int64), b.state)        # [P, rows, AR step]
         for _ in range(count):
             self.ar_step(cache)
-        self.device_root = None
-        return self.graphs.download(b.generated, count)   # no view per run length
+        append_tokens_kernel[blocks(count, TPB), TPB, self.graphs.stream](b.generated, count, n, b.committed,
+                                                                          b.context_length, b.root)
+        self.device_root = None                               # known once the tokens are read
+        return PendingSteps(start, n, int(count), self.graphs.download_later(b.generated, count))
+
+    def collect_ar_steps(self, steps: PendingSteps) -> np.ndarray:
+        """Wait for a launched run's tokens (that copy alone) and commit them on the host, as the device did:
+        the context's copy and its root. Returns the tokens."""
+        tokens = self.graphs.collect(steps.tokens).copy()    # the pinned copy is reused
+        n = steps.context
+        self.context_mirror[n:n + steps.count] = tokens
+        self.context_count = n + steps.count
+        self.device_root = int(tokens[-1])
+        return tokens
 
     def drafts_on_device(self, drafter) -> bool:
         """Whether ``drafter`` runs as kernels inside the round (``kernels.drafters``): with
@@ -799,6 +842,25 @@ class Transformer:
         phases = self.cached(("phases", *key),
                              lambda: self.round_phases(rows, depths, k, budget, self.sampling, drafter=kind))
         return key, phases
+
+    def start_round_after(self, cache: DeviceCache, steps: PendingSteps, k: int, budget: int, depths: int
+                          ) -> PendingRound | None:
+        """Launch a round from the context a launched run of AR steps leaves on the device (``steps``),
+        before the host has read their tokens: so the device goes straight from the steps to the round.
+        Only with a drafter on the device that proposes whatever the context (``drafts_on_device`` loaded
+        it; the host would need the context to draft); otherwise None (launch it after reading)."""
+        drafter = self.buffers.drafter
+        if self.unread or not always_proposes(drafter) or self.round_timings is not None:
+            return None
+        check_budget(budget, *self.budget_limit)
+        size = steps.context + steps.count                    # the context the round drafts from
+        check_round(drafter, size, depths)
+        key, phases = self.round_shape(depths, k, budget, drafter.kind)
+        rows = key[1]
+        self._reserve(cache, rows, depths + 1)
+        if size + rows > self.buffers.committed.size:
+            return None
+        return self.launch_round(PendingRound(key, phases, rows, True))
 
     def queue_round(self, cache: DeviceCache, pending: PendingRound, shape: tuple[int, int, int] | None = None
                     ) -> PendingRound | None:

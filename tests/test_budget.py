@@ -465,9 +465,9 @@ def test_auto_in_the_engine_chooses_as_the_reference_and_is_ar(drafter_name, mon
     queue_round = model.queue_round
     monkeypatch.setattr(model, "queue_round", lambda *args: queued.append(queue_round(*args)) or queued[-1])
     steps = []
-    ar_steps = model.ar_steps
-    monkeypatch.setattr(model, "ar_steps", lambda cache, root, count: steps.append(count) or ar_steps(
-        cache, root, count))
+    launch = model.launch_ar_steps
+    monkeypatch.setattr(model, "launch_ar_steps", lambda cache, context, count: steps.append(count) or launch(
+        cache, context, count))
     table = {"oracle": SMALL, "noisy": SMALL, "ngram": CostTable(1.0, (10.0,) * 7)}[drafter_name]
     options = dict(block_size=3, budget="auto", cost_table=table)
     drafter = make_drafter(drafter_name, ref, prompt, ENGINE_NEW, continuation=expected, seed=29)
@@ -520,9 +520,9 @@ def test_a_change_of_tree_size_is_queued_and_the_engine_stays_the_reference(monk
     assert {key[2] for key in keys if key[0] == "round"} == {2}                          # depths L = 2
 
 
-def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference():
-    """A re-test after a run of AR steps: the round after the run uploads the root and the context
-    the AR steps left behind, and the tokens, budgets and records stay the reference's."""
+def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference(monkeypatch):
+    """A re-test after a run of AR steps: launched behind the run, from the context and root the AR
+    steps left on the device, and the tokens, budgets and records stay the reference's."""
     from kernels import decode as engine_decode
     from tests.test_engine import assert_same_round, engine
 
@@ -533,7 +533,11 @@ def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference(
     table = CostTable(1.0, (1.2,) * 7)           # trees, AR steps, a re-test, AR, trees again
     options = dict(block_size=3, budget="auto", cost_table=table)
     drafter = make_drafter("ngram", ref, prompt, new, continuation=expected)
+    behind, start_round_after = [], model.start_round_after
+    monkeypatch.setattr(model, "start_round_after", lambda *args: behind.append(start_round_after(*args)) or
+                        behind[-1])
     tokens, trace = engine_decode.generate_ddtree(model, prompt, new, drafter, **options)
+    assert behind and all(pending is not None for pending in behind)   # each re-test behind its AR run
     _, wanted = reference_decode.generate_ddtree(ref, prompt, new, drafter, **options)
     assert_exact(tokens, expected)
     assert trace.budgets == wanted.budgets and trace.acceptance == wanted.acceptance
@@ -625,9 +629,9 @@ def test_the_timing_runs_every_budget_and_leaves_the_engine_as_it_was(monkeypatc
     drafter = make_drafter("oracle", ref, prompt, 3, continuation=expected)
     forwards = model.forward_count
     steps = []
-    ar_steps = model.ar_steps
-    monkeypatch.setattr(model, "ar_steps", lambda cache, root, count: steps.append(count) or ar_steps(
-        cache, root, count))
+    launch = model.launch_ar_steps
+    monkeypatch.setattr(model, "launch_ar_steps", lambda cache, context, count: steps.append(count) or launch(
+        cache, context, count))
     table = engine_decode.measure_cost_table(model, prompt, drafter, block_size=2, max_budget=2, repeats=1,
                                              rounds=(1, 2))
     assert table.max_budget == 2 and model.forward_count == forwards and model.unread == 0

@@ -264,6 +264,40 @@ def test_rounds_queued_behind_an_unread_round_are_the_rounds_read_one_by_one(mon
     assert_same_round(again, trace.rounds[0])
 
 
+def test_a_run_of_ar_steps_leaves_its_tokens_in_the_device_context():
+    """``launch_ar_steps`` appends its tokens to the device's context and makes the last one the root, as
+    a round does, so a round may follow before the host reads them (``start_round_after``): that round
+    equals the one the host launches after reading. A bad count is refused before any launch."""
+    model, ref = engine("micro", max_tree_nodes=8), reference("micro")
+    prompt = golden.default_prompt("micro")[:2]
+    expected = reference_decode.generate_ar(ref, prompt, 4)
+    drafter = make_drafter("ngram", ref, prompt, 4)
+    assert model.drafts_on_device(drafter)
+    with pytest.raises(ValueError, match="count must be an integer >= 1"):
+        model.launch_ar_steps(model.new_cache(), prompt, 0)
+    rounds = []
+    for queued in (True, False):
+        cache = model.new_cache()
+        model.prefill(cache, prompt[:-1], emit_token=False)
+        run = model.launch_ar_steps(cache, prompt, 3)
+        k = reference_decode.candidates_per_depth(2, None, model.config.vocab_size)   # budget 2, block 3
+        pending = model.start_round_after(cache, run, k, 2, 2) if queued else None
+        tokens = model.collect_ar_steps(run)
+        assert_exact(tokens, expected[:3])
+        context = np.concatenate([prompt, tokens])
+        assert model.context_count == context.size and model.device_root == tokens[-1]
+        if queued:
+            assert pending is not None and model.unread == 1
+            rounds.append(engine_decode.finish_round(model, cache, pending))
+        else:
+            n = model.buffers.context_length.copy_to_host()[0]
+            assert_exact(model.buffers.committed.copy_to_host()[:n], context)
+            assert model.buffers.root.copy_to_host()[0] == tokens[-1]
+            rounds.append(engine_decode.ddtree_round(model, cache, context, drafter, 3, 2, None))
+    assert_same_round(*rounds)
+    assert model.unread == 0
+
+
 def test_sampled_ddtree_matches_numpy_ar():
     """At temperature > 0 every verify row draws its token with its position's numbers: the
     engine's DDTree equals numpy's sampled AR token for token. (The engine's sampled AR step runs
