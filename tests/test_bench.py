@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from ddtree.config import preset
@@ -270,6 +271,36 @@ def test_the_shapes_run_on_a_gpu(tmp_path):
     rows = [line for line in lines if line.startswith(("| 1 (", "| 2 (", "| shared experts, ", "| q_a ("))]
     assert rows[0].startswith("| 1 (2 experts, by slot) |")         # one token: a block per slot
     assert len(rows) == 6 and all(row.count("*") == 1 and row.count("µs") == 6 for row in rows)
+    beside = [line for line in lines if line.startswith("| shared beside routed, ")]
+    assert len(beside) == 2 and all(row.count("*") == 1 and row.count("µs") == 6 for row in beside)
+
+
+def test_the_shared_experts_beside_the_routed_compute_what_each_computes_alone():
+    """``kernels.bench.shapes``' two branches (the engine's fork of its MoE) launch the same kernels
+    on the same inputs as each case alone: the same outputs, bit for bit (in the simulator one
+    stream runs both, in order)."""
+    from kernels.bench.case import uniform
+    from kernels.bench.shapes import engine_shape, launch_beside, launch_swiglu, swiglu_case
+
+    config = preset("micro")
+    width, features, experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+
+    def stacks(count: int, size: int, seed: int) -> tuple:                 # (gate, up, down)
+        return (uniform((count, size, width), seed), uniform((count, size, width), seed + 1),
+                uniform((count, width, size), seed + 2))
+
+    rng = np.random.default_rng(3)
+    routed = swiglu_case(stacks(experts, features, 1), 2, config.num_experts_per_tok, rng)
+    shared = swiglu_case(stacks(1, 2 * features, 4), 2, 1, rng)
+    launch_swiglu(0, routed, engine_shape(routed))
+    launch_swiglu(0, shared, engine_shape(shared))
+    alone = [case.out.copy_to_host() for case in (routed, shared)]
+    for case in (routed, shared):
+        case.out.copy_to_device(np.full(case.out.shape, np.nan, np.float32))
+    launch_beside(0, routed, shared, engine_shape(shared))
+    for case, expected in zip((routed, shared), alone, strict=True):
+        assert np.all(np.isfinite(expected))
+        assert np.array_equal(case.out.copy_to_host().view(np.uint32), expected.view(np.uint32))
 
 
 def test_profile_record_is_the_sections_under_the_command_and_environment():

@@ -14,6 +14,7 @@ seconds say nothing, and its shapes are one warp.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import pathlib
@@ -65,75 +66,140 @@ def device_seconds(launch) -> float:
     return graph_seconds([launch], COPIES, False).seconds
 
 
-def launch_experts(stream, kernels, grids, threads, hidden_args, down_args) -> None:
-    """The hidden then the down kernel of one shape (``swiglu_rows``)."""
-    kernels[0][grids[0], threads, stream](*hidden_args)
-    kernels[1][grids[1], threads, stream](*down_args)
+@dataclasses.dataclass
+class SwigluCase:
+    """The expert kernels' inputs for ``rows`` random tokens on (E, F, D) ``stacks`` (gate, up, down;
+    E = 1 a dense SwiGLU), laid out as the engine lays them (``kernels.moe._launch_lanes``): a block per
+    (token, slot) pair where ``kernels.moe.by_slot`` says so, else expert lists, passes of ``pass_rows``."""
+    stacks: tuple
+    rows: int
+    top_k: int
+    slotted: bool
+    lists: object              # [1, T k] the pairs' experts (slotted), or [T, E] the lists
+    per_pass: int
+    per_expert: int
+    distinct: int              # the experts the rows chose
+    x: object                  # [T, D]
+    hidden: object             # [T k, F]
+    out: object                # [T k, D]
 
 
-def swiglu_rows(label: str, stacks, rows_list, top_k: int, shapes, bandwidth: float, rng) -> list[str]:
-    """The expert kernels (hidden, then down) on the (E, F, D) ``stacks`` (gate, up, down: E = 1 a dense
-    SwiGLU, each row's one pair) per row count and shape, launched as the engine launches them
-    (``kernels.moe._launch_lanes``): a block per (token, slot) pair where ``kernels.moe.by_slot`` says so,
-    else expert lists with passes of ``pass_rows`` pairs."""
+def swiglu_case(stacks, rows: int, top_k: int, rng) -> SwigluCase:
     from numba import cuda
 
     from kernels.bench.case import uniform
-    from kernels.blocks import blocks
-    from kernels.linear import LANES, pass_rows, row_passes
-    from kernels.moe import LIST_TPB, by_slot, expert_lanes_kernels, expert_lists_kernel, lane_shape
+    from kernels.linear import pass_rows, row_passes
+    from kernels.moe import LIST_TPB, by_slot, expert_lists_kernel
 
-    gate, up, down = stacks
+    experts, features, width = stacks[0].shape
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int64)
+    slotted = by_slot(rows, experts, 3 * features * width * F32)
+    if slotted:
+        lists, per_pass, per_expert = cuda.to_device(ids.reshape(1, -1)), 1, 1     # [1, T k]
+    else:
+        lists = cuda.device_array((rows, experts), np.int32)                      # [T, E]
+        expert_lists_kernel[experts, LIST_TPB](cuda.to_device(ids), lists)
+        per_pass = pass_rows(rows)
+        per_expert = row_passes(rows, per_pass)
+    return SwigluCase(stacks, rows, top_k, slotted, lists, per_pass, per_expert, np.unique(ids).size,
+                      uniform((rows, width), 7), cuda.device_array((rows * top_k, features), np.float32),
+                      cuda.device_array((rows * top_k, width), np.float32))
+
+
+def engine_shape(case: SwigluCase) -> tuple[int, int, int]:
+    """The shape the engine launches ``case`` with (``kernels.moe.lane_shape``)."""
+    from kernels.moe import lane_shape
+
+    dense = case.stacks[0].shape[0] == 1 and not case.slotted
+    return lane_shape(1 if case.slotted else case.rows, dense=dense)
+
+
+def case_floor(case: SwigluCase, bandwidth: float) -> float:
+    """Seconds to read the weights of the experts ``case``'s rows chose at ``bandwidth``."""
+    _, features, width = case.stacks[0].shape
+    return case.distinct * 3 * features * width * F32 / bandwidth
+
+
+def launch_swiglu(stream, case: SwigluCase, shape: tuple[int, int, int]) -> None:
+    """The hidden then the down kernel of ``case`` in ``shape`` (warps, C columns, U loads)."""
+    from kernels.blocks import blocks
+    from kernels.linear import LANES
+    from kernels.moe import expert_lanes_kernels
+
+    (warps, columns, unroll), (gate, up, down) = shape, case.stacks
     experts, features, width = gate.shape
+    blocks_y = case.rows * case.top_k if case.slotted else experts * case.per_expert
+    hidden_kernel, down_kernel = expert_lanes_kernels(warps, columns, unroll, case.per_pass, case.slotted)
+    hidden_kernel[(blocks(features, warps * columns), blocks_y), LANES * warps, stream](
+        case.x, gate, up, case.lists, case.top_k, case.per_expert, case.hidden)
+    down_kernel[(blocks(width, warps * columns), blocks_y), LANES * warps, stream](
+        case.hidden, down, case.lists, case.per_expert, case.out)
+
+
+def launch_beside(stream, routed: SwigluCase, shared: SwigluCase, shape: tuple[int, int, int]) -> None:
+    """``routed`` in the engine's shape and ``shared`` in ``shape`` on two branches, as the engine's MoE
+    runs its shared experts beside its routed ones (``kernels.graphs.fork``), then joined."""
+    from kernels.graphs import fork, join
+
+    left, right = fork(stream)
+    launch_swiglu(left, routed, engine_shape(routed))
+    launch_swiglu(right, shared, shape)
+    join(left, right)
+
+
+def swiglu_rows(label: str, stacks, rows_list, top_k: int, shapes, bandwidth: float, rng) -> list[str]:
+    """The expert kernels (hidden, then down) on ``stacks`` per row count and shape (``SwigluCase``)."""
     lines = []
     for rows in rows_list:
-        ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int64)
-        slotted = by_slot(rows, experts, 3 * features * width * F32)
-        if slotted:                                                           # [1, T k]: pair p's expert
-            lists, per_pass, per_expert, blocks_y = cuda.to_device(ids.reshape(1, -1)), 1, 1, ids.size
-        else:
-            lists = cuda.device_array((rows, experts), np.int32)              # [T, E]
-            expert_lists_kernel[experts, LIST_TPB](cuda.to_device(ids), lists)
-            per_pass = pass_rows(rows)
-            per_expert = row_passes(rows, per_pass)
-            blocks_y = experts * per_expert
-        x = uniform((rows, width), 7)                                         # [T, D]
-        hidden = cuda.device_array((rows * top_k, features), np.float32)      # [T k, F]
-        out = cuda.device_array((rows * top_k, width), np.float32)            # [T k, D]
-        times = {}
-        for warps, columns, unroll in shapes:
-            grids = tuple((blocks(size, warps * columns), blocks_y) for size in (features, width))
-            times[(warps, columns, unroll)] = device_seconds(functools.partial(
-                launch_experts, kernels=expert_lanes_kernels(warps, columns, unroll, per_pass, slotted),
-                grids=grids, threads=LANES * warps,
-                hidden_args=(x, gate, up, lists, top_k, per_expert, hidden),
-                down_args=(hidden, down, lists, per_expert, out)))
-        distinct = np.unique(ids).size
-        floor = distinct * 3 * features * width * F32 / bandwidth
-        shipped = lane_shape(1 if slotted else rows, dense=experts == 1 and not slotted)
-        what = "dense" if experts == 1 else f"{distinct} experts" + (", by slot" if slotted else "")
-        lines.append(shape_row(f"{label}{rows} ({what})", times, floor, shipped))
+        case = swiglu_case(stacks, rows, top_k, rng)
+        times = {shape: device_seconds(functools.partial(launch_swiglu, case=case, shape=shape))
+                 for shape in shapes}
+        experts = stacks[0].shape[0]
+        what = "dense" if experts == 1 else f"{case.distinct} experts" + (", by slot" if case.slotted else "")
+        floor = case_floor(case, bandwidth)
+        lines.append(shape_row(f"{label}{rows} ({what})", times, floor, engine_shape(case)))
+    return lines
+
+
+def beside_rows(routed_stacks, shared_stacks, rows_list, top_k: int, shapes, bandwidth: float, rng
+                ) -> list[str]:
+    """The shared experts in each shape beside the routed experts in the engine's (``launch_beside``), per
+    row count; the floor is both reads."""
+    lines = []
+    for rows in rows_list:
+        routed = swiglu_case(routed_stacks, rows, top_k, rng)
+        shared = swiglu_case(shared_stacks, rows, 1, rng)
+        times = {shape: device_seconds(functools.partial(launch_beside, routed=routed, shared=shared,
+                                                         shape=shape)) for shape in shapes}
+        floor = case_floor(routed, bandwidth) + case_floor(shared, bandwidth)
+        lines.append(shape_row(f"shared beside routed, {rows} ({routed.distinct} experts)", times, floor,
+                               engine_shape(shared)))
     return lines
 
 
 def expert_rows(config: ModelConfig, rows_list, shapes, bandwidth: float, rng) -> list[str]:
     """``swiglu_rows`` of one MoE layer's routed experts, its shared experts (a dense SwiGLU of
-    n_shared x F features), if any, and the dense layers' SwiGLU, if any."""
+    n_shared x F features), if any, and the dense layers' SwiGLU, if any; then the shared experts'
+    shapes beside the routed experts (``beside_rows``), as the engine runs them."""
     from kernels.bench.case import uniform
 
-    width, features = config.hidden_size, config.moe_intermediate_size
-    swiglus = [("", config.n_routed_experts, features, config.num_experts_per_tok)]
+    def stacks(experts: int, features: int) -> tuple:
+        return (uniform((experts, features, width), 1, 1 / math.sqrt(width)),
+                uniform((experts, features, width), 2, 1 / math.sqrt(width)),
+                uniform((experts, width, features), 3, 1 / math.sqrt(features)))
+
+    width, features, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    routed = stacks(config.n_routed_experts, features)
+    lines = swiglu_rows("", routed, rows_list, top_k, shapes, bandwidth, rng)
     if config.n_shared_experts:
-        swiglus.append(("shared experts, ", 1, config.n_shared_experts * features, 1))
+        shared = stacks(1, config.n_shared_experts * features)
+        lines += swiglu_rows("shared experts, ", shared, rows_list, 1, shapes, bandwidth, rng)
+        lines += beside_rows(routed, shared, rows_list, top_k, shapes, bandwidth, rng)
+        del shared
+    del routed
     if config.first_k_dense_replace:
-        swiglus.append(("dense layer, ", 1, config.intermediate_size, 1))
-    lines = []
-    for label, experts, features, top_k in swiglus:
-        stacks = (uniform((experts, features, width), 1, 1 / math.sqrt(width)),
-                  uniform((experts, features, width), 2, 1 / math.sqrt(width)),
-                  uniform((experts, width, features), 3, 1 / math.sqrt(features)))
-        lines += swiglu_rows(label, stacks, rows_list, top_k, shapes, bandwidth, rng)
-        del stacks
+        lines += swiglu_rows("dense layer, ", stacks(1, config.intermediate_size), rows_list, 1, shapes,
+                             bandwidth, rng)
     return lines
 
 
