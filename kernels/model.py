@@ -743,7 +743,8 @@ class Transformer:
             self.ar_step(cache)
         append_tokens_kernel[blocks(count, TPB), TPB, self.graphs.stream](b.generated, count, n, b.committed,
                                                                           b.context_length, b.root)
-        self.device_root = None                               # known once the tokens are read
+        # known once the tokens are read; until then (or if they never are) a round's context is uploaded
+        self.device_root, self.context_count = None, 0
         return PendingSteps(start, n, int(count), self.graphs.download_later(b.generated, count))
 
     def collect_ar_steps(self, steps: PendingSteps) -> np.ndarray:

@@ -282,6 +282,7 @@ def test_a_run_of_ar_steps_leaves_its_tokens_in_the_device_context():
         run = model.launch_ar_steps(cache, prompt, 3)
         k = reference_decode.candidates_per_depth(2, None, model.config.vocab_size)   # budget 2, block 3
         pending = model.start_round_after(cache, run, k, 2, 2) if queued else None
+        assert model.context_count == 0 and model.device_root is None     # unknown until read
         tokens = model.collect_ar_steps(run)
         assert_exact(tokens, expected[:3])
         context = np.concatenate([prompt, tokens])
