@@ -127,8 +127,9 @@ def generate_ddtree(model, prompt, max_new_tokens: int, drafter, block_size: int
     a tree of another size is queued in its own shape (``Transformer.queue_round``), and only a change to AR
     steps waits for the read. A run of budget-0 rounds (no tree pays) runs as AR steps back to back, read once
     (``plan_ar_run`` knows its length beforehand): the records of root-only rounds without a round's
-    build, compaction and record copy each. ``acceptance``: the statistics to start from (another
-    generation's ``trace.acceptance``), as in the reference.
+    build, compaction and record copy each; a re-test after it is launched behind it, from the context
+    the steps leave on the device (``Transformer.start_round_after``). ``acceptance``: the statistics to
+    start from (another generation's ``trace.acceptance``), as in the reference.
     """
     if acceptance is not None:                      # refused before a table is timed
         check_acceptance(acceptance, block_size)
