@@ -95,9 +95,9 @@ slice_dots = tile_dots(ROWS_PER_PASS, sliced=True)    # the router: a pass of ro
 # lane; ``lane_shape``): none changes a sum. The simulator's: one warp a block (each thread a Python
 # thread), 16 outputs a warp.
 # Below tuning.LANE_WIDE_FROM_ROWS rows the shape goes by the pass, R = pass_rows(T) pairs (a decode
-# row's kernels: R = 1), each the fastest on small's matrices (``python -m kernels.bench shapes``,
-# docs/results/shapes.md); a dense SwiGLU (the shared experts, a dense layer: one "expert", no other
-# experts' blocks beside its own) keeps more loads in flight per column.
+# row's kernels: R = 1), each the fastest on small's matrices (``python -m kernels.bench shapes``); a
+# dense SwiGLU (the shared experts, a dense layer: one "expert", no other experts' blocks beside its
+# own) keeps more loads in flight per column.
 LANES_SIMULATED_MOE = (1, 16, 2)
 LANE_BY_PASS = {1: (4, 2, 16), 2: (4, 4, 8), 4: (4, 4, 4), 8: (4, 4, 8)}
 LANE_BY_PASS_DENSE = {1: (4, 2, 16), 2: (4, 2, 16), 4: (4, 2, 8), 8: (4, 4, 8)}
