@@ -13,8 +13,8 @@ over tokens per second of AR steps, is above one::
 where ``verify(B)`` is the seconds of a round of budget B (``CostTable``) and ``estimate(B)`` the
 tokens such a round has been measured to commit (``AcceptanceStats``; not the drafter's own
 log-probs, which are miscalibrated). ``choose_budget`` returns the budget of the highest utility
-(ties: the smaller), or 0 when that one does not pay (below): budget 0 is a root-only tree, one
-forward of one row that commits the target's own next token, an AR step.
+(ties: the smaller), or 0 when none is above one: budget 0 is a root-only tree, one forward of
+one row that commits the target's own next token, an AR step.
 
 Estimates. A round of budget B also says what every smaller budget would have committed: the
 tree of B' < B drafted nodes is the first B' nodes of B's tree (the builder pops best-first, and a
@@ -22,22 +22,21 @@ node comes after its parent), so B''s accepted path is the part of B's with node
 (``AcceptanceStats.observe_round``). A round therefore adds one observation to every budget up to
 its own. A budget's estimate is the mean of its observations with the guess "every draft accepted"
 counted as ``PRIOR_ROUNDS`` of a round: one unlucky round does not condemn a size, and a size
-observed less often than its neighbours stays worth a try. The guess ranks the sizes, but it does
-not make a tree pay on its own: once a size has ``MEASURED_ROUNDS`` observations, it runs only if
-their mean pays too (``pays``). Without that, the guess's price multiplied by the sizes: each size
-observed twice (by two rounds of a bigger tree) still paid on paper, and a drafter that never hits
-ran a round or two at each size in turn. One never observed borrows from the nearest budgets that
-have been: between two, the straight line; below the smallest, the smallest's (an upper bound: a
-smaller tree commits no more); past the largest, the straight line on from it through the upper half
-of the observed sizes (``rising``: from the largest observed budget at most half the largest, or
-from budget 0's one token; the observations' means, without the guess, which lifts a larger budget
-more). The curve of tokens against tree size is concave, since the builder adds nodes by falling
-path probability, each worth less than the ones before, so that line is an upper bound too: a bigger
-tree is tried once when even its bound pays best, and its round turns the bound into a measurement,
-for it and every size below it. Nothing observed yet: the most a round can commit. Every estimate is
-at most B + 1 (B accepted drafts and the bonus) and at most block_size. So the first round tries the
-size that would pay best if every draft were accepted, and the next rounds walk down from there to
-the size that pays for this drafter.
+observed less often than its neighbours stays worth a try. The guess has a bounded price: with a
+drafter that never hits, a tree of r AR steps' time keeps paying on paper for about
+``PRIOR_ROUNDS`` (block_size - r) / (r - 1) rounds, so a generation loses about ``PRIOR_ROUNDS``
+block_size AR steps to it, whatever the table. One never observed borrows from the nearest budgets
+that have been: between two, the straight line; below the smallest, the smallest's (an upper bound:
+a smaller tree commits no more); past the largest, the straight line on from it through the upper
+half of the observed sizes (``rising``: from the largest observed budget at most half the largest,
+or from budget 0's one token; the observations' means, without the guess, which lifts a larger
+budget more). The curve of tokens against tree size is concave, since the builder adds nodes by
+falling path probability, each worth less than the ones before, so that line is an upper bound too:
+a bigger tree is tried once when even its bound pays best, and its round turns the bound into a
+measurement, for it and every size below it. Nothing observed yet: the most a round can commit.
+Every estimate is at most B + 1 (B accepted drafts and the bonus) and at most block_size. So the
+first round tries the size that would pay best if every draft were accepted, and the next rounds
+walk down from there to the size that pays for this drafter.
 
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
@@ -77,7 +76,6 @@ from ddtree.tree import check_budget
 
 EXPLORE_SHARE = 0.01        # a re-test costs at most 1% of the AR steps' time before it
 PRIOR_ROUNDS = 0.5          # the guess "every draft accepted" weighs half a round in each estimate
-MEASURED_ROUNDS = 2         # ... and a size observed this often must pay on its observations alone too
 CHANGE_MARGIN = 0.1         # another tree size must promise 10% more tokens per second than the one in use
 
 
@@ -285,15 +283,6 @@ def best_of(scores: list[float]) -> int:
     return max(range(1, len(scores)), key=scores.__getitem__)   # the first of equals
 
 
-def pays(table: CostTable, stats: AcceptanceStats, budget: int, scores) -> bool:
-    """Whether a tree of ``budget`` beats AR steps: its utility ``scores[budget]`` above one, and,
-    once the size has ``MEASURED_ROUNDS`` observations, their mean's utility too (module docstring)."""
-    rounds = stats.counts[budget]
-    if rounds < MEASURED_ROUNDS:
-        return scores[budget] > 1
-    return scores[budget] > 1 and stats.sums[budget] / rounds * table.ar_step > table.seconds(budget)
-
-
 def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
                  explore_share: float = EXPLORE_SHARE) -> int:
     """AR steps in a row before the tree of ``budget`` is tried again: enough that the re-test's
@@ -307,9 +296,9 @@ def retest_after(table: CostTable, stats: AcceptanceStats, budget: int,
 def choose_budget(table: CostTable, stats: AcceptanceStats, current: int = 0,
                   explore_share: float = EXPLORE_SHARE) -> int:
     """The next round's budget after a round of ``current`` (the one in flight): the best tree if
-    it ``pays``, else 0 (an AR step), except that every ``retest_after`` AR steps in a row the best
-    tree runs once more; a tree in use that still pays is kept unless the best beats it by
-    ``CHANGE_MARGIN`` (module docstring)."""
+    its utility is above one, else 0 (an AR step), except that every ``retest_after`` AR steps in a
+    row the best tree runs once more; a tree in use that still pays is kept unless the best beats
+    it by ``CHANGE_MARGIN`` (module docstring)."""
     return choice_by_ar_run(table, stats, current, explore_share)(stats.ar_run)
 
 
@@ -320,10 +309,10 @@ def choice_by_ar_run(table: CostTable, stats: AcceptanceStats, current: int = 0,
     its re-test period stay as they are (a decoder plans a run of AR steps with it)."""
     scores = utilities(table, stats)
     best = best_of(scores)
-    in_use = 0 < current < len(scores) and pays(table, stats, current, scores)
+    in_use = 0 < current < len(scores) and scores[current] > 1
     if in_use and scores[best] <= scores[current] * (1 + CHANGE_MARGIN):
         best = current                                       # within the margin: noise
-    if pays(table, stats, best, scores):
+    if scores[best] > 1:
         return lambda ar_run: best
     every = retest_after(table, stats, best, explore_share)
     return lambda ar_run: best if ar_run and ar_run % every == 0 else 0
