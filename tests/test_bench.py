@@ -490,3 +490,17 @@ def test_budget_auto_targets_by_preset():
     tiny = [graphs("AR", None, 1000.0, 256), graphs("DDTree noisy", "auto", 2900.0, 70)]
     tiny_lines = targets(result("tiny", tiny))
     assert "DDTree noisy, budget auto: DDTree/AR 2.90 (target >= 3.0: missed)" in tiny_lines
+
+
+def test_ncu_forward_runs_the_forwards_to_profile(capsys):
+    """``python -m kernels.bench ncu forward``: the program ncu profiles runs its forwards (in the
+    simulator without a profiler range) and names what it profiled; bad options are refused by name."""
+    from kernels.bench.cli import main
+
+    assert main(["ncu", "forward", "--preset", "micro", "--rows", "1,2", "--context", "5"]) == 0
+    assert "profiled: micro, forwards of [1, 2] rows after 5 cached tokens" in capsys.readouterr().err
+    for bad, named in ((["--rows", "0,2"], "--rows"), (["--rows", "a"], "--rows"),
+                       (["--preset", "kimi-k2.6"], "--preset"), (["--context", "-1"], "--context")):
+        with pytest.raises(SystemExit):
+            main(["ncu", "forward", "--preset", "micro", *bad])
+        assert named in capsys.readouterr().err

@@ -7,7 +7,7 @@ Usage:
     python -m kernels.bench --quick              # tiny shapes, one repeat (the simulator smoke test)
     python -m kernels.bench engine --out r.md    # the whole engine, tok/s side by side (engine.py)
     python -m kernels.bench trained --out t.md   # the trained model and its block drafter (trained.py)
-    python -m kernels.bench profile | shapes | sweep | digest | ncu ncu.csv   # the other subcommands
+    python -m kernels.bench profile | shapes | sweep | digest | ncu FILE.csv | ncu forward   # the others
 
 The package:
     case.py         ``Case`` (one timed call), the sizes, random device inputs, and ``make_cases``,

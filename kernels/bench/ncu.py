@@ -1,8 +1,13 @@
 """Nsight Compute's kernel table of one forward, summed by kernel and launch shape:
-``python -m kernels.bench ncu FILE.csv``.
+``python -m kernels.bench ncu FILE.csv``; the program to profile: ``python -m kernels.bench ncu
+forward --preset NAME --rows 1,4``.
 
-FILE.csv is what ``ncu --csv --page details --section SpeedOfLight --section LaunchStats ...``
-printed (the lines before its header, ncu's own messages, are skipped). Each kernel launch is one
+``forward`` builds the preset's engine with graphs off, fills its cache and tree as the profile
+record does (``kernels.bench.profile.prepare``), runs each forward twice (compiled, warm), then
+once more each between ``cuda.profile_start()`` and ``cuda.profile_stop()``: run under ``ncu
+--profile-from-start off``, only those forwards are profiled. FILE.csv is what ``ncu --csv --page
+details --section SpeedOfLight --section LaunchStats ...`` printed (the lines before its header,
+ncu's own messages, are skipped). Each kernel launch is one
 ID with one row per metric; this module keeps a launch's duration, registers per thread and DRAM
 throughput, and adds the launches of each (kernel, grid, block) up, the largest total first.
 
@@ -86,7 +91,66 @@ def table(found: list[Launch]) -> list[str]:
     return lines
 
 
+def profiled_forwards(name: str, rows_list: list[int], context: int) -> None:
+    """One forward of each of ``rows_list`` rows on ``name``'s engine (graphs off) inside the
+    profiler's range, after two of each outside it. The simulator has no profiler: there the
+    forwards run without a range."""
+    from numba import cuda
+
+    from ddtree.config import preset
+    from kernels.bench.engine import preset_weights
+    from kernels.bench.profile import prepare
+    from kernels.model import Transformer
+
+    model = Transformer(preset(name), preset_weights(name), graphs=False)
+    prepare(model, name, context, max(rows_list))
+    stream = model.graphs.stream
+    for rows in rows_list:                            # compile, then a warm forward
+        model.forward_rows(stream, rows)
+        model.forward_rows(stream, rows)
+    cuda.synchronize()
+    getattr(cuda, "profile_start", lambda: None)()
+    for rows in rows_list:
+        model.forward_rows(stream, rows)
+        cuda.synchronize()
+    getattr(cuda, "profile_stop", lambda: None)()
+
+
+def positive_ints(text: str) -> list[int]:
+    """``--rows``: comma-separated integers >= 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def forward_main(argv) -> int:
+    from kernels.bench.engine import PRESETS
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench ncu forward",
+                                     description=profiled_forwards.__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", choices=("micro", *PRESETS),
+                        help="a preset with weights (default: small)")
+    parser.add_argument("--rows", type=positive_ints, default=[1], help="comma-separated forward sizes "
+                        "in rows, each profiled once (default: 1)")
+    parser.add_argument("--context", type=int, default=136, help="cached tokens before the forwards "
+                        "(default 136, as the profile record)")
+    args = parser.parse_args(argv)
+    if args.context < 0:
+        parser.error(f"--context must be >= 0, got {args.context}")
+    profiled_forwards(args.preset, args.rows, args.context)
+    print(f"profiled: {args.preset}, forwards of {args.rows} rows after {args.context} cached tokens",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["forward"]:
+        return forward_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m kernels.bench ncu", description=__doc__.splitlines()[0])
     parser.add_argument("csv", help="ncu --csv --page details output")
     args = parser.parse_args(argv)
