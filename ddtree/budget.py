@@ -21,22 +21,26 @@ tree of B' < B drafted nodes is the first B' nodes of B's tree (the builder pops
 node comes after its parent), so B''s accepted path is the part of B's with node indices <= B'
 (``AcceptanceStats.observe_round``). A round therefore adds one observation to every budget up to
 its own. A budget's estimate is the mean of its observations with the guess "every draft accepted"
-counted as ``PRIOR_ROUNDS`` of a round: one unlucky round does not condemn a size, and a size
-observed less often than its neighbours stays worth a try. The guess has a bounded price: with a
-drafter that never hits, a tree of r AR steps' time keeps paying on paper for about
-``PRIOR_ROUNDS`` (block_size - r) / (r - 1) rounds, so a generation loses about ``PRIOR_ROUNDS``
-block_size AR steps to it, whatever the table. One never observed borrows from the nearest budgets
-that have been: between two, the straight line; below the smallest, the smallest's (an upper bound:
-a smaller tree commits no more); past the largest, the straight line on from it through the upper
-half of the observed sizes (``rising``: from the largest observed budget at most half the largest,
-or from budget 0's one token; the observations' means, without the guess, which lifts a larger
-budget more). The curve of tokens against tree size is concave, since the builder adds nodes by
-falling path probability, each worth less than the ones before, so that line is an upper bound too:
-a bigger tree is tried once when even its bound pays best, and its round turns the bound into a
-measurement, for it and every size below it. Nothing observed yet: the most a round can commit.
-Every estimate is at most B + 1 (B accepted drafts and the bonus) and at most block_size. So the
-first round tries the size that would pay best if every draft were accepted, and the next rounds
-walk down from there to the size that pays for this drafter.
+counted as ``PRIOR_ROUNDS`` of a round: one unlucky round does not condemn a size. The guess has a
+price: with a drafter that never hits, a tree of r AR steps' time keeps paying on paper for about
+``PRIOR_ROUNDS`` (block_size - r) / (r - 1) rounds of its own size. So that this price is not paid
+again at every size above it, a size observed less often than a smaller one (fewer rounds were that
+big) is held to at most the smaller one's estimate plus the observed curve's rise per node
+(``rising``) for each node more (``held_to_better_observed``): the guess lifts the less observed
+size more, and without the bound each size that two rounds of a bigger tree had observed stayed
+ahead of its better measured neighbour below, so such a drafter ran a round or two at each size in
+turn. One never observed borrows from the nearest budgets that have been: between two, the straight
+line; below the smallest, the smallest's (an upper bound: a smaller tree commits no more); past the
+largest, the straight line on from it through the upper half of the observed sizes (``rising``: from
+the largest observed budget at most half the largest, or from budget 0's one token; the
+observations' means, without the guess, which lifts a larger budget more). The curve of tokens
+against tree size is concave, since the builder adds nodes by falling path probability, each worth
+less than the ones before, so that line is an upper bound too: a bigger tree is tried once when even
+its bound pays best, and its round turns the bound into a measurement, for it and every size below
+it. Nothing observed yet: the most a round can commit. Every estimate is at most B + 1 (B accepted
+drafts and the bonus) and at most block_size. So the first round tries the size that would pay best
+if every draft were accepted, and the next rounds walk down from there to the size that pays for
+this drafter.
 
 Re-testing. While no tree pays, the decoder takes AR steps, and a drafter that starts paying
 (another kind of text) would never be seen again. So every ``retest_after`` AR steps in a row the
@@ -64,6 +68,7 @@ updated with ``observe`` from each finished round's committed count.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -223,9 +228,18 @@ class AcceptanceStats:
 def estimates(stats: AcceptanceStats) -> tuple[float, ...]:
     """Tokens a round of each budget 0..max_budget is expected to commit: its observations' mean
     with the guess ``cap`` as ``PRIOR_ROUNDS`` of a round, or borrowed from the nearest observed
-    budgets (module docstring); at most cap = min(budget + 1, block_size). One pass: the policy
-    asks for every budget each round; and kept for the last few statistics, since a decoder that
-    has just chosen AR steps asks again when it plans their run, while the device waits."""
+    budgets, each observed budget then held to its better observed neighbour below (module
+    docstring); at most cap = min(budget + 1, block_size). Kept for the last few statistics, since
+    a decoder that has just chosen AR steps asks again when it plans their run, while the device
+    waits."""
+    tokens = unheld_estimates(stats)
+    tried = [b for b in range(1, len(stats.counts)) if stats.counts[b]]
+    return (1.0, *held_to_better_observed(stats, tried, tokens[1:])) if tried else tokens
+
+
+def unheld_estimates(stats: AcceptanceStats) -> tuple[float, ...]:
+    """``estimates`` before ``held_to_better_observed``, in one pass: the policy asks for every
+    budget each round."""
     size, counts, sums = len(stats.counts), stats.counts, stats.sums
     few = min(size, stats.block_size)
     caps = list(range(1, few + 1)) + [stats.block_size] * (size - few)     # [B + 1] min(b + 1, block_size)
@@ -244,12 +258,31 @@ def estimates(stats: AcceptanceStats) -> tuple[float, ...]:
     return (1.0, *capped[1:])
 
 
-def rising(stats: AcceptanceStats, tried: list[int]) -> float:
+def held_to_better_observed(stats: AcceptanceStats, tried: list[int], tokens: list[float]) -> list[float]:
+    """``tokens`` (budgets 1..max_budget) with each observed budget b held to at most a's estimate
+    plus the observed rise per node up to a (``rising``) times b - a, where a is the largest
+    smaller observed budget with more observations (module docstring). One pass: a stack of the
+    observed budgets whose counts fall, each the nearest with a larger count of the ones after it."""
+    counts, held, above = stats.counts, list(tokens), []          # above: indices into tried
+    for i, b in enumerate(tried):
+        while above and counts[tried[above[-1]]] <= counts[b]:
+            above.pop()
+        if above:
+            a = tried[above[-1]]
+            line = held[a - 1] + rising(stats, tried, above[-1]) * (b - a)
+            if line < held[b - 1]:                                # min(), as ``estimates``
+                held[b - 1] = line
+        above.append(i)
+    return held
+
+
+def rising(stats: AcceptanceStats, tried: list[int], top_index: int = -1) -> float:
     """Tokens per node of the observed curve's upper half, from the observations alone (the guess
     would tilt it: it lifts a larger budget more): from the largest observed budget at most half the
-    largest (budget 0, one token, if none) to the largest; never below 0."""
-    top = tried[-1]
-    low = max([b for b in tried if b <= top // 2], default=0)
+    largest (budget 0, one token, if none) to the largest, ``tried[top_index]``; never below 0."""
+    top = tried[top_index]
+    below = bisect.bisect_right(tried, top // 2)                  # tried is ascending
+    low = tried[below - 1] if below else 0
     mean_low = stats.sums[low] / stats.counts[low] if low else 1.0
     return max(0.0, (stats.sums[top] / stats.counts[top] - mean_low) / (top - low))
 

@@ -31,9 +31,11 @@ from ddtree.budget import (
     check_auto,
     choose_budget,
     estimate,
+    estimates,
     load_cost_table,
     retest_after,
     save_cost_table,
+    unheld_estimates,
     utilities,
     utility,
 )
@@ -129,6 +131,58 @@ def test_past_the_largest_measured_size_the_upper_halfs_line_bounds_the_estimate
     assert estimate(flat, 16) == pytest.approx(estimate(flat, 7))
     one = halves(b1=(1, 2))                                       # from budget 0's one token
     assert estimate(one, 3) == pytest.approx(estimate(one, 1) + 2 * (1.5 - 1))
+
+
+def test_a_size_observed_less_often_is_held_to_its_better_observed_neighbour():
+    """Two rounds of 32 nodes, then rounds of 8, all committing one token (a drafter that never
+    hits): size 9, observed only by the two big rounds, is held to size 8's estimate plus the
+    observed rise (none), where the guess alone would put it far above and its tree would run next.
+    A curve that rises keeps its rise; sizes observed equally often are not held to each other."""
+    table = CostTable(1.0, tuple(1.2 + 0.01 * b for b in range(32)))
+    stats = AcceptanceStats.empty(32, 8)
+    for budget in (32, 32, 8, 8):
+        stats = stats.observe_round(budget, [0])
+    unheld = (2 + PRIOR_ROUNDS * 8) / (2 + PRIOR_ROUNDS)               # size 9's mean with the guess
+    assert estimate(stats, 9) == estimate(stats, 8) < unheld
+    assert best_tree(table, stats) <= 8                           # no walk on to 9
+    rising_curve = stats_with(max_budget=16, rounds=4, b4=2, b8=3).observe(16, 8)   # 16 observed once
+    rise = (3 - 2) / (8 - 4)                                      # from 4 (half of 8) to 8
+    assert estimate(rising_curve, 16) == pytest.approx(estimate(rising_curve, 8) + rise * 8)
+    assert estimate(rising_curve, 8) < estimate(rising_curve, 16) < unheld_estimates(rising_curve)[16]
+    equal = stats_with(rounds=2, b4=1, b8=1)                      # as often: the guess alone
+    assert estimate(equal, 8) == pytest.approx((2 + PRIOR_ROUNDS * 8) / (2 + PRIOR_ROUNDS))
+
+
+def test_holding_sizes_matches_its_pairwise_definition():
+    """The one-pass hold (a stack of falling counts) equals the definition on random statistics:
+    each observed b held to est(a) + rise(a) (b - a), a the largest smaller observed size with more
+    observations, counts in any order (``observe`` of any budget)."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        size, block = int(rng.integers(1, 34)), int(rng.integers(2, 11))
+        stats = AcceptanceStats.empty(size, block)
+        for _ in range(int(rng.integers(0, 25))):
+            budget = int(rng.integers(0, size + 1))
+            if rng.random() < 0.5:
+                path = sorted(rng.choice(np.arange(1, size + 1), int(rng.integers(0, min(size, 7) + 1)),
+                                         replace=False).tolist())
+                stats = stats.observe_round(budget, [0, *path])
+            else:
+                stats = stats.observe(budget, int(rng.integers(1, block + 1)))
+        held = estimates(stats)
+        free = unheld_estimates(stats)
+        tried = [b for b in range(1, size + 1) if stats.counts[b]]
+        mean = [stats.sums[b] / stats.counts[b] if b else 1.0 for b in [0, *tried]]
+        mean = dict(zip([0, *tried], mean, strict=True))
+        want = list(free)
+        for i, b in enumerate(tried):
+            more = [a for a in tried[:i] if stats.counts[a] > stats.counts[b]]
+            if more:
+                a = more[-1]
+                low = max([c for c in tried if c <= a // 2], default=0)
+                rise = max(0.0, (mean[a] - mean[low]) / (a - low))
+                want[b] = min(want[b], want[a] + rise * (b - a))
+        assert held == tuple(want)
 
 
 def test_a_round_observes_every_budget_up_to_its_own():
