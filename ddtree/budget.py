@@ -263,13 +263,17 @@ def held_to_better_observed(stats: AcceptanceStats, tried: list[int], tokens: li
     plus the observed rise per node up to a (``rising``) times b - a, where a is the largest
     smaller observed budget with more observations (module docstring). One pass: a stack of the
     observed budgets whose counts fall, each the nearest with a larger count of the ones after it."""
-    counts, held, above = stats.counts, list(tokens), []          # above: indices into tried
+    counts, held, above, rises = stats.counts, list(tokens), [], {}   # above: indices into tried
     for i, b in enumerate(tried):
-        while above and counts[tried[above[-1]]] <= counts[b]:
+        count = counts[b]
+        while above and counts[tried[above[-1]]] <= count:
             above.pop()
         if above:
-            a = tried[above[-1]]
-            line = held[a - 1] + rising(stats, tried, above[-1]) * (b - a)
+            j = above[-1]
+            a = tried[j]
+            if j not in rises:                                    # many sizes share one neighbour
+                rises[j] = rising(stats, tried, j)
+            line = held[a - 1] + rises[j] * (b - a)
             if line < held[b - 1]:                                # min(), as ``estimates``
                 held[b - 1] = line
         above.append(i)
