@@ -172,8 +172,7 @@ def test_holding_sizes_matches_its_pairwise_definition():
         held = estimates(stats)
         free = unheld_estimates(stats)
         tried = [b for b in range(1, size + 1) if stats.counts[b]]
-        mean = [stats.sums[b] / stats.counts[b] if b else 1.0 for b in [0, *tried]]
-        mean = dict(zip([0, *tried], mean, strict=True))
+        mean = {0: 1.0, **{b: stats.sums[b] / stats.counts[b] for b in tried}}
         want = list(free)
         for i, b in enumerate(tried):
             more = [a for a in tried[:i] if stats.counts[a] > stats.counts[b]]

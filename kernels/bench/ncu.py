@@ -3,13 +3,13 @@
 forward --preset NAME --rows 1,4``.
 
 ``forward`` builds the preset's engine with graphs off, fills its cache and tree as the profile
-record does (``kernels.bench.profile.prepare``), runs each forward twice (compiled, warm), then
-once more each between ``cuda.profile_start()`` and ``cuda.profile_stop()``: run under ``ncu
+record does (``kernels.bench.profile.prepare``), runs each forward twice (compiled, warm), then once
+more each between ``cuda.profile_start()`` and ``cuda.profile_stop()``: run under ``ncu
 --profile-from-start off``, only those forwards are profiled. FILE.csv is what ``ncu --csv --page
 details --section SpeedOfLight --section LaunchStats ...`` printed (the lines before its header,
-ncu's own messages, are skipped). Each kernel launch is one
-ID with one row per metric; this module keeps a launch's duration, registers per thread and DRAM
-throughput, and adds the launches of each (kernel, grid, block) up, the largest total first.
+ncu's own messages, are skipped). Each kernel launch is one ID with one row per metric; this module
+keeps a launch's duration, registers per thread and DRAM throughput, and adds the launches of each
+(kernel, grid, block) up, the largest total first.
 
 Kernel names: numba mangles a kernel as ``module::function[...]``, a closure built by a factory as
 ``factory::kernel[...]``; a name ending in ``::kernel`` is shown as its factory's (or module's)
