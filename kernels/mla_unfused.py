@@ -31,7 +31,6 @@ from numba import cuda, float32, int32  # the package __init__ has already chose
 
 from kernels.blocks import block_max, blocks
 from kernels.device import SIMULATOR, check_out, output
-from kernels.graphs import fork, join
 from kernels.linear import index
 from kernels.tuning import (
     ROW_BLOCKS_PER_SM,
@@ -574,14 +573,11 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
             q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
     attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](   # step 2
         scores, prefix, depths, paths, partials)
-    # steps 3 and 4 write disjoint chunks of the partials: in a graph they run side by side
-    main, beside = fork(stream)
     values_grid = (blocks(rank, UNFUSED_TILE), blocks(rows * heads, UNFUSED_TILE), chunks)
-    attention_values_kernel[values_grid, UNFUSED_THREADS, beside](scores, cache_latent, prefix, partials)
+    attention_values_kernel[values_grid, UNFUSED_THREADS, stream](scores, cache_latent, prefix, partials)
     tail_heads, tail_threads, tail_batch = tail_shape(rows)                      # step 4
     tail_grid = (blocks(rank, tail_threads), blocks(heads, tail_heads), rows)
-    tail_kernel(tail_heads, tail_batch)[tail_grid, tail_threads, main](
+    tail_kernel(tail_heads, tail_batch)[tail_grid, tail_threads, stream](
         scores, cache_latent, prefix, depths, paths, partials)
-    join(main, beside)
     return partials
 # --8<-- [end:attention_unfused_kernels]

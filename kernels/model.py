@@ -55,7 +55,7 @@ from kernels.accept import mark_walk
 from kernels.blocks import blocks
 from kernels.device import filled, poisoned, to_device
 from kernels.drafters import DrafterBuffers, always_proposes, check_round, load, propose
-from kernels.graphs import Graphs, fork, join
+from kernels.graphs import Graphs
 from kernels.kv_cache import DeviceCache, compact_column
 from kernels.mla import PathsPlan, check_plan, paths_plan
 from kernels.moe import DenseScratch, MoEScratch, dense_scratch, moe_scratch
@@ -522,11 +522,8 @@ class Transformer:
         q = b.q[:rows]                                                             # [T, H, dn+dr]
         ops.linear(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
         q_nope, q_pe = q[:, :, :nope], q[:, :, nope:]                              # [T, H, dn], [T, H, dr]
-        # the two halves of q are independent: in a graph the rope turns beside the absorption
-        main, beside = fork(s)
-        ops.apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=beside)
-        q_lat = ops.absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=main)  # [T, H, R]
-        s = join(main, beside)
+        ops.apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
+        q_lat = ops.absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)  # [T, H, R]
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         scores = None if self.attention_scores is None \
             else self.attention_scores[:rows * c.num_attention_heads]                # [T H, C]
