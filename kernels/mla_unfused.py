@@ -562,7 +562,7 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     scale = np.float32(scale)
     if row_scores(rows, rank, rope_dim):                                         # step 1
         row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
-        row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS)[row_grid, ROW_THREADS, stream](
+        row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, ROW_UNROLL)[row_grid, ROW_THREADS, stream](
             q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
     else:
         shape = scores_shape(rows * heads)

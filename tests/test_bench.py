@@ -239,11 +239,86 @@ def test_digest_hashes_values_not_where_they_live():
 
 
 @pytest.mark.skipif(not device.SIMULATOR, reason="the refusal applies to the simulator")
-@pytest.mark.parametrize("command", ["profile", "shapes", "sweep"])
+@pytest.mark.parametrize("command", ["profile", "shapes", "sweep", "variants"])
 def test_device_timings_are_refused_in_the_simulator(command, capsys):
     with pytest.raises(SystemExit):
         main([command])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_every_variant_sets_constants_that_exist_and_puts_them_back():
+    """``kernels.bench.variants``: each variant names constants its modules have (a rename fails
+    here, not on a GPU), sets them inside ``applied`` and restores them after, an error included;
+    a missing name is refused before anything is set."""
+    import importlib
+
+    from kernels import mla_unfused
+    from kernels.bench.variants import VARIANT_SETS, applied
+
+    def current(changes):
+        return {key: getattr(importlib.import_module(key[0]), key[1]) for key in changes}
+
+    for variants in VARIANT_SETS.values():
+        for changes in variants.values():
+            before = current(changes)
+            assert before != changes                    # each variant differs from the engine's shape
+            with applied(changes):
+                assert current(changes) == changes
+            assert current(changes) == before
+    keys = mla_unfused.ROW_KEYS
+    with pytest.raises(RuntimeError), applied({("kernels.mla_unfused", "ROW_KEYS"): keys + 1}):
+        raise RuntimeError
+    assert mla_unfused.ROW_KEYS == keys
+    with pytest.raises(ValueError, match="do not exist: kernels.mla_unfused.NO_SUCH"):
+        with applied({("kernels.mla_unfused", "ROW_KEYS"): keys + 1, ("kernels.mla_unfused", "NO_SUCH"): 1}):
+            pass
+    assert mla_unfused.ROW_KEYS == keys
+
+
+def test_a_variant_changes_what_the_launch_reads():
+    """The constants are read at launch: under "row kernel up to 4 rows" a 4-row forward of small's
+    attention takes the row kernel, which the engine's shapes leave to the GEMM."""
+    from kernels.bench.variants import VARIANT_SETS, applied
+    from kernels.mla_unfused import row_scores
+
+    config = preset("small")
+    dims = (config.kv_lora_rank, config.qk_rope_head_dim)
+    assert not row_scores(4, *dims)
+    with applied(VARIANT_SETS["scores"]["row kernel up to 4 rows"]):
+        assert row_scores(4, *dims)
+
+
+def test_the_variants_table_gives_each_median_and_its_difference():
+    from kernels.bench.variants import table
+
+    times = {("engine", 1): [10.0, 12.0, 11.0], ("faster", 1): [9.0, 9.5, 8.0],
+             ("engine", 2): [20.0], ("faster", 2): [21.5]}
+    assert table(times, ["engine", "faster"], [1, 2], 136).splitlines() == [
+        "| 136 cached tokens | T=1 | T=2 |", "|---|---|---|", "| engine | 11.0 | 20.0 |",
+        "| faster | 9.0 (-2.0) | 21.5 (+1.5) |"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "0"], "--rows must be comma-separated integers >= 1, got '0'"),
+    (["--contexts", "a"], "--contexts must be comma-separated integers >= 1, got 'a'"),
+    (["--rows", "256"], "--rows must be at most the engine's 128 rows, got 256"),
+    (["--preset", "micro", "--contexts", "510"], "--contexts plus the rows must fit micro's 512 positions"),
+])
+def test_the_variants_refuse_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["variants", *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_variants_run_on_a_gpu(tmp_path):
+    out = tmp_path / "variants.md"
+    assert main(["variants", "--preset", "micro", "--set", "tail", "--rows", "1,2", "--contexts", "8,20",
+                 "--out", str(out)]) == 0
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [line for line in lines if line.startswith("| engine |")] and not \
+        [line for line in lines if line.startswith("- dropped")]
+    assert len([line for line in lines if line.startswith("| one row 1x32x16 |")]) == 2    # two contexts
 
 
 def test_a_shape_row_ranks_the_shapes_and_marks_the_engine_s():

@@ -7,7 +7,7 @@ Usage:
     python -m kernels.bench --quick              # tiny shapes, one repeat (the simulator smoke test)
     python -m kernels.bench engine --out r.md    # the whole engine, tok/s side by side (engine.py)
     python -m kernels.bench trained --out t.md   # the trained model and its block drafter (trained.py)
-    python -m kernels.bench profile | shapes | sweep | digest | ncu FILE.csv | ncu forward   # the others
+    python -m kernels.bench profile | shapes | variants | sweep | digest | ncu FILE.csv | ncu forward
 
 The package:
     case.py         ``Case`` (one timed call), the sizes, random device inputs, and ``make_cases``,
@@ -18,8 +18,8 @@ The package:
     environment.py  where it ran: GPU, driver, versions, L2 size
     report.py       the markdown report
     hardware.py     the GPU figures recorded in the benchmark record (read from the file, not retyped)
-    engine.py, trained.py, profile.py, shapes.py, sweep.py, digest.py, ncu.py: the subcommands; cli.py
-                    the command line
+    engine.py, trained.py, profile.py, shapes.py, variants.py, sweep.py, digest.py, ncu.py: the
+                    subcommands; cli.py the command line
 
 What is timed, per case: **call µs**, one call of a *public* ``kernels`` function with device
 arrays in and out, as a caller without buffers makes it (checks, output allocation, NaN poison

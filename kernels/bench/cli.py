@@ -45,6 +45,10 @@ def main(argv=None) -> int:
         from kernels.bench import shapes
 
         return shapes.main(argv[1:])
+    if argv[:1] == ["variants"]:                        # launch-shape variants of a forward, A/B
+        from kernels.bench import variants
+
+        return variants.main(argv[1:])
     if argv[:1] == ["sweep"]:                           # tokens/s against context length
         from kernels.bench import sweep
 

@@ -1,0 +1,198 @@
+"""``python -m kernels.bench variants``: launch-shape variants of one engine forward, each timed
+beside the engine's own shapes in the same run.
+
+A variant sets module constants that a launch reads (``kernels.tuning``'s thresholds, a kernel's
+shape) while the forward's graph is captured, and restores them after. No such constant changes a
+sum, so every variant's logits must equal the engine's bit for bit: the run checks them at each
+context before timing, and a variant that differs, or whose launch the GPU refuses, leaves the
+table with the reason printed. The cache holds ``--contexts`` tokens of random latents in turn
+(``kernels.bench.case.fill_context``; a graph reads the length on the device, so one capture
+serves every context); at each, the graphs of every variant and row count replay in turn, round
+after round, so that clock and heat drift fall on all of them alike. The table gives each one's
+median device µs and its difference from the engine's. GPU only: the simulator has no graphs.
+
+    python -m kernels.bench variants --preset small --set scores --rows 1,2,4,8 \\
+        --contexts 136,4096,16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import pathlib
+import shlex
+import statistics
+import sys
+
+import numpy as np
+
+from ddtree.config import PRESET_NAMES, preset
+from kernels.device import SIMULATOR
+
+# a set's variants: {name: {(module, constant): value}}; the engine's shapes ({}) are always timed
+VARIANT_SETS = {
+    # the few rows' score kernel (kernels.mla_unfused.row_scores_kernel) against the GEMM: up to how
+    # many rows it serves, its threads per block, keys per tile and loads in flight
+    "scores": {
+        "row kernel up to 4 rows": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 4},
+        "row kernel up to 8 rows": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8},
+        "up to 8 rows, 512 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                      ("kernels.mla_unfused", "ROW_THREADS"): 512},
+        "up to 8 rows, 8 keys, 256 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                              ("kernels.mla_unfused", "ROW_KEYS"): 8},
+        "up to 8 rows, 8 keys, 512 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                              ("kernels.mla_unfused", "ROW_KEYS"): 8,
+                                              ("kernels.mla_unfused", "ROW_THREADS"): 512},
+        "up to 8 rows, 1024 threads, 16 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                                 ("kernels.mla_unfused", "ROW_THREADS"): 1024,
+                                                 ("kernels.mla_unfused", "ROW_UNROLL"): 16},
+    },
+    # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
+    "tail": {
+        "one row 1x32x16": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (1, 32, 16)},
+        "one row 1x64x32": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (1, 64, 32)},
+        "one row 2x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (2, 64, 16)},
+        "few rows 1x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (1, 64, 16)},
+        "few rows 2x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (2, 64, 16)},
+        "few rows 2x128x32": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (2, 128, 32)},
+    },
+}
+ENGINE = "engine"
+ROUNDS = 15             # replays of each (variant, rows) graph per context, interleaved
+
+
+@contextlib.contextmanager
+def applied(changes: dict):
+    """The module constants ``changes`` ({(module, name): value}) set, then restored, whatever
+    happens inside; a name the module lacks is an error before anything is set."""
+    targets = {(module, name): importlib.import_module(module) for module, name in changes}
+    missing = [f"{module}.{name}" for (module, name), found in targets.items() if not hasattr(found, name)]
+    if missing:
+        raise ValueError(f"a variant sets constants that do not exist: {', '.join(missing)}")
+    saved = {key: getattr(found, key[1]) for key, found in targets.items()}
+    try:
+        for key, value in changes.items():
+            setattr(targets[key], key[1], value)
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(targets[key], key[1], value)
+
+
+def table(times: dict, variants: list[str], rows_list: list[int], context: int) -> str:
+    """The markdown table of one context: per variant and rows, the median µs of ``times[(variant,
+    rows)]`` and its difference from the engine's."""
+    lines = [f"| {context} cached tokens | " + " | ".join(f"T={rows}" for rows in rows_list) + " |",
+             "|---|" + "---|" * len(rows_list)]
+    for variant in variants:
+        cells = []
+        for rows in rows_list:
+            median, engine = (statistics.median(times[name, rows]) for name in (variant, ENGINE))
+            cells.append(f"{median:.1f}" if variant == ENGINE else f"{median:.1f} ({median - engine:+.1f})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(name: str, set_name: str, rows_list: list[int], contexts: list[int], log=print) -> list[str]:
+    """Every variant of ``set_name`` beside the engine's shapes on ``name``'s forward: a table per
+    context (``table``), the lines about dropped variants before it."""
+    from cuda.core import EventOptions
+
+    from kernels.bench.engine import preset_weights
+    from kernels.bench.profile import prepare
+    from kernels.model import Transformer
+
+    model = Transformer(preset(name), preset_weights(name))
+    graphs, stream = model.graphs, model.graphs.stream
+    options = EventOptions(timing_enabled=True)
+    start, end = (stream.device.create_event(options=options) for _ in range(2))
+    variants = {ENGINE: {}, **VARIANT_SETS[set_name]}
+    alive, sections = list(variants), []
+    for index, context in enumerate(contexts):
+        prepare(model, name, context, max(rows_list))
+        expected = {}
+        for variant in list(alive):
+            try:
+                with applied(variants[variant]):
+                    for rows in rows_list:
+                        key = ("variants", variant, rows)
+                        if index == 0:                        # the direct run, then the capture
+                            graphs.run(key, lambda stream, rows=rows: model.forward_rows(stream, rows))
+                        graphs.run(key, None)
+                        graphs.synchronize()
+                        logits = model.buffers.logits[:rows].copy_to_host().view(np.uint32)
+                        if variant == ENGINE:
+                            expected[rows] = logits
+                        elif not np.array_equal(logits, expected[rows]):
+                            raise AssertionError(f"its logits differ from the engine's at {rows} rows")
+            except Exception as error:          # any failure drops the variant, said why
+                alive.remove(variant)
+                sections.append(f"- dropped at {context} cached tokens: {variant}: {type(error).__name__}: "
+                                f"{str(error).splitlines()[0] if str(error) else ''}")
+                log(sections[-1])
+                if variant == ENGINE:
+                    raise
+        times = {(variant, rows): [] for variant in alive for rows in rows_list}
+        for _ in range(ROUNDS):
+            for rows in rows_list:
+                for variant in alive:
+                    stream.record(start)
+                    graphs.run(("variants", variant, rows), None)
+                    stream.record(end)
+                    end.sync()
+                    times[variant, rows].append((end - start) * 1e3)          # ms -> µs
+        sections.append(table(times, alive, rows_list, context))
+        log(sections[-1])
+    return sections
+
+
+def positive_list(text: str, what: str, parser) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"--{what} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench variants",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", choices=PRESET_NAMES)
+    parser.add_argument("--set", default="scores", choices=sorted(VARIANT_SETS), dest="set_name",
+                        help="which variants (default: scores)")
+    parser.add_argument("--rows", default="1,2,4,8", help="comma-separated forward sizes in rows")
+    parser.add_argument("--contexts", default="136", help="comma-separated cached tokens (default 136)")
+    parser.add_argument("--out", type=pathlib.Path, help="also write the tables (markdown) here")
+    args = parser.parse_args(argv)
+    rows_list = positive_list(args.rows, "rows", parser)
+    contexts = positive_list(args.contexts, "contexts", parser)
+    from kernels.model import DEFAULT_MAX_TREE_NODES
+
+    positions = preset(args.preset).max_position_embeddings
+    if max(rows_list) > DEFAULT_MAX_TREE_NODES:
+        parser.error(f"--rows must be at most the engine's {DEFAULT_MAX_TREE_NODES} rows, "
+                     f"got {max(rows_list)}")
+    if max(contexts) + max(rows_list) > positions:
+        parser.error(f"--contexts plus the rows must fit {args.preset}'s {positions} positions, got "
+                     f"{max(contexts)} + {max(rows_list)}")
+    if SIMULATOR:
+        parser.error("the variants bench needs a GPU (NUMBA_ENABLE_CUDASIM=0): the simulator has no graphs")
+    from kernels.bench.environment import versions
+
+    command = "python -m kernels.bench variants " + shlex.join(argv if argv is not None else sys.argv[1:])
+    sections = run(args.preset, args.set_name, rows_list, contexts)
+    if args.out:
+        lines = [f"# Launch-shape variants of one {args.preset} forward ({args.set_name})", "",
+                 f"Command: `{command}`", "", *[f"- {key}: {value}" for key, value in versions()],
+                 "", "Graph replays, median device µs of " + str(ROUNDS) + " each (the difference from the "
+                 "engine's shapes in brackets); every variant's logits equal the engine's, bit for bit.",
+                 *["\n" + section for section in sections]]
+        args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
