@@ -79,7 +79,9 @@ import numpy as np
 
 from ddtree.tree import check_budget
 
-EXPLORE_SHARE = 0.01        # a re-test costs at most 1% of the AR steps' time before it
+# a re-test costs at most 0.5% of the AR steps' time before it: the first trees of a generation from
+# empty statistics already cost a drafter that never hits more than that
+EXPLORE_SHARE = 0.005
 PRIOR_ROUNDS = 0.5          # the guess "every draft accepted" weighs half a round in each estimate
 CHANGE_MARGIN = 0.1         # another tree size must promise 10% more tokens per second than the one in use
 

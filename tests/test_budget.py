@@ -24,6 +24,7 @@ from ddtree import golden
 from ddtree.accept import accept
 from ddtree.budget import (
     CHANGE_MARGIN,
+    EXPLORE_SHARE,
     PRIOR_ROUNDS,
     AcceptanceStats,
     CostTable,
@@ -238,10 +239,10 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
     best = best_tree(DEAR, stats)
     every = retest_after(DEAR, stats, best)
     # its extra time over the AR steps of the tokens its rounds committed (the mean, no guess in
-    # it) is at most 1% of the AR steps' time
+    # it) is at most EXPLORE_SHARE of the AR steps' time
     measured = stats.sums[best] / stats.counts[best]
-    assert (DEAR.seconds(best) - measured * DEAR.ar_step) <= 0.01 * every * DEAR.ar_step + 1e-12
-    assert (DEAR.seconds(best) - measured * DEAR.ar_step) > 0.01 * (every - 1) * DEAR.ar_step
+    assert (DEAR.seconds(best) - measured * DEAR.ar_step) <= EXPLORE_SHARE * every * DEAR.ar_step + 1e-12
+    assert (DEAR.seconds(best) - measured * DEAR.ar_step) > EXPLORE_SHARE * (every - 1) * DEAR.ar_step
     choices = []
     for _ in range(3 * every + 1):
         choice = choose_budget(DEAR, stats)
@@ -258,15 +259,16 @@ def test_the_best_tree_is_retested_every_bounded_number_of_ar_steps():
 def test_a_retest_is_charged_its_switch_between_ar_runs():
     """A re-test runs alone between two runs of AR steps: its ``switch`` joins its extra seconds, so
     a tree that almost pays (a few hundredths of an AR step short on the queued table) is re-tested
-    every hundred-odd steps, not every few."""
+    every two hundred-odd steps, not every few."""
     stats = stats_with(rounds=200, b7=2, b3=2)                    # the guess weighs next to nothing
     best = best_tree(DEAR, stats)
     measured = stats.sums[best] / stats.counts[best]
     near = CostTable(1.0, (measured + 0.025,) * 15)               # 0.025 AR steps short of paying
     assert utility(near, stats, best_tree(near, stats)) < 1
-    assert retest_after(near, stats, best_tree(near, stats)) == 3            # 0.025 / 1%, rounded up
+    assert EXPLORE_SHARE == 0.005
+    assert retest_after(near, stats, best_tree(near, stats)) == 5            # 0.025 / 0.5%
     switched = CostTable(1.0, near.verify, switch=1.0)
-    assert retest_after(switched, stats, best_tree(switched, stats)) == 103  # (0.025 + 1) / 1%
+    assert retest_after(switched, stats, best_tree(switched, stats)) == 205  # (0.025 + 1) / 0.5%
     assert choose_budget(switched, stats) == choose_budget(near, stats)      # the same choice else
 
 
@@ -437,7 +439,7 @@ def test_a_retest_is_read_before_the_next_choice():
     new = 240
     expected = reference_decode.generate_ar(model, prompt, new)
     drafter = make_drafter("ngram", model, prompt, new, continuation=expected)
-    table = CostTable(1.0, (1.7,) * 15)                           # trees, AR steps, re-tests
+    table = CostTable(1.0, (1.4,) * 15)                           # trees, AR steps, re-tests
     _, trace = reference_decode.generate_ddtree(model, prompt, new, drafter, budget="auto",
                                                 cost_table=table)
     budgets, stats = trace.budgets, [AcceptanceStats.empty(table.max_budget, 8)]
@@ -581,9 +583,9 @@ def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference(
 
     model, ref = engine("micro", max_tree_nodes=8), reference_model()
     prompt = golden.default_prompt("micro")[:2]
-    new = 40
+    new = 60
     expected = reference_decode.generate_ar(ref, prompt, new)
-    table = CostTable(1.0, (1.2,) * 7)           # trees, AR steps, a re-test, AR, trees again
+    table = CostTable(1.0, (1.2,) * 7)           # trees, AR steps, a re-test, trees again
     options = dict(block_size=3, budget="auto", cost_table=table)
     drafter = make_drafter("ngram", ref, prompt, new, continuation=expected)
     behind, start_round_after = [], model.start_round_after
