@@ -61,6 +61,7 @@ UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT queries at once
 ROW_UNROLL = 32                               # ... a score's loads issued before their adds
+ROW_QUERIES = 1                               # ... and at most this many queries a thread adds side by side
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
 # ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
@@ -275,12 +276,45 @@ def row_dot(unroll: int):
 
 
 @functools.cache
-def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL):
+def row_dots(unroll: int, queries: int):
+    """The device function dots(acc, q, q_rows, q_heads, tile, first, count): for each i <
+    ``queries``, acc[i] plus q[q_rows[i], q_heads[i], c] * tile[first + c] for c = 0 .. ``count`` - 1,
+    added in order, the queries' runs of ``unroll`` columns side by side (each key value loaded
+    once feeds them all, and their chains overlap); each acc[i] gets ``row_dot``'s sum."""
+
+    @cuda.jit(device=True)
+    def dots(acc, q, q_rows, q_heads, tile, first, count):
+        keys = cuda.local.array(unroll, float32)
+        values = cuda.local.array((queries, unroll), float32)
+        whole = count // unroll * unroll
+        for c0 in range(0, whole, unroll):
+            at = index(c0)
+            key_at = index(first + c0)
+            for u in range(unroll):
+                keys[u] = tile[key_at + u]
+            for i in range(queries):
+                for u in range(unroll):
+                    values[i, u] = q[index(q_rows[i]), index(q_heads[i]), at + u]
+            for u in range(unroll):
+                for i in range(queries):
+                    acc[i] += values[i, u] * keys[u]
+        for column in range(whole, count):
+            key = tile[index(first + column)]
+            for i in range(queries):
+                acc[i] += q[index(q_rows[i]), index(q_heads[i]), index(column)] * key
+
+    return dots
+
+
+@functools.cache
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL,
+                      queries: int = ROW_QUERIES):
     """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
-    ``unroll`` at a time (literals: the staged tile's, the loads' and the registers' sizes). A
-    score's terms are added as ``scores_kernel`` adds them, whatever the shape."""
-    dot = row_dot(unroll)
+    ``unroll`` at a time, ``queries`` of them side by side per thread (literals: the staged tile's,
+    the loads' and the registers' sizes). A score's terms are added as ``scores_kernel`` adds them,
+    whatever the shape."""
+    dot, dots = row_dot(unroll), row_dots(unroll, queries)
     width = rank + rope_dim
     stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
     staged = key_tile * stride                        # the tile in shared memory
@@ -307,6 +341,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         tile = cuda.shared.array(staged, float32)
         latent = cuda.local.array((key_tile, latent_loads), float32)
         rope = cuda.local.array(rope_loads, float32)
+        sums = cuda.local.array(queries, float32)         # [Q] the thread's scores side by side
+        q_rows = cuda.local.array(queries, int32)         # ... their rows and heads
+        q_heads = cuda.local.array(queries, int32)
         key, lane = tid % key_tile, tid // key_tile
         for s0 in range(cuda.blockIdx.x * key_tile, keys, cuda.gridDim.x * key_tile):
             for k in range(key_tile):                 # the loads first (past the last key: the last
@@ -326,12 +363,25 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 if at < key_tile * rope_dim:
                     tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
             cuda.syncthreads()
-            for query in range(lane, rows * heads, head_lanes):
-                row, head = query // heads, query % heads
-                acc = dot(float32(0.0), q_lat[row, head], tile, key * stride, rank)
-                acc = dot(acc, q_pe[row, head], tile, key * stride + rank, rope_dim)
-                if s0 + key < keys:
-                    scores[query, s0 + key] = acc * scale
+            if queries == 1:                          # a literal: one of the two loops is compiled
+                for query in range(lane, rows * heads, head_lanes):
+                    row, head = query // heads, query % heads
+                    acc = dot(float32(0.0), q_lat[row, head], tile, key * stride, rank)
+                    acc = dot(acc, q_pe[row, head], tile, key * stride + rank, rope_dim)
+                    if s0 + key < keys:
+                        scores[query, s0 + key] = acc * scale
+            else:                                     # queries lane + i HL (HL = THREADS / KT), i < Q
+                for first in range(lane, rows * heads, head_lanes * queries):
+                    for i in range(queries):          # past the last query: the last again, not written
+                        query = min(first + i * head_lanes, rows * heads - 1)
+                        q_rows[i], q_heads[i] = query // heads, query % heads
+                        sums[i] = float32(0.0)
+                    dots(sums, q_lat, q_rows, q_heads, tile, key * stride, rank)
+                    dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
+                    for i in range(queries):
+                        query = first + i * head_lanes
+                        if query < rows * heads and s0 + key < keys:
+                            scores[query, s0 + key] = sums[i] * scale
 
     return attention_row_scores_kernel
 
@@ -562,7 +612,9 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     scale = np.float32(scale)
     if row_scores(rows, rank, rope_dim):                                         # step 1
         row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
-        row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, ROW_UNROLL)[row_grid, ROW_THREADS, stream](
+        each = -(-rows * heads // (ROW_THREADS // ROW_KEYS))       # queries per thread
+        kernel = row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, ROW_UNROLL, min(ROW_QUERIES, each))
+        kernel[row_grid, ROW_THREADS, stream](
             q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
     else:
         shape = scores_shape(rows * heads)

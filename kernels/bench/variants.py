@@ -47,6 +47,15 @@ VARIANT_SETS = {
         "up to 8 rows, 1024 threads, 16 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
                                                  ("kernels.mla_unfused", "ROW_THREADS"): 1024,
                                                  ("kernels.mla_unfused", "ROW_UNROLL"): 16},
+        "up to 8 rows, 2 queries a thread, 16 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                                       ("kernels.mla_unfused", "ROW_QUERIES"): 2,
+                                                       ("kernels.mla_unfused", "ROW_UNROLL"): 16},
+        "up to 8 rows, 4 queries a thread, 8 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                                      ("kernels.mla_unfused", "ROW_QUERIES"): 4,
+                                                      ("kernels.mla_unfused", "ROW_UNROLL"): 8},
+        "up to 8 rows, 8 queries a thread, 4 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
+                                                      ("kernels.mla_unfused", "ROW_QUERIES"): 8,
+                                                      ("kernels.mla_unfused", "ROW_UNROLL"): 4},
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
     "tail": {
