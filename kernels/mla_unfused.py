@@ -62,6 +62,10 @@ ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT queries at once
 ROW_UNROLL = 32                               # ... a score's loads issued before their adds
 ROW_QUERIES = 1                               # ... and at most this many queries a thread adds side by side
+ROW_SCORES_MOST_KEYS = 0                      # ... and up to this many keys, the GEMM launched beside it for
+                                              # more (each reads P on the device); 0: at any context, alone
+ALL_KEYS = np.int64(2**62)                    # a kernel's key bound that every context is under
+NO_KEYS = np.int64(-1)                        # ... and one that every context is past
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
 UNFUSED_TAIL_BATCH = 4 if SIMULATOR else 16   # the tail kernel: cache loads a thread issues before its adds
 # ... its (heads, output columns (a thread per column), BATCH) per block for one row, a few and many
@@ -176,10 +180,11 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
     load = score_loads(query_loads, key_loads)
 
     @cuda.jit
-    def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+    def attention_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, fewest_keys):
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every
         query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
-        mask is the next steps' business), a register-tiled GEMM.
+        mask is the next steps' business), a register-tiled GEMM; nothing while P + T <= ``fewest_keys``
+        (the row kernel's contexts where both are launched, ``ROW_SCORES_MOST_KEYS``).
 
         Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid covers the
         cache's capacity and a block past P + T (P read on the device) returns at once, so one launch shape
@@ -197,8 +202,8 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
         keys = prefix[0] + rows
         q0 = non_negative(cuda.blockIdx.y) * query_tile
         s0 = non_negative(cuda.blockIdx.x) * key_tile
-        if s0 >= keys:                                    # the whole block: past the last key
-            return
+        if s0 >= keys or keys <= fewest_keys:             # the whole block: past the last key, or the
+            return                                        # row kernel's context
         a_tile = cuda.shared.array(query_staged, float32, alignment=UNFUSED_ALIGN)
         b_tile = cuda.shared.array(key_staged, float32, alignment=UNFUSED_ALIGN)
         acc = cuda.local.array(registers, float32)
@@ -323,9 +328,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
     head_lanes = threads // key_tile
 
     @cuda.jit
-    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores):
+    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, most_keys):
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every query
-        q = row * H + head and slot s < P + T: ``attention_scores_kernel``'s scores of T rows.
+        q = row * H + head and slot s < P + T: ``attention_scores_kernel``'s scores of T rows; nothing
+        while P + T > ``most_keys`` (the GEMM's contexts where both are launched).
 
         Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, queries lane,
         lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
@@ -338,6 +344,8 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         tid = index(cuda.threadIdx.x)
         rows, heads = q_lat.shape[0], q_lat.shape[1]
         keys = prefix[0] + rows
+        if keys > most_keys:                          # the whole block: the GEMM's context
+            return
         tile = cuda.shared.array(staged, float32)
         latent = cuda.local.array((key_tile, latent_loads), float32)
         rope = cuda.local.array(rope_loads, float32)
@@ -610,19 +618,22 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
     scale = np.float32(scale)
-    if row_scores(rows, rank, rope_dim):                                         # step 1
+    by_rows = row_scores(rows, rank, rope_dim)                                 # step 1
+    # the row kernel up to ROW_SCORES_MOST_KEYS keys and the GEMM past them, or one of the two alone
+    split = ROW_SCORES_MOST_KEYS if by_rows and ROW_SCORES_MOST_KEYS else (ALL_KEYS if by_rows else NO_KEYS)
+    if by_rows:
         row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
         each = -(-rows * heads // (ROW_THREADS // ROW_KEYS))       # queries per thread
         kernel = row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, ROW_UNROLL, min(ROW_QUERIES, each))
         kernel[row_grid, ROW_THREADS, stream](
-            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
-    else:
+            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
+    if split != ALL_KEYS:
         shape = scores_shape(rows * heads)
         query_tile, key_tile, thread_queries, thread_keys, _ = shape
         scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
         scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
         scores_kernel(*shape)[scores_grid, scores_threads, stream](
-            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores)
+            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
     attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](   # step 2
         scores, prefix, depths, paths, partials)
     values_grid = (blocks(rank, UNFUSED_TILE), blocks(rows * heads, UNFUSED_TILE), chunks)

@@ -719,9 +719,10 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
                          [(1, 5, 21, 9, 5), (1, 3, 38, 12, 3), (3, 3, 22, 9, 2)])
 def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, heads, prefix, rank, rope):
     """A decode row's or a small tree's scores by ``row_scores_kernel`` (its usual grid, a single
-    block walking every tile: ``row_blocks`` = 1, and 2 or 3 queries side by side in each thread)
-    and by the GEMM (``row_scores`` off): the same scores, partials and output, bit for bit, and no
-    slot past P + T written (every buffer poisoned with NaN first)."""
+    block walking every tile: ``row_blocks`` = 1, and 2 or 3 queries side by side in each thread),
+    by the GEMM (``row_scores`` off), and by both launched with the row kernel's key bound on either
+    side of P + T: the same scores, partials and output, bit for bit, and no slot past P + T
+    written (every buffer poisoned with NaN first)."""
     if rows == 1:
         depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
         case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
@@ -733,15 +734,19 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     assert unfused.row_scores(few, rank, rope) and not unfused.row_scores(few + 1, rank, rope)
     assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     results = {}
-    unroll = unfused.ROW_UNROLL
-    shapes = (("row", True, unfused.row_blocks(), 1, unroll), ("one block", True, 1, 1, unroll),
-              ("gemm", False, 1, 1, unroll), ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 4),
-              ("row, 3 queries a thread", True, 1, 3, 4))         # 4 columns a run: runs and the rest
-    for name, row, grid, queries, unroll in shapes:
+    unroll, keys = unfused.ROW_UNROLL, prefix + rows
+    shapes = (("row", True, unfused.row_blocks(), 1, unroll, 0), ("one block", True, 1, 1, unroll, 0),
+              ("gemm", False, 1, 1, unroll, 0),
+              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 4, 0),
+              ("row, 3 queries a thread", True, 1, 3, 4, 0),      # 4 columns a run: runs and the rest
+              ("row beside the gemm, up to its keys", True, 1, 1, unroll, keys),
+              ("gemm beside the row, past its keys", True, 1, 1, unroll, keys - 1))
+    for name, row, grid, queries, unroll, most_keys in shapes:
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
         monkeypatch.setattr(unfused, "ROW_QUERIES", queries)
         monkeypatch.setattr(unfused, "ROW_UNROLL", unroll)
+        monkeypatch.setattr(unfused, "ROW_SCORES_MOST_KEYS", most_keys)
         partials, scores = [], []
         out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                         partials_out=partials, scores_out=scores)

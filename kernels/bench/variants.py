@@ -30,41 +30,39 @@ import numpy as np
 from ddtree.config import PRESET_NAMES, preset
 from kernels.device import SIMULATOR
 
+
+def unfused(**constants) -> dict:
+    """A variant of ``kernels.mla_unfused``'s launch constants: {(module, constant): value}."""
+    return {("kernels.mla_unfused", name): value for name, value in constants.items()}
+
+
 # a set's variants: {name: {(module, constant): value}}; the engine's shapes ({}) are always timed
 VARIANT_SETS = {
     # the few rows' score kernel (kernels.mla_unfused.row_scores_kernel) against the GEMM: up to how
-    # many rows it serves, its threads per block, keys per tile and loads in flight
+    # many rows it serves (and up to how many keys, the GEMM launched beside it for more), its threads
+    # per block, keys per tile, loads in flight and queries side by side in a thread
     "scores": {
-        "row kernel up to 4 rows": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 4},
-        "row kernel up to 8 rows": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8},
-        "up to 8 rows, 512 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                      ("kernels.mla_unfused", "ROW_THREADS"): 512},
-        "up to 8 rows, 8 keys, 256 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                              ("kernels.mla_unfused", "ROW_KEYS"): 8},
-        "up to 8 rows, 8 keys, 512 threads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                              ("kernels.mla_unfused", "ROW_KEYS"): 8,
-                                              ("kernels.mla_unfused", "ROW_THREADS"): 512},
-        "up to 8 rows, 1024 threads, 16 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                                 ("kernels.mla_unfused", "ROW_THREADS"): 1024,
-                                                 ("kernels.mla_unfused", "ROW_UNROLL"): 16},
-        "up to 8 rows, 2 queries a thread, 16 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                                       ("kernels.mla_unfused", "ROW_QUERIES"): 2,
-                                                       ("kernels.mla_unfused", "ROW_UNROLL"): 16},
-        "up to 8 rows, 4 queries a thread, 8 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                                      ("kernels.mla_unfused", "ROW_QUERIES"): 4,
-                                                      ("kernels.mla_unfused", "ROW_UNROLL"): 8},
-        "up to 8 rows, 8 queries a thread, 4 loads": {("kernels.mla_unfused", "ROW_SCORES_ROWS"): 8,
-                                                      ("kernels.mla_unfused", "ROW_QUERIES"): 8,
-                                                      ("kernels.mla_unfused", "ROW_UNROLL"): 4},
+        "row kernel up to 4 rows": unfused(ROW_SCORES_ROWS=4),
+        "row kernel up to 8 rows": unfused(ROW_SCORES_ROWS=8),
+        "up to 8 rows, 512 threads": unfused(ROW_SCORES_ROWS=8, ROW_THREADS=512),
+        "up to 8 rows, 8 keys, 256 threads": unfused(ROW_SCORES_ROWS=8, ROW_KEYS=8),
+        "up to 8 rows, 8 keys, 512 threads": unfused(ROW_SCORES_ROWS=8, ROW_KEYS=8, ROW_THREADS=512),
+        "up to 8 rows, 1024 threads, 16 loads": unfused(ROW_SCORES_ROWS=8, ROW_THREADS=1024, ROW_UNROLL=16),
+        "up to 8 rows, 2 queries, 16 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=2, ROW_UNROLL=16),
+        "up to 8 rows, 4 queries, 8 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=4, ROW_UNROLL=8),
+        "up to 8 rows, 8 queries, 4 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=8, ROW_UNROLL=4),
+        "up to 8 rows and 4096 keys, then the GEMM": unfused(ROW_SCORES_ROWS=8, ROW_SCORES_MOST_KEYS=4096),
+        "... and 4 queries, 8 loads": unfused(ROW_SCORES_ROWS=8, ROW_SCORES_MOST_KEYS=4096, ROW_QUERIES=4,
+                                              ROW_UNROLL=8),
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
     "tail": {
-        "one row 1x32x16": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (1, 32, 16)},
-        "one row 1x64x32": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (1, 64, 32)},
-        "one row 2x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_ONE"): (2, 64, 16)},
-        "few rows 1x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (1, 64, 16)},
-        "few rows 2x64x16": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (2, 64, 16)},
-        "few rows 2x128x32": {("kernels.mla_unfused", "UNFUSED_TAIL_FEW"): (2, 128, 32)},
+        "one row 1x32x16": unfused(UNFUSED_TAIL_ONE=(1, 32, 16)),
+        "one row 1x64x32": unfused(UNFUSED_TAIL_ONE=(1, 64, 32)),
+        "one row 2x64x16": unfused(UNFUSED_TAIL_ONE=(2, 64, 16)),
+        "few rows 1x64x16": unfused(UNFUSED_TAIL_FEW=(1, 64, 16)),
+        "few rows 2x64x16": unfused(UNFUSED_TAIL_FEW=(2, 64, 16)),
+        "few rows 2x128x32": unfused(UNFUSED_TAIL_FEW=(2, 128, 32)),
     },
 }
 ENGINE = "engine"
