@@ -254,38 +254,13 @@ def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
 
 
 @functools.cache
-def row_dot(unroll: int):
-    """The device function dot(acc, query, tile, first, count) = acc plus query[c] * tile[first + c]
-    for c = 0 .. ``count`` - 1, added in order: runs of ``unroll`` columns (a literal: registers)
-    with their loads issued before their adds, then the last columns one by one. (Each run's
-    offsets are constants from one index, which the compiler then folds into the loads.)"""
-
-    @cuda.jit(device=True)
-    def dot(acc, query, tile, first, count):
-        queries = cuda.local.array(unroll, float32)
-        keys = cuda.local.array(unroll, float32)
-        whole = count // unroll * unroll
-        for c0 in range(0, whole, unroll):
-            at = index(c0)
-            key_at = index(first + c0)
-            for u in range(unroll):
-                queries[u] = query[at + u]
-                keys[u] = tile[key_at + u]
-            for u in range(unroll):
-                acc += queries[u] * keys[u]
-        for column in range(whole, count):
-            acc += query[index(column)] * tile[index(first + column)]
-        return acc
-
-    return dot
-
-
-@functools.cache
 def row_dots(unroll: int, queries: int):
     """The device function dots(acc, q, q_rows, q_heads, tile, first, count): for each i <
     ``queries``, acc[i] plus q[q_rows[i], q_heads[i], c] * tile[first + c] for c = 0 .. ``count`` - 1,
-    added in order, the queries' runs of ``unroll`` columns side by side (each key value loaded
-    once feeds them all, and their chains overlap); each acc[i] gets ``row_dot``'s sum."""
+    added in order: runs of ``unroll`` columns (a literal: registers) with their loads issued before
+    their adds, the queries side by side (each key value loaded once feeds them all, and their
+    chains overlap), then the last columns one by one. (Each run's offsets are constants from one
+    index, which the compiler then folds into the loads.)"""
 
     @cuda.jit(device=True)
     def dots(acc, q, q_rows, q_heads, tile, first, count):
@@ -319,7 +294,7 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
     ``unroll`` at a time, ``queries`` of them side by side per thread (literals: the staged tile's,
     the loads' and the registers' sizes). A score's terms are added as ``scores_kernel`` adds them,
     whatever the shape."""
-    dot, dots = row_dot(unroll), row_dots(unroll, queries)
+    dots = row_dots(unroll, queries)
     width = rank + rope_dim
     stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
     staged = key_tile * stride                        # the tile in shared memory
@@ -336,8 +311,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, queries lane,
         lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
-        then each thread adds its scores' R + dr terms one at a time in column order (``row_dot``), the
-        queries' values read from global memory (every block reads the same rows). Tiles
+        then each thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
+        them side by side (``row_dots``), the queries' values read from global memory (every block reads
+        the same rows). Tiles
         s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P read on the device): one launch shape serves
         every step, and the cache's empty capacity costs nothing. The same bits as the GEMM, whatever the
         tile and the rows."""
@@ -371,25 +347,18 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 if at < key_tile * rope_dim:
                     tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
             cuda.syncthreads()
-            if queries == 1:                          # a literal: one of the two loops is compiled
-                for query in range(lane, rows * heads, head_lanes):
-                    row, head = query // heads, query % heads
-                    acc = dot(float32(0.0), q_lat[row, head], tile, key * stride, rank)
-                    acc = dot(acc, q_pe[row, head], tile, key * stride + rank, rope_dim)
-                    if s0 + key < keys:
-                        scores[query, s0 + key] = acc * scale
-            else:                                     # queries lane + i HL (HL = THREADS / KT), i < Q
-                for first in range(lane, rows * heads, head_lanes * queries):
-                    for i in range(queries):          # past the last query: the last again, not written
-                        query = min(first + i * head_lanes, rows * heads - 1)
-                        q_rows[i], q_heads[i] = query // heads, query % heads
-                        sums[i] = float32(0.0)
-                    dots(sums, q_lat, q_rows, q_heads, tile, key * stride, rank)
-                    dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
-                    for i in range(queries):
-                        query = first + i * head_lanes
-                        if query < rows * heads and s0 + key < keys:
-                            scores[query, s0 + key] = sums[i] * scale
+            # queries lane + i HL (HL = THREADS / KT), i < Q, side by side
+            for first in range(lane, rows * heads, head_lanes * queries):
+                for i in range(queries):              # past the last query: the last again, not written
+                    query = min(first + i * head_lanes, rows * heads - 1)
+                    q_rows[i], q_heads[i] = query // heads, query % heads
+                    sums[i] = float32(0.0)
+                dots(sums, q_lat, q_rows, q_heads, tile, key * stride, rank)
+                dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
+                for i in range(queries):
+                    query = first + i * head_lanes
+                    if query < rows * heads and s0 + key < keys:
+                        scores[query, s0 + key] = sums[i] * scale
 
     return attention_row_scores_kernel
 
