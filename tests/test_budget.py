@@ -583,9 +583,9 @@ def test_the_engine_goes_from_a_run_of_ar_steps_back_to_a_tree_as_the_reference(
 
     model, ref = engine("micro", max_tree_nodes=8), reference_model()
     prompt = golden.default_prompt("micro")[:2]
-    new = 60
+    new = 40
     expected = reference_decode.generate_ar(ref, prompt, new)
-    table = CostTable(1.0, (1.2,) * 7)           # trees, AR steps, a re-test, trees again
+    table = CostTable(1.0, (1.12,) * 7)          # trees, AR steps, a re-test, trees again
     options = dict(block_size=3, budget="auto", cost_table=table)
     drafter = make_drafter("ngram", ref, prompt, new, continuation=expected)
     behind, start_round_after = [], model.start_round_after
