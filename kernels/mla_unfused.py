@@ -313,10 +313,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
         then each thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
         them side by side (``row_dots``), the queries' values read from global memory (every block reads
-        the same rows). Tiles
-        s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P read on the device): one launch shape serves
-        every step, and the cache's empty capacity costs nothing. The same bits as the GEMM, whatever the
-        tile and the rows."""
+        the same rows). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P read on the device):
+        one launch shape serves every step, and the cache's empty capacity costs nothing. The same bits as
+        the GEMM, whatever the tile and the rows."""
         tid = index(cuda.threadIdx.x)
         rows, heads = q_lat.shape[0], q_lat.shape[1]
         keys = prefix[0] + rows

@@ -299,8 +299,8 @@ def test_the_variants_table_gives_each_median_and_its_difference():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rows", "0"], "--rows must be comma-separated integers >= 1, got '0'"),
-    (["--contexts", "a"], "--contexts must be comma-separated integers >= 1, got 'a'"),
+    (["--rows", "0"], "argument --rows: expected comma-separated integers >= 1, got '0'"),
+    (["--contexts", "a"], "argument --contexts: expected comma-separated integers >= 1, got 'a'"),
     (["--rows", "256"], "--rows must be at most the engine's 128 rows, got 256"),
     (["--preset", "micro", "--contexts", "510"], "--contexts plus the rows must fit micro's 512 positions"),
 ])

@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
+from kernels.bench.ncu import positive_ints
 from kernels.device import SIMULATOR
 
 
@@ -154,28 +155,19 @@ def run(name: str, set_name: str, rows_list: list[int], contexts: list[int], log
     return sections
 
 
-def positive_list(text: str, what: str, parser) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        parser.error(f"--{what} must be comma-separated integers >= 1, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench variants",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES)
     parser.add_argument("--set", default="scores", choices=sorted(VARIANT_SETS), dest="set_name",
                         help="which variants (default: scores)")
-    parser.add_argument("--rows", default="1,2,4,8", help="comma-separated forward sizes in rows")
-    parser.add_argument("--contexts", default="136", help="comma-separated cached tokens (default 136)")
+    parser.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8],
+                        help="comma-separated forward sizes in rows (default: 1,2,4,8)")
+    parser.add_argument("--contexts", type=positive_ints, default=[136],
+                        help="comma-separated cached tokens (default: 136)")
     parser.add_argument("--out", type=pathlib.Path, help="also write the tables (markdown) here")
     args = parser.parse_args(argv)
-    rows_list = positive_list(args.rows, "rows", parser)
-    contexts = positive_list(args.contexts, "contexts", parser)
+    rows_list, contexts = args.rows, args.contexts
     from kernels.model import DEFAULT_MAX_TREE_NODES
 
     positions = preset(args.preset).max_position_embeddings
