@@ -34,7 +34,7 @@ from kernels.device import SIMULATOR, check_out, output
 from kernels.linear import index
 from kernels.tuning import (
     ROW_BLOCKS_PER_SM,
-    ROW_SCORES_ROWS,
+    ROW_SCORES_KEYS,
     SHARED_BUDGET,
     STATS_FEW_FROM_BLOCKS_PER_SM,
     TAIL_MANY_ROWS,
@@ -60,10 +60,8 @@ UNFUSED_WIDE = (UNFUSED_TILE, UNFUSED_TILE, UNFUSED_THREAD, UNFUSED_THREAD, UNFU
 UNFUSED_NARROW = (4, 8, 1, 2, 8) if SIMULATOR else (32, 64, 2, 4, 32)
 ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile (all R + dr columns staged)
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT queries at once
-ROW_UNROLL = 32                               # ... a score's loads issued before their adds
-ROW_QUERIES = 1                               # ... and at most this many queries a thread adds side by side
-ROW_SCORES_MOST_KEYS = 0                      # ... and up to this many keys, the GEMM launched beside it for
-                                              # more (each reads P on the device); 0: at any context, alone
+ROW_LOADS = 32                                # ... loads a thread issues before their adds (all its queries')
+ROW_QUERIES = 4                               # ... and at most this many queries a thread adds side by side
 ALL_KEYS = np.int64(2**62)                    # a kernel's key bound that every context is under
 NO_KEYS = np.int64(-1)                        # ... and one that every context is past
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
@@ -184,7 +182,7 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every
         query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
         mask is the next steps' business), a register-tiled GEMM; nothing while P + T <= ``fewest_keys``
-        (the row kernel's contexts where both are launched, ``ROW_SCORES_MOST_KEYS``).
+        (the row kernel's contexts where both are launched, ``tuning.ROW_SCORES_KEYS``).
 
         Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid covers the
         cache's capacity and a block past P + T (P read on the device) returns at once, so one launch shape
@@ -287,8 +285,7 @@ def row_dots(unroll: int, queries: int):
 
 
 @functools.cache
-def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int = ROW_UNROLL,
-                      queries: int = ROW_QUERIES):
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int, queries: int):
     """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
     ``unroll`` at a time, ``queries`` of them side by side per thread (literals: the staged tile's,
@@ -363,12 +360,20 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
 
 
 def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
-    """Whether version 5 takes ``row_scores_kernel`` for its scores: for up to ROW_SCORES_ROWS rows
-    (a decode row, a small tree: the GEMM's tiles would be mostly empty and its blocks few) with
+    """Whether version 5 takes ``row_scores_kernel`` for its scores: for the rows ROW_SCORES_KEYS
+    lists (a decode row, a small tree: the GEMM's tiles would be mostly empty and its blocks few) with
     rope columns (dr >= 1: the kernel stages them apart), whose tile of ROW_KEYS keys of R = ``rank``
     + dr = ``rope_dim`` columns fits SHARED_BUDGET."""
     fits = F32 * ROW_KEYS * (rank + rope_dim + 1) <= SHARED_BUDGET
-    return rows <= ROW_SCORES_ROWS and rope_dim >= 1 and fits
+    return rows in ROW_SCORES_KEYS and rope_dim >= 1 and fits
+
+
+def row_shape(queries: int) -> tuple[int, int]:
+    """The row kernel's (Q, unroll) for ``queries`` = T H query rows: Q side by side, a thread's share
+    of them (ROW_THREADS / ROW_KEYS at once) and at most ROW_QUERIES, in runs of ROW_LOADS / Q columns
+    rounded down to a power of two (runs that divide R and dr). No shape changes a score."""
+    side_by_side = min(ROW_QUERIES, -(-queries // (ROW_THREADS // ROW_KEYS)))
+    return side_by_side, ROW_LOADS >> (side_by_side - 1).bit_length()
 
 
 @cuda.jit
@@ -587,12 +592,13 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
     scale = np.float32(scale)
     by_rows = row_scores(rows, rank, rope_dim)                                 # step 1
-    # the row kernel up to ROW_SCORES_MOST_KEYS keys and the GEMM past them, or one of the two alone
-    split = ROW_SCORES_MOST_KEYS if by_rows and ROW_SCORES_MOST_KEYS else (ALL_KEYS if by_rows else NO_KEYS)
+    # the row kernel up to its keys for T rows and the GEMM past them, or one of the two alone
+    most_keys = ROW_SCORES_KEYS.get(rows) if by_rows else None
+    split = NO_KEYS if not by_rows else ALL_KEYS if most_keys is None else np.int64(most_keys)
     if by_rows:
         row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
-        each = -(-rows * heads // (ROW_THREADS // ROW_KEYS))       # queries per thread
-        kernel = row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, ROW_UNROLL, min(ROW_QUERIES, each))
+        queries, unroll = row_shape(rows * heads)
+        kernel = row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, unroll, queries)
         kernel[row_grid, ROW_THREADS, stream](
             q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
     if split != ALL_KEYS:

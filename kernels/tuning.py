@@ -57,8 +57,11 @@ MAX_SPLITS = 64               # ... and Z at most
 SHARED_BUDGET = 44 * 1024     # attention's dynamic shared memory per block: 48 KB less the static arrays
 # version 5's launch shapes (kernels.mla_unfused); none changes a sum
 ROW_BLOCKS_PER_SM = 2         # a few rows' score kernel: its grid at most this many blocks per SM
-ROW_SCORES_ROWS = 2           # ... which serves up to this many rows: from 4 rows on the GEMM is as fast
-                              # at a 4k context, and each row the kernel adds costs it more at 16k
+# ... the rows it serves, each up to how many keys (P + T), the GEMM launched beside it for longer contexts
+# (a graph reads P on the device, so it holds both, and the one outside its contexts returns at once).
+# None: every context, the GEMM not launched. A decode row keeps its one launch, which the GEMM overtakes
+# only at the longest contexts; from two rows on it overtakes sooner, and at eight it is faster at any
+ROW_SCORES_KEYS = {1: None, 2: 4096, 3: 4096, 4: 4096}
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 

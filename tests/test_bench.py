@@ -276,16 +276,19 @@ def test_every_variant_sets_constants_that_exist_and_puts_them_back():
 
 
 def test_a_variant_changes_what_the_launch_reads():
-    """The constants are read at launch: under "row kernel up to 4 rows" a 4-row forward of small's
-    attention takes the row kernel, which the engine's shapes leave to the GEMM."""
+    """The constants are read at launch: under "to 8 rows" an 8-row forward of small's attention
+    takes the row kernel, which the engine's shapes leave to the GEMM, and under "alone to 2 rows"
+    a 3-row forward the GEMM."""
     from kernels.bench.variants import VARIANT_SETS, applied
     from kernels.mla_unfused import row_scores
 
     config = preset("small")
     dims = (config.kv_lora_rank, config.qk_rope_head_dim)
-    assert not row_scores(4, *dims)
-    with applied(VARIANT_SETS["scores"]["row kernel up to 4 rows"]):
-        assert row_scores(4, *dims)
+    assert not row_scores(8, *dims) and row_scores(3, *dims)
+    with applied(VARIANT_SETS["scores"]["to 8 rows"]):
+        assert row_scores(8, *dims)
+    with applied(VARIANT_SETS["scores"]["alone to 2 rows, 1 query a thread"]):
+        assert not row_scores(3, *dims)
 
 
 def test_the_variants_table_gives_each_median_and_its_difference():

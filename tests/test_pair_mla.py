@@ -730,23 +730,24 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     else:
         inputs, _ = random_tree_inputs(rows, prefix, rank, rope, heads)
         q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale = inputs
-    few = unfused.ROW_SCORES_ROWS
+    few = max(unfused.ROW_SCORES_KEYS)
     assert unfused.row_scores(few, rank, rope) and not unfused.row_scores(few + 1, rank, rope)
     assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     results = {}
-    unroll, keys = unfused.ROW_UNROLL, prefix + rows
-    shapes = (("row", True, unfused.row_blocks(), 1, unroll, 0), ("one block", True, 1, 1, unroll, 0),
-              ("gemm", False, 1, 1, unroll, 0),
-              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 4, 0),
-              ("row, 3 queries a thread", True, 1, 3, 4, 0),      # 4 columns a run: runs and the rest
-              ("row beside the gemm, up to its keys", True, 1, 1, unroll, keys),
-              ("gemm beside the row, past its keys", True, 1, 1, unroll, keys - 1))
-    for name, row, grid, queries, unroll, most_keys in shapes:
+    loads, keys = unfused.ROW_LOADS, prefix + rows
+    # (name, row kernel, its grid, queries side by side at most, loads, its keys: None every context)
+    shapes = (("row", True, unfused.row_blocks(), 1, loads, None), ("one block", True, 1, 1, loads, None),
+              ("gemm", False, 1, 1, loads, None),
+              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 8, None),
+              ("row, 3 queries a thread", True, 1, 3, 8, None),   # runs of 2 columns: runs and the rest
+              ("row beside the gemm, up to its keys", True, 1, 1, loads, keys),
+              ("gemm beside the row, past its keys", True, 1, 1, loads, keys - 1))
+    for name, row, grid, queries, loads, most_keys in shapes:
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
         monkeypatch.setattr(unfused, "ROW_QUERIES", queries)
-        monkeypatch.setattr(unfused, "ROW_UNROLL", unroll)
-        monkeypatch.setattr(unfused, "ROW_SCORES_MOST_KEYS", most_keys)
+        monkeypatch.setattr(unfused, "ROW_LOADS", loads)
+        monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: most_keys})
         partials, scores = [], []
         out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                         partials_out=partials, scores_out=scores)
@@ -757,6 +758,19 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
         for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
                                          strict=True):
             assert_exact(array.view(np.uint32), expected.view(np.uint32), name=f"{what}, {name} scores")
+
+
+def test_row_kernel_shape_sides_queries_by_share_and_loads_by_power_of_two(monkeypatch):
+    """``row_shape`` with a GPU's 256 threads on tiles of 16 keys (16 queries at once): a thread's
+    share of the queries side by side, at most ROW_QUERIES, and ROW_LOADS loads in flight split
+    between them in runs of a power of two."""
+    monkeypatch.setattr(unfused, "ROW_THREADS", 256)
+    monkeypatch.setattr(unfused, "ROW_KEYS", 16)
+    monkeypatch.setattr(unfused, "ROW_QUERIES", 4)
+    monkeypatch.setattr(unfused, "ROW_LOADS", 32)
+    shapes = [unfused.row_shape(heads * rows) for heads in (16,) for rows in (1, 2, 3, 4, 8)]
+    assert shapes == [(1, 32), (2, 16), (3, 8), (4, 8), (4, 8)]
+    assert unfused.row_shape(1) == (1, 32)
 
 
 def test_attention_unfused_decode_row_without_rope_columns():

@@ -11,8 +11,8 @@ serves every context); at each, the graphs of every variant and row count replay
 after round, so that clock and heat drift fall on all of them alike. The table gives each one's
 median device µs and its difference from the engine's. GPU only: the simulator has no graphs.
 
-    python -m kernels.bench variants --preset small --set scores --rows 1,2,4,8 \\
-        --contexts 136,4096,16384
+    python -m kernels.bench variants --preset small --set scores --rows 1,2,3,4,8 \\
+        --contexts 136,2048,4096,8192,16384
 """
 
 from __future__ import annotations
@@ -39,22 +39,16 @@ def unfused(**constants) -> dict:
 
 # a set's variants: {name: {(module, constant): value}}; the engine's shapes ({}) are always timed
 VARIANT_SETS = {
-    # the few rows' score kernel (kernels.mla_unfused.row_scores_kernel) against the GEMM: up to how
-    # many rows it serves (and up to how many keys, the GEMM launched beside it for more), its threads
-    # per block, keys per tile, loads in flight and queries side by side in a thread
+    # the few rows' score kernel (kernels.mla_unfused.row_scores_kernel) against the GEMM: which rows it
+    # serves, up to how many keys (the GEMM launched beside it for more), and queries side by side
     "scores": {
-        "row kernel up to 4 rows": unfused(ROW_SCORES_ROWS=4),
-        "row kernel up to 8 rows": unfused(ROW_SCORES_ROWS=8),
-        "up to 8 rows, 512 threads": unfused(ROW_SCORES_ROWS=8, ROW_THREADS=512),
-        "up to 8 rows, 8 keys, 256 threads": unfused(ROW_SCORES_ROWS=8, ROW_KEYS=8),
-        "up to 8 rows, 8 keys, 512 threads": unfused(ROW_SCORES_ROWS=8, ROW_KEYS=8, ROW_THREADS=512),
-        "up to 8 rows, 1024 threads, 16 loads": unfused(ROW_SCORES_ROWS=8, ROW_THREADS=1024, ROW_UNROLL=16),
-        "up to 8 rows, 2 queries, 16 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=2, ROW_UNROLL=16),
-        "up to 8 rows, 4 queries, 8 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=4, ROW_UNROLL=8),
-        "up to 8 rows, 8 queries, 4 loads": unfused(ROW_SCORES_ROWS=8, ROW_QUERIES=8, ROW_UNROLL=4),
-        "up to 8 rows and 4096 keys, then the GEMM": unfused(ROW_SCORES_ROWS=8, ROW_SCORES_MOST_KEYS=4096),
-        "... and 4 queries, 8 loads": unfused(ROW_SCORES_ROWS=8, ROW_SCORES_MOST_KEYS=4096, ROW_QUERIES=4,
-                                              ROW_UNROLL=8),
+        "alone to 2 rows, 1 query a thread": unfused(ROW_SCORES_KEYS={1: None, 2: None}, ROW_QUERIES=1),
+        "a decode row too to 4096 keys": unfused(ROW_SCORES_KEYS={1: 4096, 2: 4096, 3: 4096, 4: 4096}),
+        "2 rows to 8192 keys": unfused(ROW_SCORES_KEYS={1: None, 2: 8192, 3: 4096, 4: 4096}),
+        "3 and 4 rows to 2048 keys": unfused(ROW_SCORES_KEYS={1: None, 2: 4096, 3: 2048, 4: 2048}),
+        "to 8 rows": unfused(ROW_SCORES_KEYS={1: None, 2: 4096, 3: 4096, 4: 4096, 8: 4096}),
+        "2 queries a thread at most": unfused(ROW_QUERIES=2),
+        "512 threads": unfused(ROW_THREADS=512),
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
     "tail": {
