@@ -60,8 +60,8 @@ ROW_BLOCKS_PER_SM = 2         # a few rows' score kernel: its grid at most this 
 # ... the rows it serves, each up to how many keys (P + T), the GEMM launched beside it for longer contexts
 # (a graph reads P on the device, so it holds both, and the one outside its contexts returns at once).
 # None: every context, the GEMM not launched. A decode row keeps its one launch, which the GEMM overtakes
-# only at the longest contexts; from two rows on it overtakes sooner, and at eight it is faster at any
-ROW_SCORES_KEYS = {1: None, 2: 4096, 3: 4096, 4: 4096}
+# only at the longest contexts; the more rows, the shorter the context where it does: at eight, at any
+ROW_SCORES_KEYS = {1: None, 2: 8192, 3: 4096, 4: 2048}
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 
