@@ -98,10 +98,10 @@ def table(times: dict, variants: list[str], rows_list: list[int], context: int) 
 
 def run(name: str, set_name: str, rows_list: list[int], contexts: list[int], log=print) -> list[str]:
     """Every variant of ``set_name`` beside the engine's shapes on ``name``'s forward: a table per
-    context (``table``), the lines about dropped variants before it."""
+    context (``table``) between snippet markers (SET-CONTEXT), the lines about dropped variants before it."""
     from cuda.core import EventOptions
 
-    from kernels.bench.engine import preset_weights
+    from kernels.bench.engine import preset_weights, section
     from kernels.bench.profile import prepare
     from kernels.model import Transformer
 
@@ -144,7 +144,8 @@ def run(name: str, set_name: str, rows_list: list[int], contexts: list[int], log
                     stream.record(end)
                     end.sync()
                     times[variant, rows].append((end - start) * 1e3)          # ms -> µs
-        sections.append(table(times, alive, rows_list, context))
+        sections.append("\n".join(section(f"{set_name}-{context}", table(times, alive, rows_list, context)
+                                           .splitlines())))
         log(sections[-1])
     return sections
 
