@@ -62,12 +62,14 @@ class Settings:
     warm_up: bool
     prompt_tokens: int | None = None     # keep only each prompt's last tokens (the smoke run)
     table_budget: int | None = None      # budget auto's table up to this budget (None: the largest one)
+    table_rounds: tuple[int, int] = (2, 10)   # ... each budget's seconds from runs of this many rounds
 
 
 # --smoke: one prompt cut to its last few tokens, a few new tokens, one budget, each DDTree
-# configuration run once without a warm-up, budget auto's tables over budgets 0 and 1: every code
-# path of the full run, in seconds in the simulator
-SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=6, table_budget=1)
+# configuration run once without a warm-up, budget auto's tables over budgets 0 and 1 from runs of
+# one and two rounds: every code path of the full run, in seconds in the simulator
+SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=6, table_budget=1,
+                 table_rounds=(1, 2))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,7 +313,7 @@ def measure(args, settings: Settings, log) -> dict:
     # budget auto's tables: each drafter's rounds timed from the first prompt, budgets 0 to the largest
     largest = settings.table_budget or settings.budgets[-1]
     tables = {name: engine_decode.measure_cost_table(model, prompts[0], drafter, BLOCK, max_budget=largest,
-                                                     repeats=settings.repeats)
+                                                     repeats=settings.repeats, rounds=settings.table_rounds)
               for name, drafter in drafters.items()}
     results = []
     for index, prompt in enumerate(prompts):
