@@ -68,7 +68,7 @@ class Settings:
 # --smoke: one prompt cut to its last few tokens, a few new tokens, one budget, each DDTree
 # configuration run once without a warm-up, budget auto's tables over budgets 0 and 1 from runs of
 # one and two rounds: every code path of the full run, in seconds in the simulator
-SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=6, table_budget=1,
+SMOKE = Settings(prompts=1, tokens=3, budgets=(4,), repeats=1, warm_up=False, prompt_tokens=2, table_budget=1,
                  table_rounds=(1, 2))
 
 
