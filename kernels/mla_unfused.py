@@ -593,8 +593,9 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     scale = np.float32(scale)
     by_rows = row_scores(rows, rank, rope_dim)                                 # step 1
     # the row kernel up to its keys for T rows and the GEMM past them, or one of the two alone
-    most_keys = ROW_SCORES_KEYS.get(rows) if by_rows else None
-    split = NO_KEYS if not by_rows else ALL_KEYS if most_keys is None else np.int64(most_keys)
+    split = NO_KEYS
+    if by_rows:
+        split = ALL_KEYS if ROW_SCORES_KEYS[rows] is None else np.int64(ROW_SCORES_KEYS[rows])
     if by_rows:
         row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
         queries, unroll = row_shape(rows * heads)
