@@ -61,7 +61,7 @@ from kernels.device import (
     output,
     to_device,
 )
-from kernels.linear import ROWS_PER_PASS, lanes_launch, pass_rows, row_passes
+from kernels.linear import ROWS_PER_PASS, index, lanes_launch, pass_rows, row_passes
 from kernels.mla_unfused import LANES, UNFUSED_CHUNK, unfused_chunks, unfused_partials
 from kernels.tuning import GROUPED_HEADS, MAX_SPLITS, SHARED_BUDGET, SPLIT_TILES, UNFUSED_FROM_RANK
 
@@ -487,14 +487,14 @@ def _stage_tile(cache_latent, cache_rope, prefix, paths, row, start, count, slot
         # STAGE_BATCH loads first, into registers, then their stores: the loads overlap instead
         # of waiting one by one (indices past the tile re-read its last element, never stored)
         for b in range(STAGE_BATCH):
-            index = min(base + b * threads + tid, total - 1)
-            key, column = index // width, index % width
+            flat = min(base + b * threads + tid, total - 1)
+            key, column = flat // width, flat % width
             staged[b] = cache_latent[slots[key], column] if column < rank \
                 else cache_rope[slots[key], column - rank]
         for b in range(STAGE_BATCH):
-            index = base + b * threads + tid
-            if index < total:
-                tile_keys[(index // width) * (width + 1) + index % width] = staged[b]
+            flat = base + b * threads + tid
+            if flat < total:
+                tile_keys[(flat // width) * (width + 1) + flat % width] = staged[b]
     cuda.syncthreads()
 
 
@@ -586,10 +586,10 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
     loads before it adds them (in order), so a decode row's merge does not wait on one load at a time
     (version 5 merges up to hundreds of chunks). Thread 0 finds M and the denominator once for the block:
     every thread doing it would repeat the splits' loads R times."""
-    head = cuda.blockIdx.x
-    row = cuda.blockIdx.y
+    head = index(cuda.blockIdx.x)                         # every index below is >= 0 (``index``)
+    row = index(cuda.blockIdx.y)
     rank = o_lat.shape[2]
-    keys = prefix[0] + depths[row] + 1
+    keys = index(prefix[0]) + index(depths[row]) + 1
     used = min(partials.shape[2], (keys + tile - 1) // tile)
     staged = cuda.local.array(MERGE_BATCH, float32)
     weights = cuda.local.array(MERGE_BATCH, float32)
@@ -598,13 +598,13 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
         top = partials[row, head, 0, rank]
         for z0 in range(0, used, MERGE_BATCH):
             for b in range(MERGE_BATCH):
-                staged[b] = partials[row, head, min(z0 + b, used - 1), rank]
+                staged[b] = partials[row, head, index(min(z0 + b, used - 1)), rank]
             for b in range(MERGE_BATCH):
                 top = max(top, staged[b])                 # past used: split used - 1 again (max is exact)
         total = float32(0.0)
         for z0 in range(0, used, MERGE_BATCH):
             for b in range(MERGE_BATCH):
-                z = min(z0 + b, used - 1)
+                z = index(min(z0 + b, used - 1))
                 staged[b] = partials[row, head, z, rank + 1]
                 weights[b] = partials[row, head, z, rank]
             for b in range(min(MERGE_BATCH, used - z0)):
@@ -613,11 +613,11 @@ def attention_merge_kernel(partials, prefix, depths, tile, o_lat):
         shared[1] = total
     cuda.syncthreads()
     top, total = shared[0], shared[1]
-    for i in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
+    for i in range(index(cuda.threadIdx.x), rank, index(cuda.blockDim.x)):
         value = float32(0.0)
         for z0 in range(0, used, MERGE_BATCH):
             for b in range(MERGE_BATCH):
-                z = min(z0 + b, used - 1)
+                z = index(min(z0 + b, used - 1))
                 staged[b] = partials[row, head, z, i]
                 weights[b] = partials[row, head, z, rank]
             for b in range(min(MERGE_BATCH, used - z0)):

@@ -87,7 +87,7 @@ non_negative = index
 def _key_slot(n_prefix, paths, row, position):
     """The cache slot of ``row``'s key at ``position``: a prefix key's own slot, then the nodes of
     the row's path (tree node m sits at slot P + m)."""
-    return position if position < n_prefix else n_prefix + paths[row, position - n_prefix]
+    return position if position < n_prefix else n_prefix + paths[row, index(position - n_prefix)]
 
 
 @functools.cache
@@ -385,18 +385,18 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
     in lane order: partials[row, head, c, R] = M and [R + 1] = the sum for c = 0 .. (P + depth) //
     CHUNK. The order depends on the key's position in its chunk alone, not on the rows or the
     tree. A warp per chunk, not a thread: a thread adding its chunk's keys in turn waits on each."""
-    head = cuda.blockIdx.x
-    row = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
+    head = index(cuda.blockIdx.x)                         # every index below is >= 0 (``index``)
+    row = index(cuda.blockIdx.y)
+    tid = index(cuda.threadIdx.x)
     heads, rank = partials.shape[1], partials.shape[3] - 2
     query = row * heads + head
-    n_prefix = prefix[0]
-    keys = n_prefix + depths[row] + 1
-    threads = cuda.blockDim.x
+    n_prefix = index(prefix[0])
+    keys = n_prefix + index(depths[row]) + 1
+    threads = index(cuda.blockDim.x)
     red = cuda.shared.array(UNFUSED_STATS_THREADS, float32)
     top = float32(-math.inf)
     for j in range(tid, keys, threads):
-        top = max(top, scores[query, _key_slot(n_prefix, paths, row, j)])
+        top = max(top, scores[query, index(_key_slot(n_prefix, paths, row, j))])
     red[tid] = top
     block_max(red)
     top = red[0]
@@ -412,7 +412,7 @@ def attention_stats_kernel(scores, prefix, depths, paths, partials):
         if chunk < chunks:                                # lane's keys: start + lane, + LANES, ...
             for i in range(UNFUSED_LANE_KEYS):            # the loads first (past the end: the last
                 key = min(start + lane + i * LANES, end - 1)   # key again, never added)
-                staged[i] = scores[query, _key_slot(n_prefix, paths, row, key)]
+                staged[i] = scores[query, index(_key_slot(n_prefix, paths, row, key))]
             for i in range(UNFUSED_LANE_KEYS):            # then the sums, in position order
                 if start + lane + i * LANES < end:
                     total += math.exp(staged[i] - top)
@@ -504,14 +504,14 @@ def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
         chunk's keys in position order for its column and heads (its cache loads issued BATCH at a time, ahead
         of their adds): term for term the sums step 3's GEMM gives a chunk of the prefix, so a tree row equals
         the row at its position in the committed chain, bit for bit."""
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        column = cuda.blockIdx.x * threads + tid
-        head0 = cuda.blockIdx.y * heads_per_block
-        row = cuda.blockIdx.z
+        tid = index(cuda.threadIdx.x)                    # every index below is >= 0 (``index``)
+        threads = index(cuda.blockDim.x)
+        column = index(cuda.blockIdx.x) * threads + tid
+        head0 = index(cuda.blockIdx.y) * heads_per_block
+        row = index(cuda.blockIdx.z)
         heads, rank = partials.shape[1], cache_latent.shape[1]
-        n_prefix = prefix[0]
-        last = n_prefix + depths[row]                     # the row's own position
+        n_prefix = index(prefix[0])
+        last = n_prefix + index(depths[row])              # the row's own position
         slots = cuda.shared.array(UNFUSED_CHUNK, int32)
         probs = cuda.shared.array(probs_shape, float32)   # [HB, keys]
         acc = cuda.local.array(heads_per_block, float32)
@@ -523,24 +523,30 @@ def tail_kernel(heads_per_block: int, batch: int = UNFUSED_TAIL_BATCH):
             for k in range(tid, count, threads):
                 slots[k] = _key_slot(n_prefix, paths, row, start + k)
             cuda.syncthreads()
-            for e in range(tid, heads_per_block * count, threads):
-                h, k = e // count, e % count
-                value = float32(0.0)
-                if head0 + h < heads:
-                    top = partials[row, head0 + h, chunk, rank]
-                    value = math.exp(scores[row * heads + head0 + h, slots[k]] - top)
-                probs[h * UNFUSED_CHUNK + k] = value
+            for h in range(heads_per_block):
+                top = partials[row, min(head0 + h, heads - 1), chunk, rank]
+                for k in range(tid, count, threads):
+                    value = float32(0.0)
+                    if head0 + h < heads:
+                        value = math.exp(scores[row * heads + head0 + h, index(slots[k])] - top)
+                    probs[h * UNFUSED_CHUNK + k] = value
             cuda.syncthreads()
             for h in range(heads_per_block):
                 acc[h] = float32(0.0)
             if column < rank:
-                for k0 in range(0, count, batch):   # BATCH loads, then their adds, k in order
+                whole = count - count % batch
+                for k0 in range(0, whole, batch):   # BATCH loads, then their adds, k in order
                     for b in range(batch):
-                        values[b] = cache_latent[slots[min(k0 + b, count - 1)], column]
+                        values[b] = cache_latent[index(slots[index(k0 + b)]), column]
                     for b in range(batch):          # a fixed trip count: values stay registers
-                        if k0 + b < count:
-                            for h in range(heads_per_block):
-                                acc[h] += probs[h * UNFUSED_CHUNK + k0 + b] * values[b]
+                        for h in range(heads_per_block):
+                            acc[h] += probs[index(h * UNFUSED_CHUNK + k0 + b)] * values[b]
+                for b in range(batch):              # the last keys (fewer than BATCH), alike
+                    values[b] = cache_latent[index(slots[index(min(whole + b, count - 1))]), column]
+                for b in range(batch):              # (past count: the last key again, never added)
+                    if whole + b < count:
+                        for h in range(heads_per_block):
+                            acc[h] += probs[index(h * UNFUSED_CHUNK + whole + b)] * values[b]
                 for h in range(heads_per_block):
                     if head0 + h < heads:
                         partials[row, head0 + h, chunk, column] = acc[h]
