@@ -63,6 +63,7 @@ from kernels.linear import (
     LANES_PADDED,
     MAX_SLICES,
     ROWS_PER_PASS,
+    index,
     k_slices,
     lane_sums,
     pass_dots,
@@ -390,11 +391,11 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
     partial = cuda.shared.array((MAX_SLICES, ROUTE_ONE_EXPERTS), float32)   # [W, EB] the parts' sums
     last = cuda.shared.array(1, int32)                                      # 1: this block came last
     staged = cuda.local.array(ROUTE_ONE_BATCH, float32)
-    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
-    experts, s, token = gate.shape[0], cuda.blockIdx.y, cuda.blockIdx.z
+    tid, threads = index(cuda.threadIdx.x), index(cuda.blockDim.x)   # every index below is >= 0
+    experts, s, token = gate.shape[0], index(cuda.blockIdx.y), index(cuda.blockIdx.z)   # (``index``)
     d0 = s * LOGIT_SLICE
     depth = min(LOGIT_SLICE, x.shape[1] - d0)
-    e0 = cuda.blockIdx.x * ROUTE_ONE_EXPERTS
+    e0 = index(cuda.blockIdx.x) * ROUTE_ONE_EXPERTS
     for base in range(tid, ROUTE_ONE_EXPERTS * LOGIT_SLICE, threads * ROUTE_ONE_BATCH):
         for b in range(ROUTE_ONE_BATCH):    # all loads, then their stores; element i: expert i // SLICE,
             i = base + b * threads          # column i % SLICE (a constant divisor: shifts, not divisions)
@@ -411,8 +412,14 @@ def route_one_kernel(x, gate, bias, n_group, topk_group, norm_topk_prob, scaling
         e, p = tid % ROUTE_ONE_EXPERTS, tid // ROUTE_ONE_EXPERTS
         acc = float32(0.0)
         for c in range(p, (depth + LANES - 1) // LANES, slice_parts):
-            for kk in range(min(LANES, depth - c * LANES)):
-                acc += x_tile[c * LANES_PADDED + kk] * w_tile[_staged_at(c, e, kk)]
+            width = min(LANES, depth - c * LANES)
+            x_at, w_at = index(c * LANES_PADDED), index(_staged_at(c, e, 0))
+            if width == LANES:              # a whole chunk, a fixed trip count: its loads issued together
+                for kk in range(LANES):
+                    acc += x_tile[x_at + kk] * w_tile[w_at + kk]
+            else:
+                for kk in range(width):
+                    acc += x_tile[x_at + kk] * w_tile[w_at + kk]
         partial[p, e] = acc
     cuda.syncthreads()
     if tid < ROUTE_ONE_EXPERTS and e0 + tid < experts:
