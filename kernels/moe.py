@@ -236,10 +236,10 @@ def _ranks(values, indices, count, ranks):
     parts = max(1, threads // count)
     for work in range(tid, count * parts, threads):
         i, part = work % count, work // count
-        value, index = values[i], indices[i]
+        value, entry = values[i], indices[i]
         before = 0
         for j in range(part, count, parts):
-            if comes_before(values[j], indices[j], value, index):
+            if comes_before(values[j], indices[j], value, entry):
                 before += 1
         cuda.atomic.add(ranks, i, before)
     cuda.syncthreads()
@@ -289,12 +289,12 @@ def _candidates(choice, experts, top_k, best_value, best_index, column_rank, can
     columns = min(cuda.blockDim.x, COLUMNS)
     per_column = (experts + columns - 1) // columns
     if tid < columns:
-        value, index = float32(0.0), -1                      # -1: no expert seen yet
+        value, best = float32(0.0), -1                       # -1: no expert seen yet
         for e in range(tid, experts, columns):
-            if comes_before(choice[e], e, value, index):
-                value, index = choice[e], e
+            if comes_before(choice[e], e, value, best):
+                value, best = choice[e], e
         best_value[tid] = value
-        best_index[tid] = index
+        best_index[tid] = best
     _ranks(best_value, best_index, columns, column_rank)
     if tid < columns and column_rank[tid] < top_k:
         for i in range(per_column):
