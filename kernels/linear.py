@@ -429,7 +429,12 @@ def tile_dots(rows: int, listed: bool = False, sliced: bool = False):
                 for r in range(rows):
                     x_tile[part, r, lane] = staged[r]
             cuda.syncthreads()
-            if n0 + lane < outputs:
+            if n0 + lane < outputs and width == LANES:   # a whole chunk, a fixed trip count: its
+                for kk in range(LANES):                    # loads issued together
+                    w = w_tile[part, lane, kk]
+                    for r in range(rows):
+                        acc[r] += x_tile[part, r, kk] * w
+            elif n0 + lane < outputs:
                 for kk in range(width):
                     w = w_tile[part, lane, kk]
                     for r in range(rows):
