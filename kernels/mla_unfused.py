@@ -62,6 +62,8 @@ ROW_KEYS = 4 if SIMULATOR else 16             # row_scores_kernel: keys per tile
 ROW_THREADS = 16 if SIMULATOR else 256        # ... threads per block: KT keys x THREADS / KT queries at once
 ROW_LOADS = 32                                # ... loads a thread issues before their adds (all its queries')
 ROW_QUERIES = 4                               # ... and at most this many queries a thread adds side by side
+ROW_STAGED_KEYS = 2                           # ... keys per tile where the queries are staged beside them
+ROW_STAGED_LOADS = 36                         # ... and a thread's loads of them in flight at most
 ALL_KEYS = np.int64(2**62)                    # a kernel's key bound that every context is under
 NO_KEYS = np.int64(-1)                        # ... and one that every context is past
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
@@ -252,13 +254,20 @@ def scores_shape(queries: int) -> tuple[int, int, int, int, int]:
 
 
 @functools.cache
-def row_dots(unroll: int, queries: int):
+def row_dots(unroll: int, queries: int, staged: bool = False):
     """The device function dots(acc, q, q_rows, q_heads, tile, first, count): for each i <
     ``queries``, acc[i] plus q[q_rows[i], q_heads[i], c] * tile[first + c] for c = 0 .. ``count`` - 1,
     added in order: runs of ``unroll`` columns (a literal: registers) with their loads issued before
     their adds, the queries side by side (each key value loaded once feeds them all, and their
     chains overlap), then the last columns one by one. (Each run's offsets are constants from one
-    index, which the compiler then folds into the loads.)"""
+    index, which the compiler then folds into the loads.) With ``staged`` the queries are in the
+    tile too: query i's column c is tile[q_rows[i] + c] (q and q_heads unread)."""
+
+    @cuda.jit(device=True)
+    def query(q, q_rows, q_heads, tile, i, column):
+        if staged:
+            return tile[index(q_rows[i]) + column]
+        return q[index(q_rows[i]), index(q_heads[i]), column]
 
     @cuda.jit(device=True)
     def dots(acc, q, q_rows, q_heads, tile, first, count):
@@ -272,31 +281,38 @@ def row_dots(unroll: int, queries: int):
                 keys[u] = tile[key_at + u]
             for i in range(queries):
                 for u in range(unroll):
-                    values[i, u] = q[index(q_rows[i]), index(q_heads[i]), at + u]
+                    values[i, u] = query(q, q_rows, q_heads, tile, i, at + u)
             for u in range(unroll):
                 for i in range(queries):
                     acc[i] += values[i, u] * keys[u]
         for column in range(whole, count):
             key = tile[index(first + column)]
             for i in range(queries):
-                acc[i] += q[index(q_rows[i]), index(q_heads[i]), index(column)] * key
+                acc[i] += query(q, q_rows, q_heads, tile, i, index(column)) * key
 
     return dots
 
 
 @functools.cache
-def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int, queries: int):
+def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int, queries: int,
+                      staged: tuple[int, int] = (0, 0), staged_loads: int = 1):
     """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
-    ``unroll`` at a time, ``queries`` of them side by side per thread (literals: the staged tile's,
-    the loads' and the registers' sizes). A score's terms are added as ``scores_kernel`` adds them,
-    whatever the shape."""
-    dots = row_dots(unroll, queries)
+    ``unroll`` at a time, ``queries`` of them side by side per thread, and the QS = T H query rows of
+    ``staged`` = (T, H) staged in shared memory beside the tile ((0, 0): read from global memory),
+    at most ``staged_loads`` of their loads in flight per thread (literals: the staged tile's, the
+    loads' and the registers' sizes, H's divisions). A score's terms are added as ``scores_kernel``
+    adds them, whatever the shape."""
+    staged_heads = max(1, staged[1])
+    staged_queries = staged[0] * staged[1]
+    dots = row_dots(unroll, queries, staged_queries > 0)
     width = rank + rope_dim
     stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
-    staged = key_tile * stride                        # the tile in shared memory
+    queries_at = key_tile * stride                    # the staged queries after the tile's keys
+    tile_size = queries_at + staged_queries * stride  # the tile (and the queries) in shared memory
     latent_loads = -(-rank // threads)                # a thread's columns of each key's latent
     rope_loads = -(-key_tile * rope_dim // threads)   # ... and its share of the tile's rope columns
+    query_loads = min(staged_loads, max(1, -(-staged_queries * width // threads)))   # ... the queries
     head_lanes = threads // key_tile
 
     @cuda.jit
@@ -310,7 +326,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
         then each thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
         them side by side (``row_dots``), the queries' values read from global memory (every block reads
-        the same rows). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P read on the device):
+        the same rows), or, with QS > 0, from shared memory, where the block first stages all T H query
+        rows once (a decode row: each term then waits on shared memory, not on L2). Tiles s0 = blockIdx.x
+        KT, + gridDim.x KT, ... below P + T (P read on the device):
         one launch shape serves every step, and the cache's empty capacity costs nothing. The same bits as
         the GEMM, whatever the tile and the rows."""
         tid = index(cuda.threadIdx.x)
@@ -318,13 +336,26 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         keys = prefix[0] + rows
         if keys > most_keys:                          # the whole block: the GEMM's context
             return
-        tile = cuda.shared.array(staged, float32)
+        tile = cuda.shared.array(tile_size, float32)
         latent = cuda.local.array((key_tile, latent_loads), float32)
         rope = cuda.local.array(rope_loads, float32)
         sums = cuda.local.array(queries, float32)         # [Q] the thread's scores side by side
-        q_rows = cuda.local.array(queries, int32)         # ... their rows and heads
+        q_rows = cuda.local.array(queries, int32)         # ... their rows and heads (staged: offsets)
         q_heads = cuda.local.array(queries, int32)
         key, lane = tid % key_tile, tid // key_tile
+        if staged_queries and cuda.blockIdx.x * key_tile < keys:   # every query row's R + dr columns,
+            q_values = cuda.local.array(query_loads, float32)      # once, their loads before their stores
+            total = rows * heads * width
+            for base in range(tid, total, threads * query_loads):
+                for p in range(query_loads):
+                    at = index(min(base + p * threads, total - 1))
+                    row, head, column = at // width // staged_heads, at // width % staged_heads, at % width
+                    q_values[p] = q_lat[row, head, min(column, rank - 1)] if column < rank \
+                        else q_pe[row, head, index(column - rank)]
+                for p in range(query_loads):              # (seen after the tile loop's barriers)
+                    at = index(base + p * threads)
+                    if at < total:
+                        tile[queries_at + at // width * stride + at % width] = q_values[p]
         for s0 in range(cuda.blockIdx.x * key_tile, keys, cuda.gridDim.x * key_tile):
             for k in range(key_tile):                 # the loads first (past the last key: the last
                 slot = index(min(s0 + k, keys - 1))   # key again, never written)
@@ -348,15 +379,29 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 for i in range(queries):              # past the last query: the last again, not written
                     query = min(first + i * head_lanes, rows * heads - 1)
                     q_rows[i], q_heads[i] = query // heads, query % heads
+                    if staged_queries:
+                        q_rows[i] = queries_at + query * stride
                     sums[i] = float32(0.0)
-                dots(sums, q_lat, q_rows, q_heads, tile, key * stride, rank)
-                dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
+                if staged_queries:                    # the R + dr columns in one run of dots
+                    dots(sums, q_lat, q_rows, q_heads, tile, key * stride, width)
+                else:
+                    dots(sums, q_lat, q_rows, q_heads, tile, key * stride, rank)
+                    dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
                 for i in range(queries):
                     query = first + i * head_lanes
                     if query < rows * heads and s0 + key < keys:
                         scores[query, s0 + key] = sums[i] * scale
 
     return attention_row_scores_kernel
+
+
+def row_staged(rows: int, heads: int, rank: int, rope_dim: int) -> bool:
+    """Whether the row kernel stages the T H = ``rows`` x ``heads`` query rows beside its tile of
+    ROW_STAGED_KEYS keys: where both fit SHARED_BUDGET (a decode row of small's 16 heads; never with
+    ROW_STAGED_KEYS None)."""
+    if ROW_STAGED_KEYS is None:
+        return False
+    return F32 * (ROW_STAGED_KEYS + rows * heads) * (rank + rope_dim + 1) <= SHARED_BUDGET
 
 
 def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
@@ -368,11 +413,12 @@ def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
     return rows in ROW_SCORES_KEYS and rope_dim >= 1 and fits
 
 
-def row_shape(queries: int) -> tuple[int, int]:
+def row_shape(queries: int, key_tile: int | None = None) -> tuple[int, int]:
     """The row kernel's (Q, unroll) for ``queries`` = T H query rows: Q side by side, a thread's share
-    of them (ROW_THREADS / ROW_KEYS at once) and at most ROW_QUERIES, in runs of ROW_LOADS / Q columns
-    rounded down to a power of two (runs that divide R and dr). No shape changes a score."""
-    side_by_side = min(ROW_QUERIES, -(-queries // (ROW_THREADS // ROW_KEYS)))
+    of them (ROW_THREADS / KT at once, KT = ``key_tile``, ROW_KEYS by default) and at most ROW_QUERIES,
+    in runs of ROW_LOADS / Q columns rounded down to a power of two (runs that divide R and dr). No
+    shape changes a score."""
+    side_by_side = min(ROW_QUERIES, -(-queries // (ROW_THREADS // (key_tile or ROW_KEYS))))
     return side_by_side, ROW_LOADS >> (side_by_side - 1).bit_length()
 
 
@@ -603,9 +649,12 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     if by_rows:
         split = ALL_KEYS if ROW_SCORES_KEYS[rows] is None else np.int64(ROW_SCORES_KEYS[rows])
     if by_rows:
-        row_grid = min(blocks(capacity, ROW_KEYS), row_blocks())
-        queries, unroll = row_shape(rows * heads)
-        kernel = row_scores_kernel(ROW_KEYS, rank, rope_dim, ROW_THREADS, unroll, queries)
+        staged = (rows, heads) if row_staged(rows, heads, rank, rope_dim) else (0, 0)
+        key_tile = ROW_STAGED_KEYS if staged[0] else ROW_KEYS
+        row_grid = min(blocks(capacity, key_tile), row_blocks())
+        queries, unroll = row_shape(rows * heads, key_tile)
+        kernel = row_scores_kernel(key_tile, rank, rope_dim, ROW_THREADS, unroll, queries, staged,
+                                   ROW_STAGED_LOADS)
         kernel[row_grid, ROW_THREADS, stream](
             q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
     if split != ALL_KEYS:

@@ -719,10 +719,11 @@ def test_attention_unfused_launch_shapes_give_the_same_bits(monkeypatch, rows, h
                          [(1, 5, 21, 9, 5), (1, 3, 38, 12, 3), (3, 3, 22, 9, 2)])
 def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, heads, prefix, rank, rope):
     """A decode row's or a small tree's scores by ``row_scores_kernel`` (its usual grid, a single
-    block walking every tile: ``row_blocks`` = 1, and 2 or 3 queries side by side in each thread),
-    by the GEMM (``row_scores`` off), and by both launched with the row kernel's key bound on either
-    side of P + T: the same scores, partials and output, bit for bit, and no slot past P + T
-    written (every buffer poisoned with NaN first)."""
+    block walking every tile: ``row_blocks`` = 1, and 2 or 3 queries side by side in each thread,
+    the queries staged beside the tile or read from global memory), by the GEMM (``row_scores``
+    off), and by both launched with the row kernel's key bound on either side of P + T: the same
+    scores, partials and output, bit for bit, and no slot past P + T written (every buffer poisoned
+    with NaN first)."""
     if rows == 1:
         depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
         case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
@@ -733,21 +734,30 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     few = max(unfused.ROW_SCORES_KEYS)
     assert unfused.row_scores(few, rank, rope) and not unfused.row_scores(few + 1, rank, rope)
     assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
+    staged, most = unfused.ROW_STAGED_KEYS, unfused.ROW_STAGED_LOADS
+    assert unfused.row_staged(rows, heads, rank, rope)         # these shapes fit the simulator's budget
     results = {}
     loads, keys = unfused.ROW_LOADS, prefix + rows
-    # (name, row kernel, its grid, queries side by side at most, loads, its keys: None every context)
-    shapes = (("row", True, unfused.row_blocks(), 1, loads, None), ("one block", True, 1, 1, loads, None),
-              ("gemm", False, 1, 1, loads, None),
-              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 8, None),
-              ("row, 3 queries a thread", True, 1, 3, 8, None),   # runs of 2 columns: runs and the rest
-              ("row beside the gemm, up to its keys", True, 1, 1, loads, keys),
-              ("gemm beside the row, past its keys", True, 1, 1, loads, keys - 1))
-    for name, row, grid, queries, loads, most_keys in shapes:
+    # (name, row kernel, its grid, queries side by side at most, loads, its keys: None every context,
+    # the staged queries' tile of keys (None: the queries read from global memory) and their loads)
+    shapes = (("row", True, unfused.row_blocks(), 1, loads, None, staged, most),
+              ("row, queries from global memory", True, unfused.row_blocks(), 1, loads, None, None, most),
+              ("one block", True, 1, 1, loads, None, staged, most),
+              ("gemm", False, 1, 1, loads, None, staged, most),
+              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 8, None, None, most),
+              ("row, 3 queries a thread", True, 1, 3, 8, None, None, most),   # runs of 2 columns, the rest
+              ("row, 3 queries a thread, staged", True, 1, 3, 8, None, 8, most),
+              ("row, staged 2 loads at a time", True, 1, 1, loads, None, staged, 2),
+              ("row beside the gemm, up to its keys", True, 1, 1, loads, keys, staged, most),
+              ("gemm beside the row, past its keys", True, 1, 1, loads, keys - 1, staged, most))
+    for name, row, grid, queries, loads, most_keys, staged_keys, staged_loads in shapes:
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
         monkeypatch.setattr(unfused, "ROW_QUERIES", queries)
         monkeypatch.setattr(unfused, "ROW_LOADS", loads)
         monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: most_keys})
+        monkeypatch.setattr(unfused, "ROW_STAGED_KEYS", staged_keys)
+        monkeypatch.setattr(unfused, "ROW_STAGED_LOADS", staged_loads)
         partials, scores = [], []
         out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
                         partials_out=partials, scores_out=scores)
@@ -771,6 +781,14 @@ def test_row_kernel_shape_sides_queries_by_share_and_loads_by_power_of_two(monke
     shapes = [unfused.row_shape(16 * rows) for rows in (1, 2, 3, 4, 8)]     # small's 16 heads
     assert shapes == [(1, 32), (2, 16), (3, 8), (4, 8), (4, 8)]
     assert unfused.row_shape(1) == (1, 32)
+
+
+def test_row_kernel_stages_the_queries_of_a_decode_row_where_they_fit():
+    """Small's decode row (16 heads of 512 + 64 columns) fits beside a tile of 2 keys in 44 KB of
+    shared memory; two rows, or Kimi's 64 heads, read their queries from global memory."""
+    assert unfused.ROW_STAGED_KEYS == 2 and unfused.SHARED_BUDGET == 44 * 1024
+    assert unfused.row_staged(1, 16, 512, 64)
+    assert not unfused.row_staged(2, 16, 512, 64) and not unfused.row_staged(1, 64, 512, 64)
 
 
 def test_attention_unfused_decode_row_without_rope_columns():

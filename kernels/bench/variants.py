@@ -50,15 +50,16 @@ VARIANT_SETS = {
         "2 queries a thread at most": unfused(ROW_QUERIES=2),
         "512 threads": unfused(ROW_THREADS=512),
     },
-    # the few rows' score kernel's tile of keys and threads per block, and its loads in flight
+    # the few rows' score kernel: a decode row's queries staged beside its tile or read from global memory;
+    # the tile of keys and threads per block of a few rows; loads in flight
     "row": {
+        "queries from global memory": unfused(ROW_STAGED_KEYS=None),
+        "staged, 1 key a tile": unfused(ROW_STAGED_KEYS=1),
+        "128 threads": unfused(ROW_THREADS=128),
         "4 keys x 64 threads": unfused(ROW_KEYS=4, ROW_THREADS=64),
         "8 keys x 64 threads": unfused(ROW_KEYS=8, ROW_THREADS=64),
         "16 keys x 64 threads": unfused(ROW_KEYS=16, ROW_THREADS=64),
         "8 keys x 128 threads": unfused(ROW_KEYS=8, ROW_THREADS=128),
-        "4 keys x 32 threads": unfused(ROW_KEYS=4, ROW_THREADS=32),
-        "2 keys x 32 threads": unfused(ROW_KEYS=2, ROW_THREADS=32),
-        "16 loads": unfused(ROW_LOADS=16),
         "64 loads": unfused(ROW_LOADS=64),
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
