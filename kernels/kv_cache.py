@@ -36,6 +36,7 @@ from kernels.rope import rotated
 from kernels.tuning import COMPACT_BATCH
 
 TPB = 128
+NEW_ROWS_BATCH = 4      # new_rows_kernel: a thread's loads issued before their adds (or stores)
 
 
 # --8<-- [start:DeviceCache]
@@ -131,6 +132,8 @@ def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
         # zeros, which its first stages add exactly, so each total has rmsnorm_kernel's bits.
         # shared memory: 2 x TPB float32 partial sums
         sums = cuda.shared.array((2, threads), float32)
+        values = cuda.local.array(NEW_ROWS_BATCH, float32)   # a batch of loads in flight, then their use
+        scales = cuda.local.array(NEW_ROWS_BATCH, float32)
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         rank = cache_latent.shape[1]
@@ -139,12 +142,20 @@ def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
 
         q_acc = float32(0.0)
         if tid < q_threads:
-            for d in range(tid, q_rank, q_threads):
-                q_acc += projected[t, d] * projected[t, d]
+            for base in range(tid, q_rank, q_threads * NEW_ROWS_BATCH):   # BATCH loads, then their adds
+                for b in range(NEW_ROWS_BATCH):
+                    values[b] = projected[t, min(base + b * q_threads, q_rank - 1)]
+                for b in range(NEW_ROWS_BATCH):
+                    if base + b * q_threads < q_rank:
+                        q_acc += values[b] * values[b]
         kv_acc = float32(0.0)
         if tid < kv_threads:
-            for d in range(q_rank + tid, q_rank + rank, kv_threads):
-                kv_acc += projected[t, d] * projected[t, d]
+            for base in range(tid, rank, kv_threads * NEW_ROWS_BATCH):
+                for b in range(NEW_ROWS_BATCH):
+                    values[b] = projected[t, q_rank + min(base + b * kv_threads, rank - 1)]
+                for b in range(NEW_ROWS_BATCH):
+                    if base + b * kv_threads < rank:
+                        kv_acc += values[b] * values[b]
         sums[0, tid] = q_acc
         sums[1, tid] = kv_acc
         for i in range(tid, half, threads):     # the rope key needs no sum: rotated meanwhile
@@ -158,12 +169,22 @@ def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
         if q_rank > 0:
             mean_square = sums[0, 0] / float32(q_rank)
             inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-            for d in range(tid, q_rank, threads):
-                q_normed[t, d] = projected[t, d] * inv_rms * q_weight[d]
+            for base in range(tid, q_rank, threads * NEW_ROWS_BATCH):     # BATCH of each load, then
+                for b in range(NEW_ROWS_BATCH):                           # the stores
+                    d = min(base + b * threads, q_rank - 1)
+                    values[b], scales[b] = projected[t, d], q_weight[d]
+                for b in range(NEW_ROWS_BATCH):
+                    if base + b * threads < q_rank:
+                        q_normed[t, base + b * threads] = values[b] * inv_rms * scales[b]
         mean_square = sums[1, 0] / float32(rank)
         inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-        for d in range(tid, rank, threads):
-            cache_latent[slot, d] = projected[t, q_rank + d] * inv_rms * kv_weight[d]
+        for base in range(tid, rank, threads * NEW_ROWS_BATCH):
+            for b in range(NEW_ROWS_BATCH):
+                d = min(base + b * threads, rank - 1)
+                values[b], scales[b] = projected[t, q_rank + d], kv_weight[d]
+            for b in range(NEW_ROWS_BATCH):
+                if base + b * threads < rank:
+                    cache_latent[slot, base + b * threads] = values[b] * inv_rms * scales[b]
 
     return kernel
 # --8<-- [end:new_rows_kernel]
