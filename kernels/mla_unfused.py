@@ -295,7 +295,7 @@ def row_dots(unroll: int, queries: int, staged: bool = False):
 
 @functools.cache
 def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unroll: int, queries: int,
-                      staged: tuple[int, int] = (0, 0), staged_loads: int = 1):
+                      staged: tuple[int, int] = (0, 0), staged_loads: int = ROW_STAGED_LOADS):
     """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
     ``unroll`` at a time, ``queries`` of them side by side per thread, and the QS = T H query rows of
@@ -315,6 +315,18 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
     query_loads = min(staged_loads, max(1, -(-staged_queries * width // threads)))   # ... the queries
     head_lanes = threads // key_tile
 
+    @cuda.jit(device=True)
+    def load_tile(cache_latent, cache_rope, s0, keys, tid, latent, rope):
+        """The thread's share of the tile at slot s0 into registers, every load issued before any
+        is used (past the last key: the last key again, never written)."""
+        for k in range(key_tile):
+            slot = index(min(s0 + k, keys - 1))
+            for j in range(latent_loads):
+                latent[k, j] = cache_latent[slot, min(tid + j * threads, rank - 1)]
+        for p in range(rope_loads):
+            at = tid + p * threads
+            rope[p] = cache_rope[index(min(s0 + at // rope_dim, keys - 1)), at % rope_dim]
+
     @cuda.jit
     def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, most_keys):
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every query
@@ -323,8 +335,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
 
         Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, queries lane,
         lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
-        before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns),
-        then each thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
+        before the first store (one memory round trip per tile, where the GEMM takes one per STEP columns;
+        the next tile's loads are issued before this tile's adds, which their round trip overlaps), then each
+        thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
         them side by side (``row_dots``), the queries' values read from global memory (every block reads
         the same rows), or, with QS > 0, from shared memory, where the block first stages all T H query
         rows once (a decode row: each term then waits on shared memory, not on L2). Tiles s0 = blockIdx.x
@@ -356,14 +369,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                     at = index(base + p * threads)
                     if at < total:
                         tile[queries_at + at // width * stride + at % width] = q_values[p]
-        for s0 in range(cuda.blockIdx.x * key_tile, keys, cuda.gridDim.x * key_tile):
-            for k in range(key_tile):                 # the loads first (past the last key: the last
-                slot = index(min(s0 + k, keys - 1))   # key again, never written)
-                for j in range(latent_loads):
-                    latent[k, j] = cache_latent[slot, min(tid + j * threads, rank - 1)]
-            for p in range(rope_loads):
-                at = tid + p * threads
-                rope[p] = cache_rope[index(min(s0 + at // rope_dim, keys - 1)), at % rope_dim]
+        start, step = cuda.blockIdx.x * key_tile, cuda.gridDim.x * key_tile
+        if start < keys:
+            load_tile(cache_latent, cache_rope, start, keys, tid, latent, rope)
+        for s0 in range(start, keys, step):
             cuda.syncthreads()                        # the last tile's readers are done with it
             for k in range(key_tile):
                 for j in range(latent_loads):
@@ -374,6 +383,8 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 if at < key_tile * rope_dim:
                     tile[at // rope_dim * stride + rank + at % rope_dim] = rope[p]
             cuda.syncthreads()
+            if s0 + step < keys:                      # the next tile's loads, in flight during the adds
+                load_tile(cache_latent, cache_rope, s0 + step, keys, tid, latent, rope)
             # queries lane + i HL (HL = THREADS / KT), i < Q, side by side
             for first in range(lane, rows * heads, head_lanes * queries):
                 for i in range(queries):              # past the last query: the last again, not written
