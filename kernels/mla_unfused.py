@@ -356,8 +356,9 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         q_rows = cuda.local.array(queries, int32)         # ... their rows and heads (staged: offsets)
         q_heads = cuda.local.array(queries, int32)
         key, lane = tid % key_tile, tid // key_tile
-        if staged_queries and cuda.blockIdx.x * key_tile < keys:   # every query row's R + dr columns,
-            q_values = cuda.local.array(query_loads, float32)      # once, their loads before their stores
+        start, step = cuda.blockIdx.x * key_tile, cuda.gridDim.x * key_tile   # the block's tiles
+        if staged_queries and start < keys:           # every query row's R + dr columns, once,
+            q_values = cuda.local.array(query_loads, float32)      # their loads before their stores
             total = rows * heads * width
             for base in range(tid, total, threads * query_loads):
                 for p in range(query_loads):
@@ -369,7 +370,6 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                     at = index(base + p * threads)
                     if at < total:
                         tile[queries_at + at // width * stride + at % width] = q_values[p]
-        start, step = cuda.blockIdx.x * key_tile, cuda.gridDim.x * key_tile
         if start < keys:
             load_tile(cache_latent, cache_rope, start, keys, tid, latent, rope)
         for s0 in range(start, keys, step):
