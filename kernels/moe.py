@@ -526,7 +526,7 @@ def expert_lists_kernel(ids, lists):
         marks[i] = mark
         cuda.syncthreads()
         place = listed
-        for other in range(LIST_TPB):                    # every thread counts the whole chunk
+        for other in range(min(LIST_TPB, rows - c0)):    # every thread counts the chunk's tokens
             if marks[other] >= 0:
                 if other < i:
                     place += 1
