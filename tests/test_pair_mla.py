@@ -791,6 +791,26 @@ def test_row_kernel_stages_the_queries_of_a_decode_row_where_they_fit():
     assert not unfused.row_staged(2, 16, 512, 64) and not unfused.row_staged(1, 64, 512, 64)
 
 
+def test_small_shaped_decode_row_stages_its_queries_with_the_gemms_bits(monkeypatch):
+    """Small's decode row (16 heads, R = 512, dr = 64: the staged queries' loads in many batches,
+    q_pe a strided view of the query buffer) has the same scores by the staged row kernel as by
+    the GEMM."""
+    case = Case("small row", rows=1, prefix=5, mask="causal", heads=16, rank=512, rope=64)
+    q_lat, _, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=3)
+    q = np.random.default_rng(3).standard_normal((1, 16, 128 + 64)).astype(np.float32)
+    q_pe = cuda.to_device(q)[:, :, 128:]                      # [T, H, dr] as the engine's view
+    depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+    assert unfused.row_staged(1, 16, 512, 64)
+    scores = {}
+    for row in (True, False):
+        monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
+        found = []
+        run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5, scores_out=found)
+        scores[row] = found[0][:, :prefix + 1]
+    assert np.isfinite(scores[True]).all()
+    assert_exact(scores[True].view(np.uint32), scores[False].view(np.uint32), name="staged row scores")
+
+
 def test_attention_unfused_decode_row_without_rope_columns():
     """dr = 0 (no rope columns, which ``row_scores_kernel`` stages apart): a decode row's scores
     come from the GEMM, and its output matches numpy."""
