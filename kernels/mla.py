@@ -63,6 +63,7 @@ from kernels.device import (
 )
 from kernels.linear import ROWS_PER_PASS, index, lanes_launch, pass_rows, row_passes
 from kernels.mla_unfused import LANES, UNFUSED_CHUNK, unfused_chunks, unfused_partials
+from kernels.rope import check_rope, rotated
 from kernels.tuning import GROUPED_HEADS, MAX_SPLITS, SHARED_BUDGET, SPLIT_TILES, UNFUSED_FROM_RANK
 
 # attention_paths' threads on a GPU: 4x its 32-key tiles, so that one decode row's few blocks keep
@@ -84,14 +85,16 @@ F32 = 4
 
 # --8<-- [start:absorb_query_kernel]
 @functools.cache
-def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
+def absorb_query_kernel(per_pass: int = ROWS_PER_PASS, rope: bool = False):
     """The absorb_query kernel for passes of ``per_pass`` rows (a literal: the pass's sums and
     queries live in registers). A decode row's launch takes passes of one (``pass_rows``): a pass
-    of 8 would load its one query 8 times and add 8 rows' products. Each row's sums are the same."""
+    of 8 would load its one query 8 times and add 8 rows' products. Each row's sums are the same.
+    With ``rope`` the kernel also rotates the queries' rope columns in place (``rope_query``): the
+    engine's rotation without a launch of its own."""
     sums_shape = (per_pass, ABSORB_SLICES, ABSORB_LANES)            # the slices' sums of a pass's rows
 
-    @cuda.jit
-    def absorb_query_kernel(q_nope, w_uk, q_lat):
+    @cuda.jit(device=True)
+    def absorb(q_nope, w_uk, q_lat):
         """q_lat[t, h, r] = sum_n q_nope[t, h, n] * W_UK[h, n, r].
 
         Block (x, head, y): latent columns r = x LANES + lane (threadIdx.x: consecutive r, so a warp's loads
@@ -139,7 +142,37 @@ def absorb_query_kernel(per_pass: int = ROWS_PER_PASS):
                         total += sums[i, other, lane]
                     q_lat[t0 + i, head, r] = total
 
-    return absorb_query_kernel
+    if not rope:
+        @cuda.jit
+        def absorb_query_kernel(q_nope, w_uk, q_lat):
+            """``absorb``: one launch of the absorbed queries."""
+            absorb(q_nope, w_uk, q_lat)
+
+        return absorb_query_kernel
+
+    @cuda.jit
+    def absorb_query_rope_kernel(q_nope, w_uk, q_lat, q_pe, positions, inv_freq, scale):
+        """``absorb``, then the blocks of latent columns 0 (one per head) rotate their head's rope
+        columns: the queries' rope columns, which ``absorb`` never reads."""
+        absorb(q_nope, w_uk, q_lat)
+        if cuda.blockIdx.x == 0 and cuda.blockIdx.z == 0:          # block (0, head, 0): the head's rope
+            rope_query(q_pe, positions, inv_freq, scale, cuda.blockIdx.y)   # columns of every row
+
+    return absorb_query_rope_kernel
+
+
+@cuda.jit(device=True)
+def rope_query(q_pe, positions, inv_freq, scale, head):
+    """q_pe[t, head] rotated in place at positions[t] for every row t (a block's threads over its
+    (row, pair) entries): ``rotated``, the device function of ``apply_rope``'s kernels, so the bits
+    are apply_rope's. Nothing else reads or writes these columns in the launch."""
+    half = q_pe.shape[2] // 2
+    threads = cuda.blockDim.x * cuda.blockDim.y
+    tid = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    for at in range(tid, q_pe.shape[0] * half, threads):
+        t, i = at // half, at % half
+        first, second = q_pe[t, head, i], q_pe[t, head, i + half]
+        q_pe[t, head, i], q_pe[t, head, i + half] = rotated(first, second, positions[t], inv_freq[i], scale)
 # --8<-- [end:absorb_query_kernel]
 
 
@@ -253,18 +286,40 @@ def check_absorb_query(q_nope, w_uk, *, out=None):
 
 
 # --8<-- [start:absorb_query]
-def absorb_query(q_nope, w_uk, *, out=None, stream=None):
-    """q_nope (T, H, dn), W_UK (H, dn, R) -> q_lat (T, H, R)."""
+def absorb_query(q_nope, w_uk, *, out=None, stream=None, rope=None):
+    """q_nope (T, H, dn), W_UK (H, dn, R) -> q_lat (T, H, R). ``rope`` = (q_pe, positions, inv_freq,
+    scale): the same launch also rotates q_pe (T, H, dr), a device array, in place, with
+    ``apply_rope``'s bits (the engine's queries: one launch a layer fewer)."""
     q_nope, w_uk = check_absorb_query(q_nope, w_uk, out=out)
     (rows, heads, _), rank = q_nope.shape, w_uk.shape[2]
+    rotation = check_rope_query(rope, rows, heads)
     d_out = output(out, (rows, heads, rank), stream=stream)                 # [T, H, R]
     if rows * heads * rank:
         per_pass = pass_rows(rows)
         grid = (blocks(rank, ABSORB_LANES), heads, row_passes(rows, per_pass))
-        absorb_query_kernel(per_pass)[grid, (ABSORB_LANES, ABSORB_SLICES), stream](
-            to_device(q_nope, np.float32), to_device(w_uk, np.float32), d_out)
+        kernel = absorb_query_kernel(per_pass, rotation is not None)
+        arrays = (to_device(q_nope, np.float32), to_device(w_uk, np.float32), d_out)
+        kernel[grid, (ABSORB_LANES, ABSORB_SLICES), stream](*arrays, *(rotation or ()))
     return deliver(d_out, out, q_nope, w_uk)
 # --8<-- [end:absorb_query]
+
+
+def check_rope_query(rope, rows: int, heads: int):
+    """``absorb_query``'s ``rope``: None, or (q_pe, positions, inv_freq, scale) with q_pe a float32 device
+    array (T, H, dr) of the queries' T and H, as ``apply_rope`` takes them; returns the kernel's arguments."""
+    if rope is None:
+        return None
+    if not isinstance(rope, tuple) or len(rope) != 4:
+        raise ValueError("rope must be None or a tuple (q_pe, positions, inv_freq, scale), "
+                         f"got {type(rope).__name__}")
+    q_pe, positions, inv_freq, scale = rope
+    if not is_device_array(q_pe):
+        raise ValueError(f"rope's q_pe must be a device array (rotated in place), got {type(q_pe).__name__}")
+    if q_pe.ndim != 3 or tuple(q_pe.shape[:2]) != (rows, heads):
+        raise ValueError(f"rope's q_pe must have shape ({rows}, {heads}, dr) (q_nope's T and H), "
+                         f"got {tuple(q_pe.shape)}")
+    q_pe, positions, inv_freq = check_rope(q_pe, positions, inv_freq, scale, out=q_pe)
+    return q_pe, to_device(positions), to_device(inv_freq, np.float32), float(scale)
 
 
 def check_absorb_output(o_lat, w_uv, *, out=None):

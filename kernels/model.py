@@ -69,9 +69,8 @@ from kernels.tuning import BUCKET_STEP
 # so replacing one there before the first forward (a lab version, say) runs the engine with it.
 ENGINE_OPERATIONS = {
     "rmsnorm": ("rmsnorm",),
-    "rope": ("apply_rope",),
     "linear": ("linear", "embed", "argmax"),
-    "mla": ("absorb_query", "attention_paths", "absorb_output"),
+    "mla": ("absorb_query", "attention_paths", "absorb_output"),    # absorb_query rotates the queries too
     "moe": ("moe", "swiglu"),
     "kv_cache": ("write_new_rows",),
     "tree": ("positions_and_paths",),
@@ -522,8 +521,9 @@ class Transformer:
         q = b.q[:rows]                                                             # [T, H, dn+dr]
         ops.linear(a_q, layer.q_proj, out=q.reshape(rows, q.size // rows), stream=s)
         q_nope, q_pe = q[:, :, :nope], q[:, :, nope:]                              # [T, H, dn], [T, H, dr]
-        ops.apply_rope(q_pe, b.positions[:rows], self.inv_freq, self.rope_scale, out=q_pe, stream=s)
-        q_lat = ops.absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s)  # [T, H, R]
+        rotation = (q_pe, b.positions[:rows], self.inv_freq, self.rope_scale)      # q_pe rotated in place,
+        q_lat = ops.absorb_query(q_nope, layer.w_uk, out=b.q_lat[:rows], stream=s,   # in the same launch
+                                 rope=rotation)                                    # [T, H, R]
         partials = None if self.attention_partials is None else self.attention_partials[:rows]
         scores = None if self.attention_scores is None \
             else self.attention_scores[:rows * c.num_attention_heads]                # [T H, C]

@@ -225,6 +225,45 @@ def test_absorb_query_matches_numpy(rows, heads, width, rank):
     assert_exact(gpu.absorb_query(q_nope, w_uk).view(np.uint32), actual.view(np.uint32), name="rerun bits")
 
 
+@pytest.mark.parametrize("rows, heads", [(1, 3), (11, 5)])
+def test_absorb_query_rotates_the_queries_with_apply_ropes_bits(rows, heads):
+    """``rope=``: the same launch rotates the rope columns of a strided (T, H, dr) view of the query
+    buffer in place, with ``apply_rope``'s bits, leaves every other column alone (NaN there stays
+    NaN) and gives q_lat the bits it has without the rotation."""
+    from kernels.rope import apply_rope
+
+    nope, rope_dim, rank = 7, 6, 9
+    rng = np.random.default_rng(rows + heads)
+    q = rng.standard_normal((rows, heads, nope + rope_dim)).astype(np.float32)
+    q[:, :, 0] = np.nan                                          # a nope column the rotation must not touch
+    w_uk = rng.standard_normal((heads, nope, rank)).astype(np.float32)
+    positions = (np.arange(rows) * 7 + 3).astype(np.int64)
+    freqs = (1.0 / 10000.0 ** (np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)   # [dr/2]
+    d_q = to_device(q)
+    q_nope, q_pe = d_q[:, :, :nope], d_q[:, :, nope:]
+    q_lat = gpu.absorb_query(q_nope, w_uk, rope=(q_pe, to_device(positions), to_device(freqs), 0.75))
+    rotated = d_q.copy_to_host()
+    expected = apply_rope(np.ascontiguousarray(q[:, :, nope:]), positions, freqs, 0.75)
+    assert_exact(rotated[:, :, nope:].view(np.uint32), expected.view(np.uint32), name="rotated q_pe")
+    assert_exact(rotated[:, :, :nope].view(np.uint32), q[:, :, :nope].view(np.uint32),
+                 name="q_nope untouched")
+    alone = gpu.absorb_query(np.ascontiguousarray(q[:, :, :nope]), w_uk)
+    assert_exact(q_lat.copy_to_host().view(np.uint32), alone.view(np.uint32), name="q_lat")
+
+
+def test_absorb_query_names_a_wrong_rope():
+    q_nope = to_device(np.zeros((2, 3, 4), np.float32))
+    w_uk = np.zeros((3, 4, 5), np.float32)
+    positions, freqs = to_device(np.arange(2)), to_device(np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"rope must be None or a tuple \(q_pe, positions, inv_freq"):
+        gpu.absorb_query(q_nope, w_uk, rope=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="rope's q_pe must be a device array"):
+        gpu.absorb_query(q_nope, w_uk, rope=(np.zeros((2, 3, 4), np.float32), positions, freqs, 1.0))
+    with pytest.raises(ValueError, match=r"rope's q_pe must have shape \(2, 3, dr\)"):
+        gpu.absorb_query(q_nope, w_uk, rope=(to_device(np.zeros((2, 2, 4), np.float32)), positions, freqs,
+                                             1.0))
+
+
 @pytest.mark.parametrize("rows, heads, width, rank", PROJECTION_SHAPES)
 def test_absorb_output_matches_numpy(rows, heads, width, rank):
     rng = np.random.default_rng(rows * 100 + rank + 1)
