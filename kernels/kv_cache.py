@@ -115,6 +115,33 @@ def launch_compact_columns(cache_latent, cache_rope, start, accepted, count, str
 
 
 # --8<-- [start:new_rows_kernel]
+@cuda.jit(device=True)
+def _squares(x, row, first, count, start, step, values):
+    """The sum of x[row, first + d]^2 for d = start, start + step, ... < count, in that order, its
+    loads issued NEW_ROWS_BATCH at a time before their adds (``values``: the batch's registers)."""
+    acc = float32(0.0)
+    for base in range(start, count, step * NEW_ROWS_BATCH):
+        for b in range(NEW_ROWS_BATCH):                 # past count: the last column again, not added
+            values[b] = x[row, first + min(base + b * step, count - 1)]
+        for b in range(NEW_ROWS_BATCH):
+            if base + b * step < count:
+                acc += values[b] * values[b]
+    return acc
+
+
+@cuda.jit(device=True)
+def _normed(x, row, first, count, start, step, inv_rms, weight, out, out_row, values, scales):
+    """out[out_row, d] = x[row, first + d] * inv_rms * weight[d] for d = start, start + step, ... < count:
+    rmsnorm_kernel's products, the loads of a batch of NEW_ROWS_BATCH issued before its stores."""
+    for base in range(start, count, step * NEW_ROWS_BATCH):
+        for b in range(NEW_ROWS_BATCH):
+            d = min(base + b * step, count - 1)
+            values[b], scales[b] = x[row, first + d], weight[d]
+        for b in range(NEW_ROWS_BATCH):
+            if base + b * step < count:
+                out[out_row, base + b * step] = values[b] * inv_rms * scales[b]
+
+
 @functools.cache
 def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
     """The kernel of ``write_new_rows`` for blocks of ``threads`` threads, the query latent's norm
@@ -142,20 +169,10 @@ def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
 
         q_acc = float32(0.0)
         if tid < q_threads:
-            for base in range(tid, q_rank, q_threads * NEW_ROWS_BATCH):   # BATCH loads, then their adds
-                for b in range(NEW_ROWS_BATCH):
-                    values[b] = projected[t, min(base + b * q_threads, q_rank - 1)]
-                for b in range(NEW_ROWS_BATCH):
-                    if base + b * q_threads < q_rank:
-                        q_acc += values[b] * values[b]
+            q_acc = _squares(projected, t, 0, q_rank, tid, q_threads, values)
         kv_acc = float32(0.0)
         if tid < kv_threads:
-            for base in range(tid, rank, kv_threads * NEW_ROWS_BATCH):
-                for b in range(NEW_ROWS_BATCH):
-                    values[b] = projected[t, q_rank + min(base + b * kv_threads, rank - 1)]
-                for b in range(NEW_ROWS_BATCH):
-                    if base + b * kv_threads < rank:
-                        kv_acc += values[b] * values[b]
+            kv_acc = _squares(projected, t, q_rank, rank, tid, kv_threads, values)
         sums[0, tid] = q_acc
         sums[1, tid] = kv_acc
         for i in range(tid, half, threads):     # the rope key needs no sum: rotated meanwhile
@@ -169,22 +186,11 @@ def new_rows_kernel(threads: int, q_threads: int, kv_threads: int):
         if q_rank > 0:
             mean_square = sums[0, 0] / float32(q_rank)
             inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-            for base in range(tid, q_rank, threads * NEW_ROWS_BATCH):     # BATCH of each load, then
-                for b in range(NEW_ROWS_BATCH):                           # the stores
-                    d = min(base + b * threads, q_rank - 1)
-                    values[b], scales[b] = projected[t, d], q_weight[d]
-                for b in range(NEW_ROWS_BATCH):
-                    if base + b * threads < q_rank:
-                        q_normed[t, base + b * threads] = values[b] * inv_rms * scales[b]
+            _normed(projected, t, 0, q_rank, tid, threads, inv_rms, q_weight, q_normed, t, values, scales)
         mean_square = sums[1, 0] / float32(rank)
         inv_rms = float32(1.0) / math.sqrt(mean_square + float32(eps))
-        for base in range(tid, rank, threads * NEW_ROWS_BATCH):
-            for b in range(NEW_ROWS_BATCH):
-                d = min(base + b * threads, rank - 1)
-                values[b], scales[b] = projected[t, q_rank + d], kv_weight[d]
-            for b in range(NEW_ROWS_BATCH):
-                if base + b * threads < rank:
-                    cache_latent[slot, base + b * threads] = values[b] * inv_rms * scales[b]
+        _normed(projected, t, q_rank, rank, tid, threads, inv_rms, kv_weight, cache_latent, slot, values,
+                scales)
 
     return kernel
 # --8<-- [end:new_rows_kernel]

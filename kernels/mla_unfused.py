@@ -364,7 +364,7 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                 for p in range(query_loads):
                     at = index(min(base + p * threads, total - 1))
                     row, head, column = at // width // staged_heads, at // width % staged_heads, at % width
-                    q_values[p] = q_lat[row, head, min(column, rank - 1)] if column < rank \
+                    q_values[p] = q_lat[row, head, column] if column < rank \
                         else q_pe[row, head, index(column - rank)]
                 for p in range(query_loads):              # (seen after the tile loop's barriers)
                     at = index(base + p * threads)
@@ -659,7 +659,6 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     split = NO_KEYS
     if by_rows:
         split = ALL_KEYS if ROW_SCORES_KEYS[rows] is None else np.int64(ROW_SCORES_KEYS[rows])
-    if by_rows:
         staged = (rows, heads) if row_staged(rows, heads, rank, rope_dim) else (0, 0)
         key_tile = ROW_STAGED_KEYS if staged[0] else ROW_KEYS
         row_grid = min(blocks(capacity, key_tile), row_blocks())
