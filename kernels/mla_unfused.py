@@ -64,6 +64,7 @@ ROW_LOADS = 32                                # ... loads a thread issues before
 ROW_QUERIES = 4                               # ... and at most this many queries a thread adds side by side
 ROW_STAGED_KEYS = 2                           # ... keys per tile where the queries are staged beside them
 ROW_STAGED_LOADS = 36                         # ... and a thread's loads of them in flight at most
+ROW_STAGED_ROWS = 4                           # ... for up to this many rows, a group of them per block
 ALL_KEYS = np.int64(2**62)                    # a kernel's key bound that every context is under
 NO_KEYS = np.int64(-1)                        # ... and one that every context is past
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
@@ -298,12 +299,13 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                       staged: tuple[int, int] = (0, 0), staged_loads: int = ROW_STAGED_LOADS):
     """Version 5, step 1 of 4, for a decode row or a few (a small tree), tiles of KT = ``key_tile``
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
-    ``unroll`` at a time, ``queries`` of them side by side per thread, and the QS = T H query rows of
-    ``staged`` = (T, H) staged in shared memory beside the tile ((0, 0): read from global memory),
+    ``unroll`` at a time, ``queries`` of them side by side per thread, and the QS = G H query rows of
+    ``staged`` = (G, H) staged in shared memory beside the tile, a group of G rows per block ((0, 0):
+    every query read from global memory),
     at most ``staged_loads`` of their loads in flight per thread (literals: the staged tile's, the
     loads' and the registers' sizes, H's divisions). A score's terms are added as ``scores_kernel``
     adds them, whatever the shape."""
-    staged_heads = max(1, staged[1])
+    group_rows, staged_heads = staged[0], max(1, staged[1])
     staged_queries = staged[0] * staged[1]
     dots = row_dots(unroll, queries, staged_queries > 0)
     width = rank + rope_dim
@@ -339,9 +341,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         the next tile's loads are issued before this tile's adds, which their round trip overlaps), then each
         thread adds its scores' R + dr terms one at a time in column order, Q = ``queries`` of
         them side by side (``row_dots``), the queries' values read from global memory (every block reads
-        the same rows), or, with QS > 0, from shared memory, where the block first stages all T H query
-        rows once (a decode row: each term then waits on shared memory, not on L2). Tiles s0 = blockIdx.x
-        KT, + gridDim.x KT, ... below P + T (P read on the device):
+        the same rows), or, with QS > 0, from shared memory, where the block first stages the H query
+        rows of each of its group's rows once, rows blockIdx.y G .. blockIdx.y G + G - 1 (each term then
+        waits on shared memory, not on L2). Tiles s0 = blockIdx.x KT, + gridDim.x KT, ... below P + T (P
+        read on the device):
         one launch shape serves every step, and the cache's empty capacity costs nothing. The same bits as
         the GEMM, whatever the tile and the rows."""
         tid = index(cuda.threadIdx.x)
@@ -357,13 +360,17 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         q_heads = cuda.local.array(queries, int32)
         key, lane = tid % key_tile, tid // key_tile
         start, step = cuda.blockIdx.x * key_tile, cuda.gridDim.x * key_tile   # the block's tiles
-        if staged_queries and start < keys:           # every query row's R + dr columns, once,
+        group = index(cuda.blockIdx.y)                # staged: rows group G .. group G + G - 1
+        q0 = group * staged_queries                   # the group's first query (0 unstaged: one group)
+        count = min(staged_queries, rows * heads - q0) if staged_queries else rows * heads   # its queries
+        if staged_queries and start < keys:           # the group's query rows' R + dr columns, once,
             q_values = cuda.local.array(query_loads, float32)      # their loads before their stores
-            total = rows * heads * width
+            total = count * width
             for base in range(tid, total, threads * query_loads):
                 for p in range(query_loads):
                     at = index(min(base + p * threads, total - 1))
-                    row, head, column = at // width // staged_heads, at // width % staged_heads, at % width
+                    row = group * group_rows + at // width // staged_heads
+                    head, column = at // width % staged_heads, at % width
                     q_values[p] = q_lat[row, head, column] if column < rank \
                         else q_pe[row, head, index(column - rank)]
                 for p in range(query_loads):              # (seen after the tile loop's barriers)
@@ -385,10 +392,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
             cuda.syncthreads()
             if s0 + step < keys:                      # the next tile's loads, in flight during the adds
                 load_tile(cache_latent, cache_rope, s0 + step, keys, tid, latent, rope)
-            # queries lane + i HL (HL = THREADS / KT), i < Q, side by side
-            for first in range(lane, rows * heads, head_lanes * queries):
+            # the group's queries lane + i HL (HL = THREADS / KT), i < Q, side by side
+            for first in range(lane, count, head_lanes * queries):
                 for i in range(queries):              # past the last query: the last again, not written
-                    query = min(first + i * head_lanes, rows * heads - 1)
+                    query = min(first + i * head_lanes, count - 1)
                     q_rows[i], q_heads[i] = query // heads, query % heads
                     if staged_queries:
                         q_rows[i] = queries_at + query * stride
@@ -400,19 +407,22 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
                     dots(sums, q_pe, q_rows, q_heads, tile, key * stride + rank, rope_dim)
                 for i in range(queries):
                     query = first + i * head_lanes
-                    if query < rows * heads and s0 + key < keys:
-                        scores[query, s0 + key] = sums[i] * scale
+                    if query < count and s0 + key < keys:
+                        scores[q0 + query, s0 + key] = sums[i] * scale
 
     return attention_row_scores_kernel
 
 
-def row_staged(rows: int, heads: int, rank: int, rope_dim: int) -> bool:
-    """Whether the row kernel stages the T H = ``rows`` x ``heads`` query rows beside its tile of
-    ROW_STAGED_KEYS keys: where both fit SHARED_BUDGET (a decode row of small's 16 heads; never with
-    ROW_STAGED_KEYS None)."""
-    if ROW_STAGED_KEYS is None:
-        return False
-    return F32 * (ROW_STAGED_KEYS + rows * heads) * (rank + rope_dim + 1) <= SHARED_BUDGET
+def row_group(rows: int, heads: int, rank: int, rope_dim: int) -> int:
+    """G, the rows of queries a block of the row kernel stages beside its tile of ROW_STAGED_KEYS keys,
+    the T = ``rows`` rows in groups of G on the grid's second side: the most of them whose H = ``heads``
+    query rows of R + dr columns fit SHARED_BUDGET with the tile (small's 16 heads: one row a block).
+    0, every query read from global memory: where not even one row's fit (Kimi's 64 heads), past
+    ROW_STAGED_ROWS rows, or with ROW_STAGED_KEYS None."""
+    if ROW_STAGED_KEYS is None or rows > ROW_STAGED_ROWS:
+        return 0
+    fit = (SHARED_BUDGET // (F32 * (rank + rope_dim + 1)) - ROW_STAGED_KEYS) // heads
+    return max(0, min(rows, fit))
 
 
 def row_scores(rows: int, rank: int, rope_dim: int) -> bool:
@@ -659,10 +669,11 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     split = NO_KEYS
     if by_rows:
         split = ALL_KEYS if ROW_SCORES_KEYS[rows] is None else np.int64(ROW_SCORES_KEYS[rows])
-        staged = (rows, heads) if row_staged(rows, heads, rank, rope_dim) else (0, 0)
-        key_tile = ROW_STAGED_KEYS if staged[0] else ROW_KEYS
-        row_grid = min(blocks(capacity, key_tile), row_blocks())
-        queries, unroll = row_shape(rows * heads, key_tile)
+        group = row_group(rows, heads, rank, rope_dim)
+        staged = (group, heads) if group else (0, 0)
+        key_tile = ROW_STAGED_KEYS if group else ROW_KEYS
+        row_grid = (min(blocks(capacity, key_tile), row_blocks()), blocks(rows, group) if group else 1)
+        queries, unroll = row_shape((group or rows) * heads, key_tile)
         kernel = row_scores_kernel(key_tile, rank, rope_dim, ROW_THREADS, unroll, queries, staged,
                                    ROW_STAGED_LOADS)
         kernel[row_grid, ROW_THREADS, stream](

@@ -774,7 +774,7 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     assert unfused.row_scores(few, rank, rope) and not unfused.row_scores(few + 1, rank, rope)
     assert not unfused.row_scores(1, rank, 0)                 # no rope columns: the GEMM
     staged, most = unfused.ROW_STAGED_KEYS, unfused.ROW_STAGED_LOADS
-    assert unfused.row_staged(rows, heads, rank, rope)         # these shapes fit the simulator's budget
+    assert unfused.row_group(rows, heads, rank, rope) == rows  # these shapes fit the budget: one group
     results = {}
     loads, keys = unfused.ROW_LOADS, prefix + rows
     # (name, row kernel, its grid, queries side by side at most, loads, its keys: None every context,
@@ -822,30 +822,60 @@ def test_row_kernel_shape_sides_queries_by_share_and_loads_by_power_of_two(monke
     assert unfused.row_shape(1) == (1, 32)
 
 
-def test_row_kernel_stages_the_queries_of_a_decode_row_where_they_fit():
-    """Small's decode row (16 heads of 512 + 64 columns) fits beside a tile of 2 keys in 44 KB of
-    shared memory; two rows, or Kimi's 64 heads, read their queries from global memory."""
+def test_row_kernel_stages_a_row_of_small_a_block_where_it_fits():
+    """Small's 16 heads of 512 + 64 columns: one row's query rows fit beside a tile of 2 keys in 44 KB
+    of shared memory, so up to ROW_STAGED_ROWS rows are staged a row a block; more rows, or Kimi's 64
+    heads, read their queries from global memory."""
     assert unfused.ROW_STAGED_KEYS == 2 and unfused.SHARED_BUDGET == 44 * 1024
-    assert unfused.row_staged(1, 16, 512, 64)
-    assert not unfused.row_staged(2, 16, 512, 64) and not unfused.row_staged(1, 64, 512, 64)
+    assert unfused.ROW_STAGED_ROWS == max(unfused.ROW_SCORES_KEYS)     # every row count the kernel serves
+    assert [unfused.row_group(rows, 16, 512, 64) for rows in (1, 2, 3, 4, 5)] == [1, 1, 1, 1, 0]
+    assert unfused.row_group(1, 64, 512, 64) == 0
 
 
-def test_small_shaped_decode_row_stages_its_queries_with_the_gemms_bits(monkeypatch):
-    """Small's decode row (16 heads, R = 512, dr = 64: the staged queries' loads in many batches,
-    q_pe a strided view of the query buffer) has the same scores by the staged row kernel as by
-    the GEMM."""
-    case = Case("small row", rows=1, prefix=5, mask="causal", heads=16, rank=512, rope=64)
-    q_lat, _, cache_latent, cache_rope, prefix, _, scale = make_inputs(case, seed=3)
-    q = np.random.default_rng(3).standard_normal((1, 16, 128 + 64)).astype(np.float32)
+@pytest.mark.parametrize("rows, fit", [(3, 1), (3, 2), (4, 3), (2, 2)])
+def test_row_kernel_stages_its_queries_in_groups_of_rows_with_the_gemms_bits(monkeypatch, rows, fit):
+    """The shared memory budget set so that ``fit`` rows' queries fit a block: the T rows staged in
+    groups of that many (the last one short where it does not divide T), on the grid's second side,
+    beside one block walking every tile or the usual grid: the same scores, partials and output as
+    the GEMM, bit for bit, every slot below P + T written and none past it."""
+    heads, rank, rope, prefix = 3, 9, 2, 13
+    inputs, _ = random_tree_inputs(rows, prefix, rank, rope, heads)
+    monkeypatch.setattr(unfused, "SHARED_BUDGET",
+                        unfused.F32 * (rank + rope + 1) * (unfused.ROW_STAGED_KEYS + fit * heads))
+    assert unfused.row_group(rows, heads, rank, rope) == fit
+    monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: None})
+    results = {}
+    for name, row, grid in (("gemm", False, 1), ("groups", True, unfused.row_blocks()),
+                            ("groups, one block a group", True, 1)):
+        monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
+        monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
+        partials, scores = [], []
+        out = run_paths(*inputs, V5, partials_out=partials, scores_out=scores)
+        assert np.isfinite(scores[0][:, :prefix + rows]).all(), f"{name}: a score was not written"
+        assert np.isnan(scores[0][:, prefix + rows:]).all(), f"{name}: a slot past P + T was written"
+        results[name] = (out, partials[0], scores[0])
+    for name, arrays in results.items():
+        for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
+                                         strict=True):
+            assert_exact(array.view(np.uint32), expected.view(np.uint32), name=f"{what}, {name}")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_small_shaped_rows_stage_their_queries_with_the_gemms_bits(monkeypatch, rows):
+    """Small's decode row and a tree of 2 (16 heads, R = 512, dr = 64: the staged queries' loads in
+    many batches, a row a block, q_pe a strided view of the query buffer) have the same scores by the
+    staged row kernel as by the GEMM."""
+    inputs, _ = random_tree_inputs(rows, 5, 512, 64, 16)
+    q_lat, _, cache_latent, cache_rope, prefix, depths, paths, scale = inputs
+    q = np.random.default_rng(3).standard_normal((rows, 16, 128 + 64)).astype(np.float32)
     q_pe = cuda.to_device(q)[:, :, 128:]                      # [T, H, dr] as the engine's view
-    depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
-    assert unfused.row_staged(1, 16, 512, 64)
+    assert unfused.row_group(rows, 16, 512, 64) == 1
     scores = {}
     for row in (True, False):
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         found = []
         run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5, scores_out=found)
-        scores[row] = found[0][:, :prefix + 1]
+        scores[row] = found[0][:, :prefix + rows]
     assert np.isfinite(scores[True]).all()
     assert_exact(scores[True].view(np.uint32), scores[False].view(np.uint32), name="staged row scores")
 

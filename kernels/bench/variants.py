@@ -50,10 +50,11 @@ VARIANT_SETS = {
         "2 queries a thread at most": unfused(ROW_QUERIES=2),
         "512 threads": unfused(ROW_THREADS=512),
     },
-    # the few rows' score kernel: a decode row's queries staged beside its tile or read from global memory;
-    # the tile of keys and threads per block of a few rows; loads in flight
+    # the few rows' score kernel: the queries staged beside its tile (a group of rows a block) or read from
+    # global memory; the tile of keys and threads per block of a few rows; loads in flight
     "row": {
         "queries from global memory": unfused(ROW_STAGED_KEYS=None),
+        "staged for a decode row only": unfused(ROW_STAGED_ROWS=1),
         "staged, 1 key a tile": unfused(ROW_STAGED_KEYS=1),
         "128 threads": unfused(ROW_THREADS=128),
         "4 keys x 64 threads": unfused(ROW_KEYS=4, ROW_THREADS=64),
