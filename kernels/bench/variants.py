@@ -51,16 +51,14 @@ VARIANT_SETS = {
         "512 threads": unfused(ROW_THREADS=512),
     },
     # the few rows' score kernel: the queries staged beside its tile (a group of rows a block) or read from
-    # global memory; the tile of keys and threads per block of a few rows; loads in flight
+    # global memory; keys a tile, threads and blocks per SM of the staged kernel; loads in flight
     "row": {
         "queries from global memory": unfused(ROW_STAGED_KEYS=None),
         "staged for a decode row only": unfused(ROW_STAGED_ROWS=1),
         "staged, 1 key a tile": unfused(ROW_STAGED_KEYS=1),
-        "128 threads": unfused(ROW_THREADS=128),
-        "4 keys x 64 threads": unfused(ROW_KEYS=4, ROW_THREADS=64),
-        "8 keys x 64 threads": unfused(ROW_KEYS=8, ROW_THREADS=64),
-        "16 keys x 64 threads": unfused(ROW_KEYS=16, ROW_THREADS=64),
-        "8 keys x 128 threads": unfused(ROW_KEYS=8, ROW_THREADS=128),
+        "3 blocks per SM": unfused(ROW_BLOCKS_PER_SM=3),
+        "128 threads, 5 blocks per SM": unfused(ROW_THREADS=128, ROW_BLOCKS_PER_SM=5),
+        "64 threads, 5 blocks per SM": unfused(ROW_THREADS=64, ROW_BLOCKS_PER_SM=5),
         "64 loads": unfused(ROW_LOADS=64),
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
