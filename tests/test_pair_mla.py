@@ -797,12 +797,24 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
         monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: most_keys})
         monkeypatch.setattr(unfused, "ROW_STAGED_KEYS", staged_keys)
         monkeypatch.setattr(unfused, "ROW_STAGED_LOADS", staged_loads)
-        partials, scores = [], []
-        out = run_paths(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, V5,
-                        partials_out=partials, scores_out=scores)
-        assert np.isfinite(scores[0][:, :prefix + rows]).all(), f"{name}: a score was not written"
-        assert np.isnan(scores[0][:, prefix + rows:]).all(), f"{name}: a slot past P + T was written"
-        results[name] = (out, partials[0], scores[0])
+        inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
+        results[name] = run_scores(name, inputs)
+    assert_same_as_gemm(results)
+
+
+def run_scores(name: str, inputs: tuple) -> tuple:
+    """Version 5 on ``inputs`` (as ``random_tree_inputs`` gives them): (output, partials, scores),
+    every slot below P + T scored and none past it (the buffers poisoned with NaN first)."""
+    rows, prefix = inputs[0].shape[0], inputs[4]
+    partials, scores = [], []
+    out = run_paths(*inputs, V5, partials_out=partials, scores_out=scores)
+    assert np.isfinite(scores[0][:, :prefix + rows]).all(), f"{name}: a score was not written"
+    assert np.isnan(scores[0][:, prefix + rows:]).all(), f"{name}: a slot past P + T was written"
+    return out, partials[0], scores[0]
+
+
+def assert_same_as_gemm(results: dict) -> None:
+    """Every run of ``results`` ({name: (output, partials, scores)}) has the bits of its "gemm" run."""
     for name, arrays in results.items():
         for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
                                          strict=True):
@@ -849,15 +861,8 @@ def test_row_kernel_stages_its_queries_in_groups_of_rows_with_the_gemms_bits(mon
                             ("groups, one block a group", True, 1)):
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
-        partials, scores = [], []
-        out = run_paths(*inputs, V5, partials_out=partials, scores_out=scores)
-        assert np.isfinite(scores[0][:, :prefix + rows]).all(), f"{name}: a score was not written"
-        assert np.isnan(scores[0][:, prefix + rows:]).all(), f"{name}: a slot past P + T was written"
-        results[name] = (out, partials[0], scores[0])
-    for name, arrays in results.items():
-        for what, array, expected in zip(("o_lat", "partials", "scores"), arrays, results["gemm"],
-                                         strict=True):
-            assert_exact(array.view(np.uint32), expected.view(np.uint32), name=f"{what}, {name}")
+        results[name] = run_scores(name, inputs)
+    assert_same_as_gemm(results)
 
 
 @pytest.mark.parametrize("rows", [1, 2])
