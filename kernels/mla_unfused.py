@@ -35,6 +35,7 @@ from kernels.linear import index
 from kernels.tuning import (
     ROW_BLOCKS_PER_SM,
     ROW_SCORES_KEYS,
+    ROW_STAGED_SCORES_KEYS,
     SHARED_BUDGET,
     STATS_FEW_FROM_BLOCKS_PER_SM,
     TAIL_MANY_ROWS,
@@ -64,7 +65,6 @@ ROW_LOADS = 32                                # ... loads a thread issues before
 ROW_QUERIES = 4                               # ... and at most this many queries a thread adds side by side
 ROW_STAGED_KEYS = 2                           # ... keys per tile where the queries are staged beside them
 ROW_STAGED_LOADS = 36                         # ... and a thread's loads of them in flight at most
-ROW_STAGED_ROWS = 4                           # ... for up to this many rows, a group of them per block
 ALL_KEYS = np.int64(2**62)                    # a kernel's key bound that every context is under
 NO_KEYS = np.int64(-1)                        # ... and one that every context is past
 UNFUSED_CHUNK = 16 if SIMULATOR else 256       # keys per P V chunk: chunks at fixed positions, a partial each
@@ -417,9 +417,9 @@ def row_group(rows: int, heads: int, rank: int, rope_dim: int) -> int:
     """G, the rows of queries a block of the row kernel stages beside its tile of ROW_STAGED_KEYS keys,
     the T = ``rows`` rows in groups of G on the grid's second side: the most of them whose H = ``heads``
     query rows of R + dr columns fit SHARED_BUDGET with the tile (small's 16 heads: one row a block).
-    0, every query read from global memory: where not even one row's fit (Kimi's 64 heads), past
-    ROW_STAGED_ROWS rows, or with ROW_STAGED_KEYS None."""
-    if ROW_STAGED_KEYS is None or rows > ROW_STAGED_ROWS:
+    0, every query read from global memory: where not even one row's fit (Kimi's 64 heads), for rows
+    ROW_STAGED_SCORES_KEYS does not list, or with ROW_STAGED_KEYS None."""
+    if ROW_STAGED_KEYS is None or rows not in ROW_STAGED_SCORES_KEYS:
         return 0
     fit = (SHARED_BUDGET // (F32 * (rank + rope_dim + 1)) - ROW_STAGED_KEYS) // heads
     return max(0, min(rows, fit))
@@ -668,8 +668,9 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     # the row kernel up to its keys for T rows and the GEMM past them, or one of the two alone
     split = NO_KEYS
     if by_rows:
-        split = ALL_KEYS if ROW_SCORES_KEYS[rows] is None else np.int64(ROW_SCORES_KEYS[rows])
         group = row_group(rows, heads, rank, rope_dim)
+        most = (ROW_STAGED_SCORES_KEYS if group else ROW_SCORES_KEYS)[rows]          # its keys at most
+        split = ALL_KEYS if most is None else np.int64(most)
         staged = (group, heads) if group else (0, 0)
         key_tile = ROW_STAGED_KEYS if group else ROW_KEYS
         row_grid = (min(blocks(capacity, key_tile), row_blocks()), blocks(rows, group) if group else 1)

@@ -62,6 +62,10 @@ ROW_BLOCKS_PER_SM = 2         # a few rows' score kernel: its grid at most this 
 # None: every context, the GEMM not launched. A decode row keeps its one launch, which the GEMM overtakes
 # only at the longest contexts; the more rows, the shorter the context where it does: at eight, at any
 ROW_SCORES_KEYS = {1: None, 2: 8192, 3: 4096, 4: 2048}
+# ... and where it stages its queries in shared memory (kernels.mla_unfused.row_group: small's 16 heads),
+# the rows it stages, each up to how many keys: a staged block walks tiles of 2 keys, so the GEMM takes
+# over sooner
+ROW_STAGED_SCORES_KEYS = {1: 2048, 2: 1024, 3: 1024, 4: 1024}
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 

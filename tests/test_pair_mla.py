@@ -795,6 +795,7 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
         monkeypatch.setattr(unfused, "ROW_QUERIES", queries)
         monkeypatch.setattr(unfused, "ROW_LOADS", loads)
         monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: most_keys})
+        monkeypatch.setattr(unfused, "ROW_STAGED_SCORES_KEYS", {rows: most_keys})
         monkeypatch.setattr(unfused, "ROW_STAGED_KEYS", staged_keys)
         monkeypatch.setattr(unfused, "ROW_STAGED_LOADS", staged_loads)
         inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
@@ -836,10 +837,11 @@ def test_row_kernel_shape_sides_queries_by_share_and_loads_by_power_of_two(monke
 
 def test_row_kernel_stages_a_row_of_small_a_block_where_it_fits():
     """Small's 16 heads of 512 + 64 columns: one row's query rows fit beside a tile of 2 keys in 44 KB
-    of shared memory, so up to ROW_STAGED_ROWS rows are staged a row a block; more rows, or Kimi's 64
-    heads, read their queries from global memory."""
+    of shared memory, so every row count the row kernel serves is staged a row a block, up to fewer
+    keys than unstaged (``ROW_STAGED_SCORES_KEYS``); more rows, or Kimi's 64 heads, read their queries
+    from global memory."""
     assert unfused.ROW_STAGED_KEYS == 2 and unfused.SHARED_BUDGET == 44 * 1024
-    assert unfused.ROW_STAGED_ROWS == max(unfused.ROW_SCORES_KEYS)     # every row count the kernel serves
+    assert set(unfused.ROW_STAGED_SCORES_KEYS) == set(unfused.ROW_SCORES_KEYS)
     assert [unfused.row_group(rows, 16, 512, 64) for rows in (1, 2, 3, 4, 5)] == [1, 1, 1, 1, 0]
     assert unfused.row_group(1, 64, 512, 64) == 0
 
@@ -856,6 +858,7 @@ def test_row_kernel_stages_its_queries_in_groups_of_rows_with_the_gemms_bits(mon
                         unfused.F32 * (rank + rope + 1) * (unfused.ROW_STAGED_KEYS + fit * heads))
     assert unfused.row_group(rows, heads, rank, rope) == fit
     monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: None})
+    monkeypatch.setattr(unfused, "ROW_STAGED_SCORES_KEYS", {rows: None})
     results = {}
     for name, row, grid in (("gemm", False, 1), ("groups", True, unfused.row_blocks()),
                             ("groups, one block a group", True, 1)):

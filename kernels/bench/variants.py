@@ -54,7 +54,9 @@ VARIANT_SETS = {
     # global memory; keys a tile, threads and blocks per SM of the staged kernel; loads in flight
     "row": {
         "queries from global memory": unfused(ROW_STAGED_KEYS=None),
-        "staged for a decode row only": unfused(ROW_STAGED_ROWS=1),
+        "staged for a decode row only": unfused(ROW_STAGED_SCORES_KEYS={1: 2048}),
+        "staged to 4096, 2048 keys": unfused(ROW_STAGED_SCORES_KEYS={1: 4096, 2: 2048, 3: 2048, 4: 2048}),
+        "staged to 1024, 512 keys": unfused(ROW_STAGED_SCORES_KEYS={1: 1024, 2: 512, 3: 512, 4: 512}),
         "staged, 1 key a tile": unfused(ROW_STAGED_KEYS=1),
         "3 blocks per SM": unfused(ROW_BLOCKS_PER_SM=3),
         "128 threads, 5 blocks per SM": unfused(ROW_THREADS=128, ROW_BLOCKS_PER_SM=5),
