@@ -463,6 +463,40 @@ def test_ncu_table_sums_launches_by_kernel_and_shape():
         launches(["==PROF== nothing"])
 
 
+NCU_RAW_CSV = '''==PROF== Connected to process 1
+"ID","Kernel Name","Block Size","Grid Size","gpu__time_duration.sum",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio"
+"","","","","usecond","ratio","ratio","ratio"
+"0","moe::route_one_kernel[x](Array<float>)","(512, 1, 1)","(8, 4, 1)","20.0","1.0","6.0","3.0"
+"1","mla_unfused::row_scores_kernel::kernel[y]","(256, 1, 1)","(264, 1, 1)","12.5","2.0","1.0","0.5"
+"2","moe::route_one_kernel[x](Array<float>)","(512, 1, 1)","(8, 4, 1)","22.0","3.0","4.0","1,000"
+'''.replace("\\\n", "")
+
+
+def test_ncu_stall_table_names_the_reasons_each_kernel_waits_on(tmp_path, capsys):
+    """kernels.bench.ncu on ncu's raw page with the warp states: per kernel and shape, its launches'
+    µs summed, the cycles an issued instruction takes (the reasons' sum, averaged over its launches)
+    and the reasons that take most, the largest first; the command tells the two pages apart."""
+    from kernels.bench.ncu import main, stall_launches, stall_table
+
+    lines = stall_table(stall_launches(NCU_RAW_CSV.splitlines()), top=2)
+    assert lines[1].split()[:3] == ["42.0", "2", "508.5"]                   # (10 + 1007) / 2 cycles
+    assert lines[1].endswith("route_one_kernel (8, 4, 1)x(512, 1, 1): no_instruction 501.5, "
+                             "long_scoreboard 5.0")
+    assert lines[2].split()[:3] == ["12.5", "1", "3.5"]
+    assert lines[2].endswith("row_scores_kernel (264, 1, 1)x(256, 1, 1): barrier 2.0, long_scoreboard 1.0")
+    path = tmp_path / "raw.csv"
+    path.write_text(NCU_RAW_CSV)
+    assert main([str(path)]) == 0
+    assert "route_one_kernel" in capsys.readouterr().out.splitlines()[1]
+    with pytest.raises(ValueError, match="no stall columns"):
+        stall_launches(['"ID","Kernel Name","Block Size","Grid Size","gpu__time_duration.sum"'])
+    with pytest.raises(ValueError, match="gpu__time_duration.sum in 'cycle'"):
+        stall_launches(NCU_RAW_CSV.replace('"usecond"', '"cycle"').splitlines())
+
+
 def test_engine_record_gives_each_rows_runs_and_the_floor_at_the_read_bandwidth():
     """The engine report: each tok/s row says how many runs its median is of; the AR step's floor
     is the weight bytes over the median read batch, with the slowest and fastest batch beside it."""

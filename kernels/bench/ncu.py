@@ -14,6 +14,12 @@ keeps a launch's duration, registers per thread and DRAM throughput, and adds th
 Kernel names: numba mangles a kernel as ``module::function[...]``, a closure built by a factory as
 ``factory::kernel[...]``; a name ending in ``::kernel`` is shown as its factory's (or module's)
 name, any other as its function's.
+
+What a kernel waits on: ``ncu ... --section WarpStateStats --csv --page raw -k regex:NAME ...`` (a few
+kernels: each section adds replays of every kernel it profiles) gives one row per launch with a column per
+stall reason, ``smsp__average_warps_issue_stalled_REASON_per_issue_active.ratio``: the warps waiting for that
+reason per issued instruction, which add up to the cycles an instruction takes. Given that file, the same
+command prints, per (kernel, grid, block), the cycles per issued instruction and the reasons that take most.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import re
 import sys
 
 NANOSECONDS = {"ns": 1.0, "nsecond": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
+TOP_STALLS = 4                  # the reasons a stall table names per kernel
 
 
 @dataclasses.dataclass
@@ -91,6 +99,56 @@ def table(found: list[Launch]) -> list[str]:
     return lines
 
 
+def stall_launches(lines) -> list[tuple[Launch, dict[str, float]]]:
+    """ncu's raw page (``--page raw --csv``, a header, a row of units, a row per launch): each launch
+    with its duration and its stall reasons (warps per issued instruction by reason)."""
+    rows = csv.reader(line for line in lines if line.startswith('"'))
+    header = next(rows, None)
+    if header is None:
+        raise ValueError("no CSV header: is this ncu's --csv --page raw output?")
+    column = {name: i for i, name in enumerate(header)}
+    stalls = {STALL.fullmatch(name).group(1): i for name, i in column.items() if STALL.fullmatch(name)}
+    if not stalls:
+        raise ValueError("no stall columns (smsp__average_warps_issue_stalled_*_per_issue_active.ratio): "
+                         "profile with --section WarpStateStats --page raw")
+    missing = {"ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum"} - set(column)
+    if missing:
+        raise ValueError(f"ncu's raw CSV lacks the columns {sorted(missing)}")
+    found = []
+    units = {}
+    for row in rows:
+        if not row[column["ID"]]:                                    # the units' row
+            units = dict(zip(header, row, strict=False))
+            continue
+        unit = units.get("gpu__time_duration.sum") or "ns"
+        if unit not in NANOSECONDS:
+            raise ValueError(f"gpu__time_duration.sum in {unit!r}, expected one of {sorted(NANOSECONDS)}")
+        launch = Launch(kernel_name(row[column["Kernel Name"]]), row[column["Grid Size"]],
+                        row[column["Block Size"]],
+                        float(row[column["gpu__time_duration.sum"]].replace(",", "")) * NANOSECONDS[unit])
+        found.append((launch, {reason: float(row[i].replace(",", "") or 0) for reason, i in stalls.items()}))
+    return found
+
+
+def stall_table(found: list[tuple[Launch, dict[str, float]]], top: int = TOP_STALLS) -> list[str]:
+    """Per (kernel, grid, block), the largest total first: µs summed, launches, the cycles an issued
+    instruction takes (the reasons' sum, averaged over the launches) and the ``top`` reasons' shares."""
+    groups: dict[tuple, list] = {}
+    for launch, stalls in found:
+        groups.setdefault((launch.kernel, launch.grid, launch.block), []).append((launch, stalls))
+    lines = ["µs summed, launches, cycles per issued instruction, the reasons that take most of them"]
+    for (kernel, grid, block), members in sorted(groups.items(),
+                                                 key=lambda item: -sum(m[0].nanoseconds for m in item[1])):
+        summed = sum(launch.nanoseconds for launch, _ in members) / 1e3
+        mean = {reason: sum(stalls[reason] for _, stalls in members) / len(members)
+                for reason in members[0][1]}
+        cycles = sum(mean.values())
+        named = sorted(mean.items(), key=lambda item: -item[1])[:top]
+        reasons = ", ".join(f"{reason} {value:.1f}" for reason, value in named)
+        lines.append(f"{summed:8.1f} {len(members):3d} {cycles:6.1f}  {kernel} {grid}x{block}: {reasons}")
+    return lines
+
+
 def profiled_forwards(name: str, rows_list: list[int], context: int) -> None:
     """One forward of each of ``rows_list`` rows on ``name``'s engine (graphs off) inside the
     profiler's range, after two of each outside it. The simulator has no profiler: there the
@@ -152,10 +210,13 @@ def main(argv=None) -> int:
     if argv[:1] == ["forward"]:
         return forward_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m kernels.bench ncu", description=__doc__.splitlines()[0])
-    parser.add_argument("csv", help="ncu --csv --page details output")
+    parser.add_argument("csv", help="ncu --csv output: --page details (the kernel table) or --page raw "
+                        "with --section WarpStateStats (the stall reasons)")
     args = parser.parse_args(argv)
     with open(args.csv, encoding="utf-8") as file:
-        print("\n".join(table(launches(file))))
+        lines = file.read().splitlines()
+    raw = any(STALL.search(line) for line in lines if line.startswith('"ID"'))
+    print("\n".join(stall_table(stall_launches(lines)) if raw else table(launches(lines))))
     return 0
 
 
