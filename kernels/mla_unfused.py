@@ -301,12 +301,11 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
     keys of R = ``rank`` + dr = ``rope_dim`` columns, blocks of ``threads`` threads, a score's loads
     ``unroll`` at a time, ``queries`` of them side by side per thread, and the QS = G H query rows of
     ``staged`` = (G, H) staged in shared memory beside the tile, a group of G rows per block ((0, 0):
-    every query read from global memory),
-    at most ``staged_loads`` of their loads in flight per thread (literals: the staged tile's, the
-    loads' and the registers' sizes, H's divisions). A score's terms are added as ``scores_kernel``
-    adds them, whatever the shape."""
+    every query read from global memory), at most ``staged_loads`` of their loads in flight per thread
+    (literals: the staged tile's, the loads' and the registers' sizes, H's divisions). A score's terms
+    are added as ``scores_kernel`` adds them, whatever the shape."""
     group_rows, staged_heads = staged[0], max(1, staged[1])
-    staged_queries = staged[0] * staged[1]
+    staged_queries = group_rows * staged[1]
     dots = row_dots(unroll, queries, staged_queries > 0)
     width = rank + rope_dim
     stride = width + 1                                # a staged key (+1: the tile's keys in distinct banks)
