@@ -395,9 +395,10 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
             for first in range(lane, count, head_lanes * queries):
                 for i in range(queries):              # past the last query: the last again, not written
                     query = min(first + i * head_lanes, count - 1)
-                    q_rows[i], q_heads[i] = query // heads, query % heads
-                    if staged_queries:
+                    if staged_queries:                # its offset in the tile (q_heads unread)
                         q_rows[i] = queries_at + query * stride
+                    else:
+                        q_rows[i], q_heads[i] = query // heads, query % heads
                     sums[i] = float32(0.0)
                 if staged_queries:                    # the R + dr columns in one run of dots
                     dots(sums, q_lat, q_rows, q_heads, tile, key * stride, width)
