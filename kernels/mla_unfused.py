@@ -329,10 +329,11 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
             rope[p] = cache_rope[index(min(s0 + at // rope_dim, keys - 1)), at % rope_dim]
 
     @cuda.jit
-    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, most_keys):
+    def attention_row_scores_kernel(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores,
+                                    fewest_keys, most_keys):
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every query
         q = row * H + head and slot s < P + T: ``attention_scores_kernel``'s scores of T rows; nothing
-        while P + T > ``most_keys`` (the GEMM's contexts where both are launched).
+        unless ``fewest_keys`` < P + T <= ``most_keys`` (the contexts of the launches beside it).
 
         Thread (lane, key) = tid // KT, tid % KT: key s0 + key of the tile at s0, queries lane,
         lane + THREADS / KT, ... The block stages a whole tile, all R + dr columns, with every load issued
@@ -349,7 +350,7 @@ def row_scores_kernel(key_tile: int, rank: int, rope_dim: int, threads: int, unr
         tid = index(cuda.threadIdx.x)
         rows, heads = q_lat.shape[0], q_lat.shape[1]
         keys = prefix[0] + rows
-        if keys > most_keys:                          # the whole block: the GEMM's context
+        if keys <= fewest_keys or keys > most_keys:   # the whole block: another launch's context
             return
         tile = cuda.shared.array(tile_size, float32)
         latent = cuda.local.array((key_tile, latent_loads), float32)
@@ -651,6 +652,46 @@ def row_blocks() -> int:
     return ROW_BLOCKS_PER_SM * sm_count()
 
 
+def keys_bound(keys: int | None) -> np.int64:
+    """A kernel's most keys as its launch takes them (None, every context: ALL_KEYS)."""
+    return ALL_KEYS if keys is None else np.int64(keys)
+
+
+def score_launches(rows: int, heads: int, rank: int, rope_dim: int) -> list[tuple]:
+    """Step 1's launches for T = ``rows`` rows of H = ``heads`` query rows of R = ``rank`` + dr =
+    ``rope_dim`` columns, each (G, fewest, most keys): it scores the contexts fewest < P + T <= most
+    and returns at once outside them (a graph reads P on the device, so it holds them all). In order:
+    G > 0, the row kernel with its queries staged in groups of G rows (``row_group``), up to
+    ROW_STAGED_SCORES_KEYS; G = 0, the row kernel reading them from global memory, up to
+    ROW_SCORES_KEYS; G None, the GEMM past both. A launch whose contexts are empty is left out."""
+    launches, split = [], NO_KEYS                     # split: the GEMM's fewest keys
+    if row_scores(rows, rank, rope_dim):
+        split = keys_bound(ROW_SCORES_KEYS[rows])
+        group = row_group(rows, heads, rank, rope_dim)
+        staged = min(keys_bound(ROW_STAGED_SCORES_KEYS[rows]), split) if group else NO_KEYS
+        if group:
+            launches.append((group, NO_KEYS, staged))
+        if staged < split:
+            launches.append((0, staged, split))
+    if split != ALL_KEYS:
+        launches.append((None, split, ALL_KEYS))
+    return launches
+
+
+def launch_row_scores(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, contexts, group, stream):
+    """``row_scores_kernel``'s launch for the contexts (fewest, most keys) of P + T, its queries staged
+    in groups of ``group`` rows (0: read from global memory)."""
+    rows, heads, rank = q_lat.shape
+    capacity, rope_dim = cache_latent.shape[0], q_pe.shape[2]
+    staged = (group, heads) if group else (0, 0)
+    key_tile = ROW_STAGED_KEYS if group else ROW_KEYS
+    grid = (min(blocks(capacity, key_tile), row_blocks()), blocks(rows, group) if group else 1)
+    queries, unroll = row_shape((group or rows) * heads, key_tile)
+    kernel = row_scores_kernel(key_tile, rank, rope_dim, ROW_THREADS, unroll, queries, staged,
+                               ROW_STAGED_LOADS)
+    kernel[grid, ROW_THREADS, stream](q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, *contexts)
+
+
 def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale, *, scores=None,
                      partials=None, stream=None):
     """Steps 1 to 4 on device arrays: every row's scores into ``scores`` (T H, C) and a partial
@@ -664,28 +705,17 @@ def unfused_partials(q_lat, q_pe, cache_latent, cache_rope, prefix, depths, path
     scores = output(scores, (rows * heads, capacity), stream=stream)             # [T H, C]
     partials = output(partials, (rows, heads, chunks, rank + 2), stream=stream)  # [T, H, chunks, R + 2]
     scale = np.float32(scale)
-    by_rows = row_scores(rows, rank, rope_dim)                                 # step 1
-    # the row kernel up to its keys for T rows and the GEMM past them, or one of the two alone
-    split = NO_KEYS
-    if by_rows:
-        group = row_group(rows, heads, rank, rope_dim)
-        most = (ROW_STAGED_SCORES_KEYS if group else ROW_SCORES_KEYS)[rows]          # its keys at most
-        split = ALL_KEYS if most is None else np.int64(most)
-        staged = (group, heads) if group else (0, 0)
-        key_tile = ROW_STAGED_KEYS if group else ROW_KEYS
-        row_grid = (min(blocks(capacity, key_tile), row_blocks()), blocks(rows, group) if group else 1)
-        queries, unroll = row_shape((group or rows) * heads, key_tile)
-        kernel = row_scores_kernel(key_tile, rank, rope_dim, ROW_THREADS, unroll, queries, staged,
-                                   ROW_STAGED_LOADS)
-        kernel[row_grid, ROW_THREADS, stream](
-            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
-    if split != ALL_KEYS:
-        shape = scores_shape(rows * heads)
-        query_tile, key_tile, thread_queries, thread_keys, _ = shape
-        scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
-        scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
-        scores_kernel(*shape)[scores_grid, scores_threads, stream](
-            q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, split)
+    for group, fewest, most in score_launches(rows, heads, rank, rope_dim):           # step 1
+        if group is None:
+            shape = scores_shape(rows * heads)
+            query_tile, key_tile, thread_queries, thread_keys, _ = shape
+            scores_grid = (blocks(capacity, key_tile), blocks(rows * heads, query_tile))
+            scores_threads = (query_tile // thread_queries) * (key_tile // thread_keys)
+            scores_kernel(*shape)[scores_grid, scores_threads, stream](
+                q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, fewest)
+        else:
+            launch_row_scores(q_lat, q_pe, cache_latent, cache_rope, prefix, scale, scores, (fewest, most),
+                              group, stream)
     attention_stats_kernel[(heads, rows), stats_threads(rows * heads), stream](   # step 2
         scores, prefix, depths, paths, partials)
     values_grid = (blocks(rank, UNFUSED_TILE), blocks(rows * heads, UNFUSED_TILE), chunks)

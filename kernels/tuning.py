@@ -57,15 +57,13 @@ MAX_SPLITS = 64               # ... and Z at most
 SHARED_BUDGET = 44 * 1024     # attention's dynamic shared memory per block: 48 KB less the static arrays
 # version 5's launch shapes (kernels.mla_unfused); none changes a sum
 ROW_BLOCKS_PER_SM = 2         # a few rows' score kernel: its grid at most this many blocks per SM
-# ... the rows it serves, each up to how many keys (P + T), the GEMM launched beside it for longer contexts
-# (a graph reads P on the device, so it holds both, and the one outside its contexts returns at once).
-# None: every context, the GEMM not launched. A decode row keeps its one launch, which the GEMM overtakes
-# only at the longest contexts; the more rows, the shorter the context where it does: at eight, at any
-ROW_SCORES_KEYS = {1: None, 2: 8192, 3: 4096, 4: 2048}
-# ... and where it stages its queries in shared memory (kernels.mla_unfused.row_group: small's 16 heads),
-# the rows it stages, each up to how many keys: a staged block walks tiles of 2 keys, so the GEMM takes
-# over sooner
-ROW_STAGED_SCORES_KEYS = {1: 2048, 2: 1024, 3: 1024, 4: 1024}
+# ... the rows it serves, each up to how many keys (P + T), the GEMM past them (None: every context, no
+# GEMM); the more rows, the shorter the context where the GEMM overtakes it: at eight rows, at any
+ROW_SCORES_KEYS = {1: None, 2: 8192, 3: 4096, 4: 768}
+# ... and where its queries fit shared memory (kernels.mla_unfused.row_group: small's 16 heads), up to how
+# many keys it stages them there, then reads them from global memory: a staged block walks tiles of 2 keys
+# with one warp adding, fast while the keys are few. Each bound a launch of its own (``score_launches``)
+ROW_STAGED_SCORES_KEYS = {1: 2048, 2: 512, 3: 512, 4: 768}
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 

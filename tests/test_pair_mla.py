@@ -760,9 +760,9 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     """A decode row's or a small tree's scores by ``row_scores_kernel`` (its usual grid, a single
     block walking every tile: ``row_blocks`` = 1, and 2 or 3 queries side by side in each thread,
     the queries staged beside the tile or read from global memory), by the GEMM (``row_scores``
-    off), and by both launched with the row kernel's key bound on either side of P + T: the same
-    scores, partials and output, bit for bit, and no slot past P + T written (every buffer poisoned
-    with NaN first)."""
+    off), and by the staged and unstaged row kernels and the GEMM launched together, their key bounds
+    set so that each in turn scores P + T: the same scores, partials and output, bit for bit, and no
+    slot past P + T written (every buffer poisoned with NaN first)."""
     if rows == 1:
         depths, paths = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
         case = Case("row scores", rows=1, prefix=prefix, mask="causal", heads=heads, rank=rank, rope=rope)
@@ -777,25 +777,30 @@ def test_attention_unfused_row_scores_give_the_gemm_bits(monkeypatch, rows, head
     assert unfused.row_group(rows, heads, rank, rope) == rows  # these shapes fit the budget: one group
     results = {}
     loads, keys = unfused.ROW_LOADS, prefix + rows
-    # (name, row kernel, its grid, queries side by side at most, loads, its keys: None every context,
-    # the staged queries' tile of keys (None: the queries read from global memory) and their loads)
-    shapes = (("row", True, unfused.row_blocks(), 1, loads, None, staged, most),
-              ("row, queries from global memory", True, unfused.row_blocks(), 1, loads, None, None, most),
-              ("one block", True, 1, 1, loads, None, staged, most),
-              ("gemm", False, 1, 1, loads, None, staged, most),
-              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 8, None, None, most),
-              ("row, 3 queries a thread", True, 1, 3, 8, None, None, most),   # runs of 2 columns, the rest
-              ("row, 3 queries a thread, staged", True, 1, 3, 8, None, 8, most),
-              ("row, staged 2 loads at a time", True, 1, 1, loads, None, staged, 2),
-              ("row beside the gemm, up to its keys", True, 1, 1, loads, keys, staged, most),
-              ("gemm beside the row, past its keys", True, 1, 1, loads, keys - 1, staged, most))
-    for name, row, grid, queries, loads, most_keys, staged_keys, staged_loads in shapes:
+    # (name, row kernel, its grid, queries side by side at most, loads, its keys staged and in all (None:
+    # every context), the staged queries' tile of keys (None: the queries read from global memory) and
+    # their loads)
+    every = (None, None)
+    shapes = (("row", True, unfused.row_blocks(), 1, loads, every, staged, most),
+              ("row, queries from global memory", True, unfused.row_blocks(), 1, loads, every, None, most),
+              ("one block", True, 1, 1, loads, every, staged, most),
+              ("gemm", False, 1, 1, loads, every, staged, most),
+              ("row, 2 queries a thread", True, unfused.row_blocks(), 2, 8, every, None, most),
+              ("row, 3 queries a thread", True, 1, 3, 8, every, None, most),   # runs of 2 columns, the rest
+              ("row, 3 queries a thread, staged", True, 1, 3, 8, every, 8, most),
+              ("row, staged 2 loads at a time", True, 1, 1, loads, every, staged, 2),
+              ("staged beside the row kernel, the gemm", True, 1, 1, loads, (keys, keys + 1), staged, most),
+              ("row kernel between staged and gemm", True, 1, 1, loads, (keys - 1, keys), staged, most),
+              ("gemm beside both row kernels", True, 1, 1, loads, (keys - 2, keys - 1), staged, most),
+              ("row beside the gemm, up to its keys", True, 1, 1, loads, (None, keys), None, most),
+              ("gemm beside the row, past its keys", True, 1, 1, loads, (None, keys - 1), None, most))
+    for name, row, grid, queries, loads, (staged_keys_most, most_keys), staged_keys, staged_loads in shapes:
         monkeypatch.setattr(unfused, "row_scores", lambda rows, rank, rope_dim, row=row: row)
         monkeypatch.setattr(unfused, "row_blocks", lambda grid=grid: grid)
         monkeypatch.setattr(unfused, "ROW_QUERIES", queries)
         monkeypatch.setattr(unfused, "ROW_LOADS", loads)
         monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", {rows: most_keys})
-        monkeypatch.setattr(unfused, "ROW_STAGED_SCORES_KEYS", {rows: most_keys})
+        monkeypatch.setattr(unfused, "ROW_STAGED_SCORES_KEYS", {rows: staged_keys_most})
         monkeypatch.setattr(unfused, "ROW_STAGED_KEYS", staged_keys)
         monkeypatch.setattr(unfused, "ROW_STAGED_LOADS", staged_loads)
         inputs = (q_lat, q_pe, cache_latent, cache_rope, prefix, depths, paths, scale)
@@ -844,6 +849,36 @@ def test_row_kernel_stages_a_row_of_small_a_block_where_it_fits():
     assert set(unfused.ROW_STAGED_SCORES_KEYS) == set(unfused.ROW_SCORES_KEYS)
     assert [unfused.row_group(rows, 16, 512, 64) for rows in (1, 2, 3, 4, 5)] == [1, 1, 1, 1, 0]
     assert unfused.row_group(1, 64, 512, 64) == 0
+
+
+@pytest.mark.parametrize("rows", range(1, 10))
+@pytest.mark.parametrize("heads", [16, 64])
+def test_score_launches_serve_each_context_once(rows, heads):
+    """Small's 16 heads and Kimi's 64 (R = 512, dr = 64), the engine's key bounds: step 1's launches
+    cover every context P + T >= 1 once, in order, none of them empty; staged queries (G > 0) only
+    where a row's queries fit (16 heads) and only first."""
+    launches = unfused.score_launches(rows, heads, 512, 64)
+    bounds = [unfused.NO_KEYS] + [most for _, _, most in launches]
+    assert [fewest for _, fewest, _ in launches] == bounds[:-1] and bounds[-1] == unfused.ALL_KEYS
+    assert all(fewest < most for _, fewest, most in launches)
+    groups = [group for group, _, _ in launches]
+    assert all(group == 0 or group is None for group in groups[1:])
+    assert bool(groups[0]) == (heads == 16 and rows in unfused.ROW_STAGED_SCORES_KEYS)
+
+
+@pytest.mark.parametrize("row_keys, staged_keys, expected", [
+    ({2: 8192}, {2: 512}, [(1, -1, 512), (0, 512, 8192), (None, 8192, 2**62)]),
+    ({2: None}, {2: 512}, [(1, -1, 512), (0, 512, 2**62)]),
+    ({2: 768}, {2: 768}, [(1, -1, 768), (None, 768, 2**62)]),
+    ({2: 512}, {2: 1024}, [(1, -1, 512), (None, 512, 2**62)]),      # staged no further than the row kernel
+    ({2: None}, {2: None}, [(1, -1, 2**62)]),
+    ({3: 4096}, {3: 512}, [(None, -1, 2**62)])])                    # 2 rows not listed: the GEMM alone
+def test_score_launches_follow_the_key_bounds(monkeypatch, row_keys, staged_keys, expected):
+    """Two rows of small's 16 heads (a row a block staged) under each pair of key bounds: the staged row
+    kernel, the unstaged one and the GEMM, each where its contexts are not empty."""
+    monkeypatch.setattr(unfused, "ROW_SCORES_KEYS", row_keys)
+    monkeypatch.setattr(unfused, "ROW_STAGED_SCORES_KEYS", staged_keys)
+    assert unfused.score_launches(2, 16, 512, 64) == expected
 
 
 @pytest.mark.parametrize("rows, fit", [(3, 1), (3, 2), (4, 3), (2, 2)])

@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from ddtree.config import PRESET_NAMES, preset
+from kernels import tuning
 from kernels.bench.ncu import positive_ints
 from kernels.device import SIMULATOR
 
@@ -35,6 +36,15 @@ from kernels.device import SIMULATOR
 def unfused(**constants) -> dict:
     """A variant of ``kernels.mla_unfused``'s launch constants: {(module, constant): value}."""
     return {("kernels.mla_unfused", name): value for name, value in constants.items()}
+
+
+def reach(rows: dict | None = None, staged: dict | None = None) -> dict:
+    """A variant of the row kernel's key bounds: the engine's ``ROW_SCORES_KEYS`` and
+    ``ROW_STAGED_SCORES_KEYS`` with the entries of ``rows`` and ``staged`` over them ("GEMM": that row
+    count off the row kernel)."""
+    bounds = {**tuning.ROW_SCORES_KEYS, **(rows or {})}
+    return unfused(ROW_SCORES_KEYS={count: keys for count, keys in bounds.items() if keys != "GEMM"},
+                   ROW_STAGED_SCORES_KEYS={**tuning.ROW_STAGED_SCORES_KEYS, **(staged or {})})
 
 
 # a set's variants: {name: {(module, constant): value}}; the engine's shapes ({}) are always timed
@@ -50,18 +60,18 @@ VARIANT_SETS = {
         "2 queries a thread at most": unfused(ROW_QUERIES=2),
         "512 threads": unfused(ROW_THREADS=512),
     },
-    # the few rows' score kernel: the queries staged beside its tile (a group of rows a block) or read from
-    # global memory; keys a tile, threads and blocks per SM of the staged kernel; loads in flight
+    # the few rows' score kernel: how far it stages its queries beside its tile (a row a block), how far it
+    # reads them from global memory, where the GEMM takes over (kernels.tuning's bounds, a launch each)
     "row": {
         "queries from global memory": unfused(ROW_STAGED_KEYS=None),
-        "staged for a decode row only": unfused(ROW_STAGED_SCORES_KEYS={1: 2048}),
-        "staged to 4096, 2048 keys": unfused(ROW_STAGED_SCORES_KEYS={1: 4096, 2: 2048, 3: 2048, 4: 2048}),
-        "staged to 1024, 512 keys": unfused(ROW_STAGED_SCORES_KEYS={1: 1024, 2: 512, 3: 512, 4: 512}),
-        "staged, 1 key a tile": unfused(ROW_STAGED_KEYS=1),
-        "3 blocks per SM": unfused(ROW_BLOCKS_PER_SM=3),
+        "2 to 4 rows staged to 256 keys": reach(staged={2: 256, 3: 256, 4: 256}),
+        "2 to 4 rows staged to 1024 keys": reach(staged={2: 1024, 3: 1024, 4: 1024}, rows={4: 1024}),
+        "a decode row staged to 1024 keys": reach(staged={1: 1024}),
+        "a decode row's GEMM past 8192 keys": reach(rows={1: 8192}),
+        "2 rows without the GEMM": reach(rows={2: None}),
+        "4 rows unstaged to 2048 keys": reach(rows={4: 2048}),
+        "4 rows on the GEMM": reach(rows={4: "GEMM"}),
         "128 threads, 5 blocks per SM": unfused(ROW_THREADS=128, ROW_BLOCKS_PER_SM=5),
-        "64 threads, 5 blocks per SM": unfused(ROW_THREADS=64, ROW_BLOCKS_PER_SM=5),
-        "64 loads": unfused(ROW_LOADS=64),
     },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
     "tail": {
