@@ -29,7 +29,8 @@ differences of form, none of them changing a bit: q_a_proj is stacked on kv_a_pr
 (``kernels.kv_cache.write_new_rows``), and the queries' rope parts are rotated in place; the MoE layer's
 shared expert runs on a graph branch of its own (``kernels.moe.moe``); each residual addition is done by the
 RMSNorm after it (``rmsnorm(..., residual=delta)``): the attention's by the post-attention norm, the MLP's by
-the next layer's input norm or the final norm.
+the next layer's input norm or the final norm, which for an MoE layer also adds its routed experts in slot
+order (``rmsnorm(..., slots=...)``, ``COMBINE_IN_NORM``) in place of the MoE's own combine launch.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def engine_operations() -> types.SimpleNamespace:
 
 
 DEFAULT_MAX_TREE_NODES = 128    # Tmax: the largest bucket; budgets up to Tmax - 1 drafted nodes
+COMBINE_IN_NORM = True          # an MoE layer's routed experts added by the next norm (one launch fewer)
 TPB = 128                       # threads per block of the engine's own element-wise kernels
 LENGTH, ROWS, STEP = 0, 1, 2    # the fields of the device state
 
@@ -491,8 +493,8 @@ class Transformer:
                   range_error=b.embed_error)                                       # [T, D]
         for index, layer in enumerate(self.layers):
             self.decoder_layer(stream, index, layer, rows)
-        ops.rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, residual=b.delta[:rows], out=b.a[:rows],
-                    stream=stream)                                     # h += the last mlp(f); [T, D]
+        ops.rmsnorm(b.h[:rows], self.final_norm, c.rms_norm_eps, out=b.a[:rows], stream=stream,
+                    **self.mlp_residual(len(self.layers) - 1, rows))  # h += the last mlp(f); [T, D]
         ops.linear(b.a[:rows], self.lm_head, out=b.logits[:rows], stream=stream)   # [T, V]
         if not outcome:
             return
@@ -508,8 +510,8 @@ class Transformer:
     def decoder_layer(self, stream, index: int, layer: DeviceLayer, rows: int) -> None:
         b, c, s, ops = self.buffers, self.config, stream, self.ops
         h, a, delta = b.h[:rows], b.a[:rows], b.delta[:rows]                       # [T, D] each
-        residual = None if index == 0 else delta       # the layer before's mlp(f), not yet in h
-        ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps, residual=residual, out=a, stream=s)  # h += it
+        before = {} if index == 0 else self.mlp_residual(index - 1, rows)   # the layer before's mlp(f)
+        ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps, out=a, stream=s, **before)  # h += it
         lora, nope = c.q_lora_rank or 0, c.qk_nope_head_dim
         projected = ops.linear(a, layer.a_proj, out=b.a_proj[:rows], stream=s)     # [T, Rq + R + dr]
         cache_latent, cache_rope = self.cache.latent[index], self.cache.rope[index]  # [C, R], [C, dr]
@@ -536,11 +538,22 @@ class Transformer:
         ops.rmsnorm(h, layer.post_attention_norm, c.rms_norm_eps, residual=delta, out=b.f[:rows],
                     stream=s)                                              # h += o_proj(o); [T, D]
         if layer.moe is not None:                  # h += mlp(f): the next norm's residual
-            ops.moe(b.f[:rows], layer.moe, c, out=delta, stream=s,
+            ops.moe(b.f[:rows], layer.moe, c, out=delta, stream=s, combine=not COMBINE_IN_NORM,
                     scratch=rows_of(self.moe_scratch[index], rows))
         else:
             ops.swiglu(b.f[:rows], *layer.dense, out=delta, stream=s,
                        scratch=rows_of(self.dense_scratch, rows))
+
+    def mlp_residual(self, index: int, rows: int) -> dict:
+        """What the norm after layer ``index`` adds to h, as ``rmsnorm``'s keywords: the MLP's output
+        (delta); for an MoE layer with COMBINE_IN_NORM, delta holds the shared expert alone (nothing
+        without one) and the routed experts come as ``slots``, added in slot order by the norm."""
+        delta, layer = self.buffers.delta[:rows], self.layers[index]
+        if layer.moe is None or not COMBINE_IN_NORM:
+            return {"residual": delta}
+        scratch = rows_of(self.moe_scratch[index], rows)
+        shared = layer.moe.shared_gate_proj is not None
+        return {"residual": delta if shared else None, "slots": (scratch.down, scratch.weights)}
     # --8<-- [end:decoder_layer]
 
     # ------------------------------------------------------------------------------------------

@@ -817,12 +817,13 @@ def _launch_lanes(x, stacks, lists, hidden, down, stream, slotted: bool = False)
 
 
 def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, version, stream,
-                    out_queue=None) -> None:
+                    out_queue=None, combine=True) -> None:
     """The routed experts on device arrays, after the router, into out (T, D) (added to it with
     ``accumulate``). Version 1: the pair kernels; version 3: lists from ids (or a block per pair,
-    ``by_slot``), the grouped kernels, then each token's k slots weighed and added (the combine).
-    ``out_queue``: None, or a function called once every other kernel is launched, returning
-    where to launch the one that writes ``out`` (``moe`` joins the shared expert's branch there)."""
+    ``by_slot``), the grouped kernels, then each token's k slots weighed and added (the combine;
+    without ``combine``, left in scratch.down for the next norm). ``out_queue``: None, or a function
+    called once every other kernel is launched, returning where to launch the one that writes ``out``
+    (``moe`` joins the shared expert's branch there)."""
     stacks = params.gate_proj, params.up_proj, params.down_proj
     if version == 1:
         _launch_pairs(x, stacks, scratch.ids, scratch.weights, scratch.hidden, out, accumulate, stream,
@@ -835,7 +836,8 @@ def _launch_experts(x, params: MoEParams, scratch: MoEScratch, out, accumulate, 
         expert_lists_kernel[experts, LIST_TPB, stream](scratch.ids, scratch.lists)
         _launch_lanes(x, stacks, scratch.lists, scratch.hidden, scratch.down, stream)
     out_stream = stream if out_queue is None else out_queue()
-    combine_kernel[blocks(out.size, TPB), TPB, out_stream](scratch.down, scratch.weights, accumulate, out)
+    if combine:
+        combine_kernel[blocks(out.size, TPB), TPB, out_stream](scratch.down, scratch.weights, accumulate, out)
 
 
 def _launch_dense(x, gate_proj, up_proj, down_proj, scratch: DenseScratch, out, version, stream) -> None:
@@ -977,10 +979,16 @@ def _arrays(params: MoEParams) -> dict:
             if getattr(params, field.name) is not None}
 
 
-def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None, version=3):
+def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=None, version=3, combine=True):
     """``version`` in VERSIONS, the reference's shapes, the router kernel's limits, float32 on the
-    device, ``out`` (T, D), ``scratch`` (a ``moe_scratch``). Returns x as numpy or a device array."""
+    device, ``out`` (T, D), ``scratch`` (a ``moe_scratch``), and ``combine`` (a bool; False needs
+    version 3 and a scratch, which then holds the routed experts). Returns x as numpy or a device array."""
     check_version(version, VERSIONS)
+    if not isinstance(combine, bool):
+        raise ValueError(f"combine must be a bool, got {combine!r}")
+    if not combine and (version != 3 or scratch is None):
+        raise ValueError(f"combine=False needs version 3 and a scratch (where the slots stay), got version "
+                         f"{version} and scratch {'None' if scratch is None else 'given'}")
     x = host_or_device(x, np.float32)
     reference.check_moe(x, params, config)
     _check_router_limits(config, None)
@@ -1003,7 +1011,7 @@ def check_moe(x, params: MoEParams, config: ModelConfig, *, out=None, scratch=No
 
 # --8<-- [start:moe]
 def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
-        scratch: MoEScratch | None = None, version: int = 3):
+        scratch: MoEScratch | None = None, version: int = 3, combine: bool = True):
     """Routed experts plus the shared expert. x (T, D) -> (T, D).
 
     Route on the device, run the shared expert into ``out``, then add each token's k routed
@@ -1013,8 +1021,11 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
     are copied to the device on each call; pass ``device_params(params)`` to keep them there.
     ``scratch`` (from ``moe_scratch``) holds the intermediate buffers; new ones by default.
     ``version``: 3 (the default, what the engine runs) or 1 (see the module's docstring).
+    ``combine=False`` (version 3, a scratch given) leaves the routed experts in ``scratch.down`` and
+    their weights in ``scratch.weights``, not added: ``out`` holds the shared expert alone (unwritten
+    without one), and the next norm adds them (``kernels.rmsnorm.rmsnorm(slots=)``, the same bits).
     """
-    x = check_moe(x, params, config, out=out, scratch=scratch, version=version)
+    x = check_moe(x, params, config, out=out, scratch=scratch, version=version, combine=combine)
     rows, width = x.shape
     d_out = output(out, (rows, width), stream=stream)                         # [T, D]
     if rows and width:
@@ -1028,6 +1039,6 @@ def moe(x, params: MoEParams, config: ModelConfig, *, out=None, stream=None,
             _launch_dense(d_x, weights.shared_gate_proj, weights.shared_up_proj, weights.shared_down_proj,
                           scratch.shared, d_out, version, beside)
         _launch_experts(d_x, weights, scratch, d_out, shared, version, routed,
-                        out_queue=lambda: join(routed, beside))
+                        out_queue=lambda: join(routed, beside), combine=combine)
     return deliver(d_out, out, x, *_arrays(params).values())
 # --8<-- [end:moe]

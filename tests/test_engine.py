@@ -550,6 +550,26 @@ def test_unfused_attention_engine_equals_golden_and_ar():
 
 
 
+@pytest.mark.parametrize("shared_experts", [1, 0])
+def test_the_routed_experts_added_by_the_next_norm_keep_every_bit(monkeypatch, shared_experts):
+    """``COMBINE_IN_NORM``: an MoE layer's routed experts added in slot order by the next norm (the next
+    layer's input norm, or the final one after the last layer), not by the MoE's combine launch: the
+    same logits and the same residual stream h, bit for bit, with the shared expert and without."""
+    config = dataclasses.replace(preset("micro"), n_shared_experts=shared_experts)
+    assert config.is_moe_layer(config.num_hidden_layers - 1)          # the final norm adds slots too
+    prompt = golden.default_prompt("micro")[:4]
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(engine_model, "COMBINE_IN_NORM", fused)
+        model = EngineTransformer(config, init_weights(config, golden.WEIGHT_SEED), max_tree_nodes=8,
+                                  graphs=False)
+        logits = model.logits(prompt)
+        results.append((logits, model.buffers.h[:prompt.size].copy_to_host()))
+    for what, fused, apart in zip(("logits", "h"), *results, strict=True):
+        assert np.isfinite(fused).all()
+        assert_exact(fused.view(np.uint32), apart.view(np.uint32), name=what)
+
+
 def test_the_engine_launches_its_ops_table():
     """Every kernel of a forward goes through ``model.ops`` (``ENGINE_OPERATIONS``, the twin of the
     reference's ``model.ops``): an op replaced there before the first forward is what runs."""

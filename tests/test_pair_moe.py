@@ -328,6 +328,45 @@ def test_moe_matches_numpy(name):
     assert_close(actual, ref.moe(x, params, config), rtol=RTOL, atol=ATOL, name=f"moe {name}")
 
 
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_moe_without_combine_leaves_the_slots_for_the_next_norm(name):
+    """``moe(combine=False)``: ``out`` holds the shared expert alone (untouched without one) and the
+    scratch the routed slots and their weights; the next norm's ``slots`` then add them with the bits
+    of ``moe`` and a residual norm apart, h and the normed output both."""
+    from kernels.rmsnorm import rmsnorm
+    change, rows, width, shared = MOE_CASES[name]
+    config = config_with(**change)
+    params = gpu.device_params(random_params(config, width, seed=rows * width, shared=shared))
+    rng = np.random.default_rng(rows)
+    x = to_device(rng.standard_normal((rows, width)).astype(np.float32))
+    h = rng.standard_normal((rows, width)).astype(np.float32)
+    norm = np.linspace(0.5, 1.5, width).astype(np.float32)
+    whole = gpu.moe(x, params, config, out=to_device(np.full((rows, width), np.nan, np.float32)))
+    h_apart = to_device(h)
+    apart = rmsnorm(h_apart, norm, 1e-6, residual=whole).copy_to_host()
+    scratch = gpu.moe_scratch(rows, params, config)
+    out = to_device(np.full((rows, width), np.nan, np.float32))
+    assert gpu.moe(x, params, config, out=out, scratch=scratch, combine=False) is out
+    assert np.isfinite(out.copy_to_host()).all() == shared and np.isnan(out.copy_to_host()).all() != shared
+    h_fused = to_device(h)
+    fused = rmsnorm(h_fused, norm, 1e-6, residual=out if shared else None,
+                    slots=(scratch.down, scratch.weights))
+    assert_exact(h_fused.copy_to_host().view(np.uint32), h_apart.copy_to_host().view(np.uint32), name="h")
+    assert_exact(fused.copy_to_host().view(np.uint32), apart.view(np.uint32), name="the normed h")
+
+
+def test_moe_without_combine_needs_version_3_and_a_scratch():
+    config = config_with(moe_intermediate_size=4)
+    params = random_params(config, 8, seed=0)
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ValueError, match="combine=False needs version 3 .* version 3 and scratch None"):
+        gpu.moe(x, params, config, combine=False)
+    with pytest.raises(ValueError, match="combine=False needs version 3 .* version 1 and scratch given"):
+        gpu.moe(x, params, config, combine=False, version=1, scratch=gpu.moe_scratch(2, params, config))
+    with pytest.raises(ValueError, match="combine must be a bool, got 0"):
+        gpu.moe(x, params, config, combine=0)
+
+
 def run_versions(call, rows: int, width: int) -> dict:
     """``call(out, version)`` for every version, each into a fresh device buffer poisoned with NaN:
     version -> host result, every element written."""

@@ -50,11 +50,11 @@ def test_every_element_written():
     launch = kernel.rmsnorm_kernel(32)
 
     out = device.poisoned(x.shape)
-    launch[3, 32](d_x, d_x, d_weight, 1e-6, out)                 # delta: unused without residual
+    launch[3, 32](d_x, d_x, d_x.reshape(3, 1, 45), d_x, d_weight, 1e-6, out)   # delta, slots: unused
     assert np.isfinite(out.copy_to_host()).all()
 
     out = device.poisoned(x.shape)                                # negative control: the poison shows
-    launch[2, 32](d_x, d_x, d_weight, 1e-6, out)
+    launch[2, 32](d_x, d_x, d_x.reshape(3, 1, 45), d_x, d_weight, 1e-6, out)
     assert np.isnan(out.copy_to_host()[2]).all() and np.isfinite(out.copy_to_host()[:2]).all()
 
 
@@ -72,6 +72,50 @@ def test_residual_is_the_add_then_the_norm_bit_for_bit(rows, width, threads):
     assert np.array_equal(d_x.copy_to_host().view(np.uint32), summed.view(np.uint32))
     apart = kernel.rmsnorm(cuda.to_device(summed), weight, 1e-6, threads=threads, batch=8).copy_to_host()
     assert np.array_equal(fused.view(np.uint32), apart.view(np.uint32))
+
+
+# (T, D, k, TPB, batch, with the shared expert's output as delta): the row in registers or over batches
+@pytest.mark.parametrize("rows, width, slots, threads, batch, shared", [
+    (3, 45, 2, 32, 8, True), (2, 300, 3, 32, 8, True), (2, 70, 1, 32, 1, False), (1, 45, 6, 32, 16, False)])
+def test_slots_are_the_combine_then_the_add_and_norm_bit_for_bit(rows, width, slots, threads, batch, shared):
+    """rmsnorm(x, residual=delta, slots=(down, weights)): x becomes x + (delta + the weighed slots in slot
+    order), or x + (0 + ...) without delta, and the output is its norm: bit for bit ``combine_kernel``
+    (accumulating into delta or not), then the residual norm."""
+    from kernels.moe import TPB, combine_kernel
+    x, weight = _inputs((rows, width), seed=rows + slots)
+    rng = np.random.default_rng(slots)
+    delta = rng.standard_normal((rows, width)).astype(np.float32)
+    down = rng.standard_normal((rows, slots, width)).astype(np.float32)
+    weights = rng.random((rows, slots)).astype(np.float32)
+    d_x, d_down, d_weights = cuda.to_device(x), cuda.to_device(down), cuda.to_device(weights)
+    fused = kernel.rmsnorm(d_x, weight, 1e-6, residual=cuda.to_device(delta) if shared else None,
+                           slots=(d_down, d_weights), threads=threads, batch=batch,
+                           out=device.poisoned(x.shape)).copy_to_host()
+    combined = cuda.to_device(delta if shared else np.full_like(delta, np.nan))
+    combine_kernel[-(-rows * width // TPB), TPB](d_down, d_weights, shared, combined)
+    apart_x = cuda.to_device(x)
+    apart = kernel.rmsnorm(apart_x, weight, 1e-6, residual=combined, threads=threads, batch=batch)
+    apart = apart.copy_to_host()
+    assert np.isfinite(fused).all()
+    assert np.array_equal(d_x.copy_to_host().view(np.uint32), apart_x.copy_to_host().view(np.uint32))
+    assert np.array_equal(fused.view(np.uint32), apart.view(np.uint32))
+    expected = x + ((delta if shared else 0) + np.einsum("tk,tkd->td", weights, down))
+    assert_close(fused, reference.rmsnorm(expected, weight, 1e-6), rtol=RTOL, atol=ATOL)
+
+
+def test_slots_refuse_host_arrays_and_other_shapes():
+    x = cuda.to_device(np.ones((2, 40), np.float32))
+    weight, weights = np.ones(40, np.float32), np.ones((2, 3), np.float32)
+    down = np.ones((2, 3, 40), np.float32)
+    with pytest.raises(ValueError, match="slots must be a pair"):
+        kernel.rmsnorm(x, weight, 1e-6, slots=[cuda.to_device(down), cuda.to_device(weights)])
+    with pytest.raises(ValueError, match="slots needs x, down and weights as device arrays"):
+        kernel.rmsnorm(x, weight, 1e-6, slots=(down, cuda.to_device(weights)))
+    with pytest.raises(ValueError, match=r"weights \(2, 2\)"):
+        kernel.rmsnorm(x, weight, 1e-6, slots=(cuda.to_device(down), cuda.to_device(weights[:, :2].copy())))
+    with pytest.raises(ValueError, match=r"down \(2, 0, 40\)"):
+        kernel.rmsnorm(x, weight, 1e-6, slots=(cuda.to_device(down[:, :0].copy()),
+                                               cuda.to_device(weights[:, :0].copy())))
 
 
 def test_row_batch_keeps_few_rows_in_registers_and_fits_the_block():

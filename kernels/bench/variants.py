@@ -73,6 +73,11 @@ VARIANT_SETS = {
         "4 rows on the GEMM": reach(rows={4: "GEMM"}),
         "128 threads, 5 blocks per SM": unfused(ROW_THREADS=128, ROW_BLOCKS_PER_SM=5),
     },
+    # an MoE layer's routed experts added by the next norm (kernels.model.COMBINE_IN_NORM) or by their own
+    # combine launch
+    "moe": {
+        "the combine launched apart": {("kernels.model", "COMBINE_IN_NORM"): False},
+    },
     # the attention tail's (heads, threads, loads in flight) per block, for one row and for a few
     "tail": {
         "one row 1x32x16": unfused(UNFUSED_TAIL_ONE=(1, 32, 16)),
