@@ -165,13 +165,15 @@ def check_slots(x, slots) -> None:
                          f"{x.shape}, got down {down.shape} and weights {weights.shape}")
 
 
-def row_batch(rows: int, threads: int) -> int:
-    """The default ``batch`` for a launch of ``rows`` rows of blocks of ``threads`` threads: the larger one up
-    to one block per SM (``sm_count()`` rows), the smaller one for more rows (both in ``kernels.tuning``), at
-    most BATCH_SLOTS / threads. It changes no bit, so it may depend on the rows."""
+def row_batch(rows: int, threads: int, width: int) -> int:
+    """The default ``batch`` for a launch of ``rows`` rows of ``width`` elements in blocks of
+    ``threads`` threads: the larger one up to one block per SM (``sm_count()`` rows), the smaller one
+    for more rows (both in ``kernels.tuning``), at most BATCH_SLOTS / threads, and never more than a
+    thread's elements of the row (ceil(width / threads)): a slot past the row would only load its last
+    column again. It changes no bit, so it may depend on the launch."""
     few = rows <= tuning.sm_count()
     batch = tuning.RMSNORM_FEW_ROWS_BATCH if few else tuning.RMSNORM_MANY_ROWS_BATCH
-    return max(1, min(batch, BATCH_SLOTS // threads))
+    return max(1, min(batch, BATCH_SLOTS // threads, -(-width // threads)))
 
 
 # --8<-- [start:rmsnorm]
@@ -199,7 +201,7 @@ def rmsnorm(x, weight, eps: float, *, residual=None, slots=None, threads: int | 
         delta = d_x if residual is None else as_rows(residual, "residual")   # [T, D]
         rows, width = d_x.shape
         down, slot_weights = slots or (d_x.reshape(rows, 1, width), d_x)    # [T, k, D], [T, k] (unused: x)
-        batch = batch or row_batch(rows, threads)
+        batch = batch or row_batch(rows, threads, width)
         launch = rmsnorm_kernel(threads, residual is not None, batch, 0 if slots is None else down.shape[1])
         launch[rows, threads, stream](d_x, delta, down, slot_weights, to_device(weight, np.float32),
                                       float(eps), as_rows(d_out, "out"))

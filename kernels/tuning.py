@@ -29,7 +29,9 @@ def sm_count() -> int:
 # its blocks to hide their loads behind: it takes the larger batch, so that a row of up to 512 x 16
 # = 8192 floats (Kimi's 7168) sits in registers and is read once. A launch of more rows needs its
 # blocks resident together more than each block's loads in flight: the smaller batch leaves them
-# the registers. The simulator's rows are short: 8 (each slot of a batch is a Python loop step).
+# the registers. Either is cut to a thread's elements of the row (small's 2048 in 512 threads: 4), since a
+# slot past the row loads its last column again. The simulator's rows are short: 8 (each slot of a batch is
+# a Python loop step).
 RMSNORM_FEW_ROWS_BATCH = 8 if SIMULATOR else 16
 RMSNORM_MANY_ROWS_BATCH = 8
 
@@ -63,7 +65,7 @@ ROW_SCORES_KEYS = {1: None, 2: 8192, 3: 4096, 4: 768}
 # ... and where its queries fit shared memory (kernels.mla_unfused.row_group: small's 16 heads), up to how
 # many keys it stages them there, then reads them from global memory: a staged block walks tiles of 2 keys
 # with one warp adding, fast while the keys are few. Each bound a launch of its own (``score_launches``)
-ROW_STAGED_SCORES_KEYS = {1: 2048, 2: 512, 3: 512, 4: 768}
+ROW_STAGED_SCORES_KEYS = {1: 2048, 2: 256, 3: 256, 4: 768}
 STATS_FEW_FROM_BLOCKS_PER_SM = 4   # the statistics take fewer threads per block from this many blocks per SM
 TAIL_MANY_ROWS = 16           # the tail kernel serves its most heads per block from this many rows on
 

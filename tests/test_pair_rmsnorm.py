@@ -120,11 +120,19 @@ def test_slots_refuse_host_arrays_and_other_shapes():
 
 def test_row_batch_keeps_few_rows_in_registers_and_fits_the_block():
     few, many = tuning.sm_count(), tuning.sm_count() + 1                # one block per SM at most
-    assert kernel.row_batch(few, 512) == tuning.RMSNORM_FEW_ROWS_BATCH
-    assert kernel.row_batch(many, 512) == tuning.RMSNORM_MANY_ROWS_BATCH
-    assert kernel.row_batch(1, 1024) == min(tuning.RMSNORM_FEW_ROWS_BATCH, kernel.BATCH_SLOTS // 1024)
-    assert all(kernel.row_batch(rows, threads) * threads <= kernel.BATCH_SLOTS
+    wide = 512 * 32                                                     # more than any batch covers
+    assert kernel.row_batch(few, 512, wide) == tuning.RMSNORM_FEW_ROWS_BATCH
+    assert kernel.row_batch(many, 512, wide) == tuning.RMSNORM_MANY_ROWS_BATCH
+    assert kernel.row_batch(1, 1024, wide) == min(tuning.RMSNORM_FEW_ROWS_BATCH, kernel.BATCH_SLOTS // 1024)
+    assert all(kernel.row_batch(rows, threads, wide) * threads <= kernel.BATCH_SLOTS
                for rows in (1, few, many) for threads in (32, 256, 512, 1024))
+
+
+@pytest.mark.parametrize("width, batch", [(2048, 4), (7168, 14), (2049, 5), (100, 1), (1, 1)])
+def test_row_batch_loads_no_slot_past_the_row(width, batch):
+    """A decode row of ``width`` elements in 512 threads: no more batch slots than a thread has
+    elements (small's 2048: 4; Kimi's 7168: 14), at most the few rows' batch."""
+    assert kernel.row_batch(1, 512, width) == min(batch, tuning.RMSNORM_FEW_ROWS_BATCH)
 
 
 def test_batch_changes_no_bit():

@@ -26,7 +26,7 @@ def flops(*, T: int, D: int) -> int:
 
 def _case(name: str, what: str, config, rows: int, batch: int | None = None):
     width = config.hidden_size
-    batch = batch or row_batch(rows, reduction_threads(width, ROW_THREADS))
+    batch = batch or row_batch(rows, reduction_threads(width, ROW_THREADS), width)
     return Case(name, what, f"x ({rows}, {width})",
                 setup=lambda seed: (uniform((rows, width), seed), uniform((width,), seed + 1),
                                     config.rms_norm_eps),
@@ -45,6 +45,7 @@ def bench_cases(sizes):
                              ("rmsnorm_large", f"input norm of {sizes.large_rows} prefill rows",
                               sizes.large_rows)):
         few = tuning.RMSNORM_FEW_ROWS_BATCH
-        other = tuning.RMSNORM_MANY_ROWS_BATCH if row_batch(rows, threads) == few else few
+        default = row_batch(rows, threads, config.hidden_size)
+        other = tuning.RMSNORM_MANY_ROWS_BATCH if default == few else few
         cases += [_case(name, what, config, rows), _case(f"{name}_other_batch", what, config, rows, other)]
     return cases
