@@ -185,7 +185,7 @@ def scores_kernel(query_tile: int, key_tile: int, thread_queries: int, thread_ke
         """scores[q, s] = scale * (q_lat | q_pe)[q] . (cache_latent | cache_rope)[s] for every
         query row q = row * H + head and every slot s < P + T (the prefix and the whole tree; the
         mask is the next steps' business), a register-tiled GEMM; nothing while P + T <= ``fewest_keys``
-        (the row kernel's contexts where both are launched, ``tuning.ROW_SCORES_KEYS``).
+        (the row kernel's contexts where it is launched beside it, ``score_launches``).
 
         Block (x, y) computes the QT x KT scores of queries y QT .. and slots x KT ..; the grid covers the
         cache's capacity and a block past P + T (P read on the device) returns at once, so one launch shape
