@@ -53,10 +53,10 @@ VARIANT_SETS = {
     # serves, up to how many keys (the GEMM launched beside it for more), and queries side by side
     "scores": {
         "alone to 2 rows, 1 query a thread": unfused(ROW_SCORES_KEYS={1: None, 2: None}, ROW_QUERIES=1),
-        "a decode row too to 4096 keys": unfused(ROW_SCORES_KEYS={1: 4096, 2: 8192, 3: 4096, 4: 2048}),
-        "2 rows to 16384 keys": unfused(ROW_SCORES_KEYS={1: None, 2: 16384, 3: 4096, 4: 2048}),
-        "3 rows to 8192, 4 rows to 4096 keys": unfused(ROW_SCORES_KEYS={1: None, 2: 8192, 3: 8192, 4: 4096}),
-        "to 8 rows": unfused(ROW_SCORES_KEYS={1: None, 2: 8192, 3: 4096, 4: 2048, 8: 2048}),
+        "a decode row too to 4096 keys": reach(rows={1: 4096}),
+        "2 rows to 16384 keys": reach(rows={2: 16384}),
+        "3 rows to 8192, 4 rows to 4096 keys": reach(rows={3: 8192, 4: 4096}),
+        "to 8 rows": reach(rows={8: 2048}),
         "2 queries a thread at most": unfused(ROW_QUERIES=2),
         "512 threads": unfused(ROW_THREADS=512),
     },
