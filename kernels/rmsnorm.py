@@ -120,8 +120,8 @@ def rmsnorm_kernel(threads: int, residual: bool = False, batch: int = tuning.RMS
 
 def check_rmsnorm(x, weight, eps, *, threads=None, out=None, residual=None, batch=None, slots=None):
     """The reference's rules (shapes, eps), then the launch's: block size, batch, float32 on the
-    device, ``out``, and ``residual`` (x's shape, float32, x and it both device arrays: x is
-    updated in place). Returns x and weight as numpy or device arrays."""
+    device, ``out``, ``residual`` (x's shape, float32, x and it both device arrays: x is updated in
+    place) and ``slots`` (``check_slots``). Returns x and weight as numpy or device arrays."""
     x, weight = host_or_device(x, np.float32), host_or_device(weight, np.float32)
     reference.check_rmsnorm(x, weight, eps)
     if threads is not None:
